@@ -1,0 +1,35 @@
+"""pytest policy for dcp-harness: markers, default selection, the plugin with our options.
+
+- Markers are registered here and ``--strict-markers`` is on (pyproject), so a typo fails.
+- ``slow``, ``nightly`` and ``gpu`` tests are deselected unless ``-m`` names what to run
+  (e.g. ``pytest -m slow``, ``pytest -m "gpu or nightly"``). ``dist_cpu`` and ``upstream`` run by default.
+- Tooling (``--impl``, ``--update-golden``, hypothesis profiles, fixtures) lives in
+  ``harness/pytest_plugin.py``.
+"""
+
+pytest_plugins = ["harness.pytest_plugin"]
+
+MARKERS = {
+    "slow": "long-running CPU tests; deselected by default, select with -m slow",
+    "nightly": "nightly-only tests (large hypothesis profiles, long runs); select with -m nightly",
+    "dist_cpu": "spawns gloo worlds of real torch.distributed processes on CPU",
+    "gpu": "needs CUDA GPUs (the device machine); select with -m gpu",
+    "upstream": "runs the installed upstream implementation (megatron-core)",
+}
+OPT_IN = ("slow", "nightly", "gpu")
+
+
+def pytest_configure(config):
+    for name, doc in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {doc}")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.option.markexpr:
+        return  # the user chose with -m
+    keep, drop = [], []
+    for item in items:
+        (drop if any(item.get_closest_marker(m) for m in OPT_IN) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a short table and writes ``reports/<name>.json`` (config, producer, figures)."""

@@ -1,0 +1,124 @@
+"""``dcp-harness`` (also ``python -m harness``): the command line.
+
+  dcp-harness run                      main job: scheduler comparison + edge cases, report, verdict
+  dcp-harness schedule ...             schedule one global batch; table, occupancy map, --json
+  dcp-harness bench schedule           scheduler latency and quality benchmark -> reports/
+  dcp-harness fixtures wikipedia ...   regenerate the committed Wikipedia length sample
+
+Exit codes: 0 success, 1 a verdict or benchmark target failed, 2 bad input (message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from harness import __version__
+from harness.plan import ALGORITHMS, CostModel, PlanInputError, check_schedule, gpt_benchmark_cost
+
+
+def _add_schedule(sub) -> None:
+    p = sub.add_parser("schedule", help="schedule one global batch and show it",
+                       description="Schedule one global batch onto a DP x CP domain and print it.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--lengths", metavar="FILE", help="text file of lengths, one per line ('#' comments, .gz ok)")
+    src.add_argument("--dist", metavar="SPEC", help="named distribution, e.g. lognormal:mean=1024,sigma=1.5,min=128,max=8192")
+    src.add_argument("--wikipedia", action="store_true", help="the committed Wikipedia sample (see --max-len)")
+    p.add_argument("-n", "--num-sequences", type=int, default=256, help="sequences to draw (default 256; a file gives all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-len", type=int, default=32768, help="clip for --wikipedia (default 32768)")
+    p.add_argument("--ranks", type=int, required=True, help="DP x CP positions (a power of two)")
+    p.add_argument("--max-seqlen-per-rank", type=int, required=True)
+    p.add_argument("--min-cp", type=int, default=1, help="smallest CP block (default 1)")
+    p.add_argument("--vpp", type=int, default=None, help="make the micro-batch count a multiple of this")
+    p.add_argument("--algorithm", choices=sorted(ALGORITHMS), default="balanced")
+    p.add_argument("--cost", choices=["gpt", "megatron"], default="gpt",
+                   help="cost model for balanced and for the printed figures (default: the 12-layer GPT)")
+    p.add_argument("--json", metavar="PATH", help="write the schedule and its figures as JSON")
+    p.add_argument("--rows", type=int, default=40, help="micro-batches to print (default 40)")
+
+
+def _cmd_schedule(a) -> int:
+    from harness.io import atomic_write_json
+    from harness.plan import schedule, stats
+    from harness.report.text import microbatch_table, occupancy_map, summary
+    from harness.workloads import sample
+
+    if a.lengths:
+        lengths, source = sample(f"file:{a.lengths}", None), a.lengths
+    elif a.wikipedia:
+        lengths, source = sample(f"wikipedia:max={a.max_len}", a.num_sequences, a.seed), f"wikipedia (seed {a.seed})"
+    else:
+        lengths, source = sample(a.dist, a.num_sequences, a.seed), f"{a.dist} (seed {a.seed})"
+    cost = gpt_benchmark_cost() if a.cost == "gpt" else CostModel.megatron()
+    s = schedule(lengths, n_ranks=a.ranks, max_seqlen_per_rank=a.max_seqlen_per_rank, min_cp_size=a.min_cp,
+                 vpp_group=a.vpp, algorithm=a.algorithm, cost=cost)
+    bad = check_schedule(s)
+    print(f"{a.algorithm}: {len(lengths)} sequences, {sum(lengths)} tokens from {source}; {a.ranks} ranks, "
+          f"max_seqlen_per_rank {a.max_seqlen_per_rank}, min_cp {a.min_cp}, vpp {a.vpp}, cost {cost.name}")
+    print(microbatch_table(s, a.rows))
+    print()
+    print(occupancy_map(s, limit=a.rows))
+    print()
+    print(summary(s))
+    print("valid: every invariant holds" if not bad else "INVALID: " + "; ".join(str(v.error()) for v in bad[:5]))
+    if a.json:
+        st = stats(s)
+        atomic_write_json(a.json, {"schedule": s.to_dict(), "microbatches": s.microbatches,
+                                   "stats": st.__dict__, "violations": [v.invariant for v in bad]})
+        print(f"wrote {a.json}")
+    return 0 if not bad else 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dcp-harness", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--version", action="version", version=f"dcp-harness {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="the main job on the embedded CPU default")
+    r.add_argument("--batches", type=int, default=3, help="global batches per configuration (default 3)")
+    r.add_argument("--out", type=Path, default=None, help="report root (default reports/)")
+    _add_schedule(sub)
+    b = sub.add_parser("bench", help="benchmarks (write reports/<name>.json)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bs = bsub.add_parser("schedule", help="scheduler latency and quality vs upstream and the lower bound")
+    bs.add_argument("--quick", action="store_true", help="3 configurations instead of 6")
+    bs.add_argument("--batches", type=int, default=5, help="global batches per configuration (default 5)")
+    bs.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_schedule.json)")
+    f = sub.add_parser("fixtures", help="regenerate committed fixtures")
+    fsub = f.add_subparsers(dest="fixture", required=True)
+    fw = fsub.add_parser("wikipedia", help="seeded sample of the Wikipedia document lengths")
+    fw.add_argument("--source", required=True, help="wikipedia_doc_lengths.txt.gz (one length per line)")
+    fw.add_argument("--n", type=int, default=65536)
+    fw.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    try:
+        if a.command == "run":
+            from harness import main_job
+            from harness.bench.common import REPORTS
+
+            code, _ = main_job.run(quick_batches=a.batches, out_root=a.out or REPORTS)
+            return code
+        if a.command == "schedule":
+            return _cmd_schedule(a)
+        if a.command == "bench":
+            from harness.bench import schedule as bench_schedule
+
+            return bench_schedule.main(quick=a.quick, batches=a.batches, out=a.out)
+        if a.command == "fixtures":
+            from harness.workloads import make_wikipedia_sample
+
+            print(f"wrote {make_wikipedia_sample(a.source, a.n, a.seed)}")
+            return 0
+    except PlanInputError as e:
+        print(f"dcp-harness: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dcp-harness: interrupted", file=sys.stderr)
+        return 130
+    return 2

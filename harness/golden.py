@@ -1,0 +1,96 @@
+"""Golden traces: files produced by the code, with their config, producer and comparison rule inside.
+
+Layout: ``golden/<suite>/<case_id>.<hw>.json`` (``hw`` = ``any`` | ``cpu`` | ``h200`` ...). A file::
+
+    {"format": 1, "case_id": ..., "suite": ..., "hw": ...,
+     "config": {...},                       # what was run
+     "producer": {"git_rev": ..., "versions": {...}, "command": ...},
+     "rule": {"kind": "exact"} | {"kind": "approx", "rtol": ..., "atol": ...},
+     "data": ...}                            # JSON values: numbers, strings, lists, dicts
+
+Files are rewritten only by an explicit ``--update-golden`` run, atomically (an interrupted run
+leaves the previous file intact).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from harness.io import atomic_write_json
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN_DIR = ROOT / "golden"
+FORMAT = 1
+
+
+class GoldenError(ValueError):
+    """A golden file is missing, corrupted, or does not match."""
+
+
+def path_for(suite: str, case_id: str, hw: str = "any", root: Path = GOLDEN_DIR) -> Path:
+    return root / suite / f"{case_id}.{hw}.json"
+
+
+def producer(command: str = "") -> dict[str, Any]:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        rev = None
+    from harness import __version__
+
+    versions = {"dcp-harness": __version__, "python": platform.python_version()}
+    for mod in ("numpy", "torch"):
+        if mod in sys.modules:
+            versions[mod] = getattr(sys.modules[mod], "__version__", "?")
+    return {"git_rev": rev, "versions": versions, "command": command}
+
+
+def write(path: Path, *, suite: str, case_id: str, hw: str, config: dict, data: Any,
+          rule: dict | None = None, command: str = "") -> Path:
+    doc = {"format": FORMAT, "case_id": case_id, "suite": suite, "hw": hw, "config": config,
+           "producer": producer(command), "rule": rule or {"kind": "exact"}, "data": data}
+    return atomic_write_json(path, doc)
+
+
+def load(path: Path, update_hint: str = "pytest --update-golden") -> dict[str, Any]:
+    if not path.is_file():
+        raise GoldenError(f"golden file {path} is missing; create it with: {update_hint}")
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GoldenError(f"golden file {path} is corrupted ({e}); restore it from git or "
+                          f"regenerate it with: {update_hint}") from None
+    for key in ("format", "case_id", "config", "rule", "data"):
+        if not isinstance(doc, dict) or key not in doc:
+            raise GoldenError(f"golden file {path} lacks '{key}'; regenerate it with: {update_hint}")
+    if doc["format"] != FORMAT:
+        raise GoldenError(f"golden file {path} has format {doc['format']}, expected {FORMAT}; "
+                          f"regenerate it with: {update_hint}")
+    return doc
+
+
+def compare(expected: Any, actual: Any, rule: dict, where: str = "data") -> list[str]:
+    """Differences between ``expected`` and ``actual`` under ``rule`` (empty = match)."""
+    kind = rule.get("kind", "exact")
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        out = [f"{where}: keys differ: {sorted(set(expected) ^ set(actual))}"] if set(expected) != set(actual) else []
+        for k in expected.keys() & actual.keys():
+            out += compare(expected[k], actual[k], rule, f"{where}.{k}")
+        return out
+    if isinstance(expected, list) and isinstance(actual, list):
+        if len(expected) != len(actual):
+            return [f"{where}: length {len(actual)} != golden {len(expected)}"]
+        return [d for i, (e, a) in enumerate(zip(expected, actual)) for d in compare(e, a, rule, f"{where}[{i}]")]
+    numbers = (int, float)
+    if kind == "approx" and isinstance(expected, numbers) and isinstance(actual, numbers) \
+            and not isinstance(expected, bool):
+        ok = math.isclose(actual, expected, rel_tol=rule.get("rtol", 0.0), abs_tol=rule.get("atol", 0.0))
+        return [] if ok else [f"{where}: {actual!r} != golden {expected!r} (rtol={rule.get('rtol')}, atol={rule.get('atol')})"]
+    return [] if expected == actual else [f"{where}: {actual!r} != golden {expected!r}"]

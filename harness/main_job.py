@@ -1,0 +1,92 @@
+"""``dcp-harness run``: the main job on the embedded CPU default.
+
+Until the convergence runner exists it runs the scheduler comparison (``bench schedule`` on a quick
+grid), the edge-case catalogue, and a rank-by-rank picture of one global batch, then writes
+``reports/run-<timestamp>/{index.html, summary.md, results.json}`` (into a temporary folder renamed
+at the end, so an interrupted run leaves earlier reports intact) and prints a verdict.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from harness.bench import schedule as bench_schedule
+from harness.bench.common import REPORTS
+from harness.edge_cases import run_all
+from harness.golden import producer
+from harness.io import atomic_write_json, atomic_write_text
+from harness.plan import gpt_benchmark_cost, schedule, simulate
+from harness.workloads import sample
+
+TIMELINE = ("wikipedia", 32, 256, 0)  # distribution, ranks, sequences, seed
+
+
+def _timeline() -> dict:
+    from harness.report import plots
+    from harness.report.html import figure_png
+
+    dist, n, num, seed = TIMELINE
+    spec, mslpr = bench_schedule.DISTRIBUTIONS[dist]
+    gpt = gpt_benchmark_cost()
+    lengths = sample(spec, num, seed)
+    scheds = {a: schedule(lengths, n_ranks=n, max_seqlen_per_rank=mslpr, algorithm=a, cost=gpt)
+              for a in ("balanced", "megatron-dev", "megatron-pr2000", "dp-balanced")}
+    steps = {a: simulate(s, gpt).step_time for a, s in scheds.items()}
+    return {"title": f"{dist}, {n} ranks, {num} sequences (seed {seed}), GPT cost",
+            "img": figure_png(plots.timelines(scheds, gpt, steps)), "step_times": steps}
+
+
+def run(*, quick_batches: int = 3, out_root: Path = REPORTS) -> tuple[int, Path]:
+    t0 = time.perf_counter()
+    print("dcp-harness run: dynamic-CP scheduler comparison on the embedded CPU default")
+    print(f"[1/3] scheduler comparison ({quick_batches} global batches per configuration)")
+    bench = bench_schedule.run(quick=True, batches=quick_batches, progress=lambda s: print(s, flush=True))
+    print("[2/3] edge cases (spec 2.8 and the differential suite's findings)")
+    edges = run_all()
+    for e in edges:
+        ours_ok = all(o["ok"] for o in e["ours"].values())
+        up = e["upstream"]
+        print(f"  {e['key']:20s} harness {'OK  ' if ours_ok else 'FAIL'}  megatron-core: "
+              f"{'not installed' if up is None else up['kind']}")
+    print("[3/3] report")
+    timeline = _timeline()
+    checks = [c for c in bench["checks"] if "latency" not in c["target"]]
+    checks += [{"target": f"edge case {e['key']}: typed error or valid schedule from every algorithm",
+                "value": sum(o["ok"] for o in e["ours"].values()),
+                "shown": f"{sum(o['ok'] for o in e['ours'].values())}/{len(e['ours'])}",
+                "pass": all(o["ok"] for o in e["ours"].values())}
+               for e in edges]
+    verdict = "PASS" if all(c["pass"] for c in checks) else "FAIL"
+    result = {"verdict": verdict, "checks": checks + [c for c in bench["checks"] if "latency" in c["target"]],
+              "bench": bench, "edge_cases": edges, "timeline": timeline,
+              "producer": producer("dcp-harness run"), "finished": dt.datetime.now().isoformat(timespec="seconds")}
+    path = _write(result, out_root)
+    print(f"\nreport: {path / 'index.html'}\nsummary: {path / 'summary.md'}")
+    print(f"verdict: {verdict} ({sum(c['pass'] for c in checks)}/{len(checks)} checks, {time.perf_counter() - t0:.0f} s)")
+    return (0 if verdict == "PASS" else 1), path
+
+
+def _write(result: dict, out_root: Path) -> Path:
+    from harness.report.schedule_report import render
+
+    html, md = render(result)
+    out_root.mkdir(parents=True, exist_ok=True)
+    final = out_root / f"run-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    tmp = Path(tempfile.mkdtemp(prefix=".run-", dir=out_root))
+    try:
+        atomic_write_text(tmp / "index.html", html)
+        atomic_write_text(tmp / "summary.md", md)
+        atomic_write_json(tmp / "results.json", {k: v for k, v in result.items() if k != "timeline"}
+                          | {"timeline": {k: v for k, v in result["timeline"].items() if k != "img"}})
+        if final.exists():
+            final = final.with_name(final.name + f"-{os.getpid()}")
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

@@ -1,0 +1,37 @@
+"""Pure planning layer (Python + numpy, never torch): dynamic-CP schedules and their checks.
+
+Public API (stable):
+    schedule(lengths, *, n_ranks, max_seqlen_per_rank, min_cp_size=1, vpp_group=None,
+             algorithm="balanced", cost=None) -> Schedule
+    validate_schedule(schedule_or_microbatches, lengths=None, **domain)   raises ScheduleError
+    check_schedule(...) -> list[Violation]
+    cp_min(L, max_seqlen_per_rank, min_cp_size=1)
+    CostModel (megatron(), affine_quadratic(), from_model_shape())
+    lower_bound(...), simulate_step_time(schedule), quality(schedule)
+"""
+
+from harness.plan.api import ALGORITHMS, schedule
+from harness.plan.bounds import ScheduleStats, Simulation, lower_bound, quality, simulate, simulate_step_time, stats
+from harness.plan.cost import CostModel, cp_min, gpt_benchmark_cost, is_power_of_two
+from harness.plan.errors import (
+    BatchTooSmallError,
+    DuplicateGidError,
+    InvalidLengthError,
+    NotPowerOfTwoError,
+    PlanInputError,
+    ScheduleError,
+    SequenceTooLongError,
+    UnknownAlgorithmError,
+    VPPAlignmentError,
+)
+from harness.plan.layout import Block, Schedule
+from harness.plan.lengths import normalize_lengths
+from harness.plan.validate import INVARIANTS, Violation, check_schedule, validate_schedule
+
+__all__ = [
+    "ALGORITHMS", "BatchTooSmallError", "Block", "CostModel", "DuplicateGidError", "INVARIANTS", "InvalidLengthError",
+    "NotPowerOfTwoError", "PlanInputError", "Schedule", "ScheduleError", "ScheduleStats",
+    "SequenceTooLongError", "UnknownAlgorithmError", "VPPAlignmentError", "Violation", "check_schedule",
+    "cp_min", "gpt_benchmark_cost", "is_power_of_two", "lower_bound", "normalize_lengths", "quality",
+    "schedule", "Simulation", "simulate", "simulate_step_time", "stats", "validate_schedule",
+]

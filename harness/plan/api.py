@@ -1,0 +1,73 @@
+"""``schedule()``: the one entry point to every scheduler.
+
+>>> s = schedule([8192, 4096, 3000, 2048, 1024, 1024, 512, 512, 256], n_ranks=8,
+...              max_seqlen_per_rank=2048, algorithm="megatron-pr2000")
+>>> s.microbatches[0]
+[[0], [0], [0], [0], [1], [1], [2], [2]]
+>>> s.local_cp_size(0)
+[4, 4, 4, 4, 2, 2, 2, 2]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from harness.plan.cost import CostModel
+from harness.plan.dp_balanced import schedule_dp_balanced
+from harness.plan.errors import UnknownAlgorithmError
+from harness.plan.layout import Schedule, layout_from_sizes
+from harness.plan.lengths import check_domain, check_fits, normalize_lengths
+from harness.plan.megatron_dev import schedule_dev
+from harness.plan.megatron_pr2000 import schedule_pr2000
+
+
+def _balanced(pairs, n_ranks, mslpr, min_cp, vpp, cost):
+    from harness.plan.balanced import schedule_balanced
+
+    return schedule_balanced(pairs, n_ranks, mslpr, min_cp, vpp, cost)
+
+
+# name -> (function(pairs, n_ranks, mslpr, min_cp, vpp, cost) -> blocks per micro-batch, summary)
+ALGORITHMS: dict[str, tuple[Callable, str]] = {
+    "balanced": (_balanced, "ours: lane-balanced, lockstep CP blocks, cost-model aware (default)"),
+    "megatron-pr2000": (lambda p, n, m, c, v, _: schedule_pr2000(p, n, m, c, v),
+                        "Megatron-LM PR #2000 next_hdp_group, exact"),
+    "megatron-dev": (lambda p, n, m, c, v, _: schedule_dev(p, n, m, c, v),
+                     "Megatron-LM PR #5154 next_hdp_group_packing_aware, exact"),
+    "dp-balanced": (lambda p, n, m, c, v, _: schedule_dp_balanced(p, n, m, c, v),
+                    "Megatron DpBalancedScheduler: static CP, THD packing"),
+}
+
+
+def schedule(lengths, *, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
+             vpp_group: int | None = None, algorithm: str = "balanced",
+             cost: CostModel | None = None) -> Schedule:
+    """Schedule a global batch onto a DP x CP domain of ``n_ranks`` positions.
+
+    Args:
+        lengths: ``(gid, L)`` pairs, or plain ints (gid = index); padded lengths in tokens.
+        n_ranks: DP x CP positions (a power of two).
+        max_seqlen_per_rank: tokens one rank may hold in a micro-batch.
+        min_cp_size: smallest CP block (a power of two <= n_ranks); for ``dp-balanced`` the static
+            CP size is ``max(min_cp_size, cp_min(longest))``.
+        vpp_group: make the micro-batch count a multiple of this (Megatron's
+            ``microbatch_group_size_per_vp_stage``); None or 1 = no constraint.
+        algorithm: one of ``ALGORITHMS``.
+        cost: the cost model ``balanced`` optimises (default: upstream's ``L**2/cp``); the Megatron
+            algorithms always use their own estimator. Stored on the schedule for its loads.
+    Raises:
+        PlanInputError (a ``ValueError``) subclasses naming the value and the fix.
+    """
+    if algorithm not in ALGORITHMS:
+        raise UnknownAlgorithmError(
+            f"unknown algorithm {algorithm!r}; choose one of {', '.join(sorted(ALGORITHMS))}"
+        )
+    check_domain(n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group)
+    pairs = normalize_lengths(lengths)
+    check_fits(pairs, n_ranks, max_seqlen_per_rank)
+    cost = cost or CostModel.megatron()
+    vpp = vpp_group if vpp_group and vpp_group > 1 else None
+    fn, _ = ALGORITHMS[algorithm]
+    mbs = fn(pairs, n_ranks, max_seqlen_per_rank, min_cp_size, vpp, cost) if pairs else []
+    return Schedule(tuple(layout_from_sizes(mb) for mb in mbs), dict(pairs), n_ranks,
+                    max_seqlen_per_rank, min_cp_size, vpp_group, algorithm, cost)

@@ -1,0 +1,244 @@
+"""``balanced``: our scheduler - level-synchronous phases on the buddy tree, balanced per rank.
+
+Idea. Think of the N positions as a binary buddy tree: depth d has ``2**d`` nodes of ``N >> d``
+consecutive positions, exactly the blocks that have dynamic-CP process groups. Every sequence gets
+a node whose size is at least its ``cp_min`` (its native depth; a sequence too costly for one rank
+set's share is widened to the smallest size that brings it under ``theta`` x the per-rank target).
+The global batch then runs as *phases*, one per used depth, coarse to fine: phase d is ``P_d``
+micro-batches whose layout is ``2**d`` blocks of ``N >> d`` positions, node j of depth d packing its
+own sequences into its ``P_d`` slots.
+
+Why this is fast in the simulated step time (and on GPUs): a phase never puts ranks of different
+depth-d nodes into one block, and every rank of a node has run exactly the blocks of the node's
+ancestors before, so no CP block ever waits for a straggler - a rank's step time is simply the sum
+of its blocks. Imbalance between nodes can therefore carry over: each depth assigns its sequences
+longest-processing-time first to the node with the least *inherited* load, and the finest ("leaf")
+phase, where most sequences are, evens out the per-rank totals. Sequences stay at ``cp_min`` unless
+a filler is needed, so the CP communication a cost model charges is the minimum.
+
+Every layout is uniform, hence buddy aligned and non-increasing; capacity holds by construction
+(first-fit-decreasing packs of ``size * max_seqlen_per_rank`` tokens). Equal micro-batch counts
+inside a phase come from splitting packs; a node with fewer sequences than its phase's count
+borrows the cheapest unassigned sequence (upper phases) or one from the leaf with the most spare
+(leaf phase). When even that fails (small batches), the leaves are made coarser, down to a single
+node of N positions. With ``vpp_group`` the leaf phase's count is chosen so that the total is a
+multiple of it. Among the feasible candidates (``theta`` in ``THETAS``) the least predicted step time
+wins; the prediction equals ``harness.plan.bounds.simulate_step_time`` (a suite checks this).
+Deterministic: sequences are ordered by (cost, gid) and ties go to the lowest node index.
+
+>>> from harness.plan.api import schedule
+>>> s = schedule([8192, 4096, 3000, 2048, 1024, 1024, 512, 512, 256], n_ranks=8,
+...              max_seqlen_per_rank=2048)
+>>> s.microbatches  # 8192 widened to all 8 ranks, then a phase of four blocks of 2
+[[[0], [0], [0], [0], [0], [0], [0], [0]], [[1], [1], [2], [2], [3], [3], [4, 5, 6, 7, 8], [4, 5, 6, 7, 8]]]
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from harness.plan.cost import CostModel, cp_min
+from harness.plan.errors import VPPAlignmentError
+from harness.plan.megatron_common import Blocks
+
+THETAS = (0.5, 1.0)  # widen a sequence while its per-rank cost exceeds theta x the per-rank target
+
+
+class _Item:
+    __slots__ = ("gid", "L", "cp", "work", "comm", "width")
+
+    def __init__(self, gid: int, L: int, cp: int, cost: CostModel):
+        self.gid, self.L, self.cp, self.width = gid, L, cp, cp
+        self.work = cost.quadratic * L * L + cost.linear * L + cost.constant
+        self.comm = cost.cp_comm * L
+
+    def cost(self, s: int) -> float:
+        """Same arithmetic as ``CostModel.seq_cost`` (so predictions match the simulator)."""
+        return self.work / s + (self.comm * (s - 1) / s if s > 1 else 0.0)
+
+
+class _Infeasible(Exception):
+    """This candidate cannot give every node enough sequences; try a coarser one."""
+
+
+def _pack(items: list[_Item], cap: int) -> list[list[_Item]]:
+    """First-fit decreasing by tokens into packs of at most ``cap`` tokens."""
+    packs: list[list[_Item]] = []
+    room: list[int] = []
+    for it in sorted(items, key=lambda x: (-x.L, x.gid)):
+        for k, r in enumerate(room):
+            if it.L <= r:
+                packs[k].append(it)
+                room[k] = r - it.L
+                break
+        else:
+            packs.append([it])
+            room.append(cap - it.L)
+    return packs
+
+
+def _split_to(packs: list[list[_Item]], count: int) -> None:
+    """Split packs (most sequences first, moving its last one out) until there are ``count``."""
+    while len(packs) < count:
+        k = max(range(len(packs)), key=lambda i: (len(packs[i]), -i))
+        assert len(packs[k]) > 1, "caller guarantees enough sequences"
+        packs.append([packs[k].pop()])
+
+
+def _size(packs: list[list[_Item]]) -> int:
+    return sum(len(p) for p in packs)
+
+
+class _Builder:
+    """Phased plans for one batch; ``plan(theta, leaf)`` builds one candidate."""
+
+    def __init__(self, items, n: int, mslpr: int, min_cp: int, vpp: int | None, cost: CostModel):
+        self.items, self.n, self.mslpr, self.min_cp, self.vpp, self.cost = items, n, mslpr, min_cp, vpp, cost
+        self.target = sum(it.cost(it.cp) * it.cp for it in items) / n
+        self.pool = sorted(items, key=lambda x: (x.cost(x.cp) * x.cp, x.gid))  # filler order
+
+    def widths(self, theta: float, leaf: int) -> dict[int, int]:
+        """gid -> node size: cp_min, widened while too costly, at least ``leaf``, and promoted while
+        a depth has more nodes than sequences to give them."""
+        n, limit = self.n, theta * self.target
+        width = {}
+        for it in self.items:
+            w = max(it.cp, leaf)
+            while w < n and it.cost(w) > limit and it.cost(2 * w) < it.cost(w):
+                w *= 2
+            width[it.gid] = w
+        s = leaf
+        while s < n:
+            at = [g for g, w in width.items() if w == s]
+            if at and sum(1 for w in width.values() if w <= s) < n // s:
+                if s == leaf:
+                    raise _Infeasible(f"fewer sequences than {n // s} leaves")
+                for g in at:
+                    width[g] = 2 * s
+            s *= 2
+        return width
+
+    def plan(self, theta: float, leaf: int) -> tuple[list[Blocks], float]:
+        width = self.widths(theta, leaf)
+        by_width: dict[int, list[_Item]] = {}
+        for it in self.items:
+            by_width.setdefault(width[it.gid], []).append(it)
+        self.taken: set[int] = set()
+        self.pool_pos = 0
+        base, phases, depth = [0.0], [], 0
+        while True:
+            size, last = self.n >> depth, (self.n >> depth) == leaf
+            native = [it for it in by_width.get(size, ()) if it.gid not in self.taken]
+            if last:
+                native = [it for it in self.items if it.gid not in self.taken]
+            if native:
+                rows_before = sum(len(p[0]) for _, p in phases)
+                node_packs, own = self._phase(native, size, base, last, rows_before)
+                phases.append((size, node_packs))
+                base = [b + o for b, o in zip(base, own)]
+            if last:
+                break
+            base = [b for b in base for _ in (0, 1)]
+            depth += 1
+        if self.vpp:
+            self._align_upper(phases)
+        rows = [[(size, [it.gid for it in packs[r]]) for packs in node_packs]
+                for size, node_packs in phases for r in range(len(node_packs[0]))]
+        return rows, max(base) + self.cost.per_microbatch * len(rows)
+
+    def _phase(self, native, size: int, base: list[float], last: bool, rows_before: int):
+        """LPT of ``native`` onto the nodes of one depth, then an equal pack count per node."""
+        nodes = len(base)
+        per_node: list[list[_Item]] = [[] for _ in range(nodes)]
+        own = [0.0] * nodes
+        heap = [(base[j], j) for j in range(nodes)]
+        heapq.heapify(heap)
+        for c, it in sorted(((it.cost(size), it) for it in native), key=lambda t: (-t[0], t[1].gid)):
+            load, j = heapq.heappop(heap)
+            per_node[j].append(it)
+            own[j] += c
+            heapq.heappush(heap, (load + c, j))
+            self.taken.add(it.gid)
+        packs = [_pack(x, size * self.mslpr) for x in per_node]
+        count = max(len(p) for p in packs)
+        if last and self.vpp:
+            count += (-(rows_before + count)) % self.vpp
+        for j in range(nodes):
+            while _size(packs[j]) < count:
+                it = self._borrow(j, packs, count) if last else self._filler()
+                packs[j].append([it])
+                own[j] += it.cost(size)
+        for j in range(nodes):
+            _split_to(packs[j], count)
+        if last:  # leaves lent sequences to each other: recount
+            own = [sum(it.cost(size) for p in node for it in p) for node in packs]
+        return packs, own
+
+    def _filler(self) -> _Item:
+        """The cheapest sequence not yet placed (it runs widened at this depth)."""
+        while self.pool_pos < len(self.pool):
+            it = self.pool[self.pool_pos]
+            self.pool_pos += 1
+            if it.gid not in self.taken:
+                self.taken.add(it.gid)
+                return it
+        raise _Infeasible("no sequence left to fill a node")
+
+    @staticmethod
+    def _borrow(j: int, packs: list[list[list[_Item]]], count: int) -> _Item:
+        """The shortest sequence of the leaf (other than ``j``) with the most spare sequences."""
+        spare, donor = max(((_size(p) - count, -k) for k, p in enumerate(packs) if k != j), default=(0, 0))
+        if spare <= 0:
+            raise _Infeasible("leaves have too few sequences for equal micro-batch counts")
+        node = packs[-donor]
+        k, i = min(((k, i) for k, p in enumerate(node) for i in range(len(p))),
+                   key=lambda ki: (node[ki[0]][ki[1]].L, node[ki[0]][ki[1]].gid))
+        it = node[k].pop(i)
+        if not node[k]:
+            node.pop(k)
+        return it
+
+    def _align_upper(self, phases) -> None:
+        """If the total is still not a multiple of vpp (no leaf phase, or it could not absorb it),
+        split packs of the finest phase whose nodes all have spare sequences."""
+        need = (-sum(len(p[0]) for _, p in phases)) % self.vpp
+        for _, node_packs in reversed(phases):
+            while need and all(_size(p) > len(p) for p in node_packs):
+                for p in node_packs:
+                    _split_to(p, len(p) + 1)
+                need -= 1
+        if need:
+            raise _Infeasible("no phase can be split further")
+
+
+def schedule_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
+                      vpp_group: int | None = None, cost: CostModel | None = None) -> list[Blocks]:
+    """Our scheduler; inputs assumed validated (see ``harness.plan.api.schedule``)."""
+    cost = cost or CostModel.megatron()
+    items = [_Item(g, L, cp_min(L, max_seqlen_per_rank, min_cp_size), cost) for g, L in pairs]
+    builder = _Builder(items, n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group, cost)
+    leaf, why = min_cp_size, ""
+    while leaf <= n_ranks:
+        best, seen = None, set()
+        for theta in THETAS:
+            try:
+                key = tuple(sorted(builder.widths(theta, leaf).items()))
+                if key in seen:
+                    continue
+                seen.add(key)
+                rows, time = builder.plan(theta, leaf)
+            except _Infeasible as e:
+                why = str(e)
+                continue
+            if best is None or time < best[1]:
+                best = (rows, time)
+        if best is not None:
+            return best[0]
+        leaf *= 2
+    tokens = sum(L for _, L in pairs)
+    least = -(-tokens // (n_ranks * max_seqlen_per_rank))
+    raise VPPAlignmentError(
+        f"cannot make the micro-batch count a multiple of vpp_group={vpp_group}: {len(pairs)} sequences "
+        f"({tokens} tokens) allow between ~{least} and {len(pairs)} micro-batches ({why}); schedule "
+        f"more sequences per global batch or use a smaller vpp_group"
+    )

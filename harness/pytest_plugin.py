@@ -1,0 +1,74 @@
+"""Tooling for dcp-harness suites (loaded by the root conftest).
+
+Options:
+  --impl NAME        implementation under test for the scheduler invariant suites:
+                     ``ours`` (default: every harness algorithm) or ``megatron-core`` (the installed
+                     upstream; its invariant violations are reported by name).
+  --update-golden    rewrite golden files from the current code instead of comparing.
+
+Hypothesis profiles (choose with ``--hypothesis-profile``): ``ci`` (default: 500 examples per
+property, derandomized so CI is reproducible), ``nightly`` (5000, random), ``quick`` (50).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import golden as golden_mod
+
+IMPLS = ("ours", "megatron-core")
+
+try:
+    from hypothesis import HealthCheck, settings
+
+    _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+                   print_blob=True)
+    settings.register_profile("ci", max_examples=500, derandomize=True, **_common)
+    settings.register_profile("nightly", max_examples=5000, **_common)
+    settings.register_profile("quick", max_examples=50, derandomize=True, **_common)
+    settings.load_profile("ci")
+except ImportError:  # hypothesis is a test extra; the plugin still loads without it
+    pass
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("dcp-harness")
+    group.addoption("--impl", choices=IMPLS, default="ours",
+                    help="implementation under test for the scheduler invariant suites")
+    group.addoption("--update-golden", action="store_true", default=False,
+                    help="rewrite golden files from the current code (atomically) instead of comparing")
+
+
+@pytest.fixture(scope="session")
+def impl(request) -> str:
+    return request.config.getoption("--impl")
+
+
+class Golden:
+    """``golden.check(suite, case_id, config, data, rule=None, hw="any")`` compares with (or with
+    ``--update-golden`` rewrites) ``golden/<suite>/<case_id>.<hw>.json``."""
+
+    def __init__(self, update: bool, nodeid: str):
+        self.update, self.nodeid = update, nodeid
+
+    def check(self, suite: str, case_id: str, config: dict, data, rule: dict | None = None, hw: str = "any"):
+        path = golden_mod.path_for(suite, case_id, hw)
+        hint = f"pytest '{self.nodeid}' --update-golden"
+        if self.update:
+            golden_mod.write(path, suite=suite, case_id=case_id, hw=hw, config=config, data=data,
+                             rule=rule, command=hint)
+            return
+        doc = golden_mod.load(path, hint)
+        if doc["config"] != config:
+            pytest.fail(f"{path}: the golden was made for config {doc['config']}, this test runs {config}; "
+                        f"if the change is intended: {hint}")
+        diffs = golden_mod.compare(doc["data"], data, doc["rule"])
+        if diffs:
+            shown = "\n  ".join(diffs[:20])
+            pytest.fail(f"{path}: {len(diffs)} difference(s) under rule {doc['rule']}:\n  {shown}\n"
+                        f"if the change is intended: {hint}")
+
+
+@pytest.fixture
+def golden(request) -> Golden:
+    return Golden(request.config.getoption("--update-golden"), request.node.nodeid)

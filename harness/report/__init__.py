@@ -1,0 +1,1 @@
+"""Self-contained HTML and markdown reports with embedded matplotlib plots."""

@@ -1,0 +1,87 @@
+"""The scheduler-comparison report: ``index.html`` (plots embedded) and ``summary.md``."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from harness.report import plots
+from harness.report.html import Raw, esc, figure_png, page, table
+
+TABLE_KEYS = [("scheduler", "scheduler"), ("latency_ms", "latency ms"), ("quality", "quality (GPT cost)"),
+              ("quality_l2", "quality (L^2/cp)"), ("microbatches", "micro-batches"), ("invalid_batches", "invalid batches")]
+
+
+def _fmt(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def _config_tables(rows: list[dict]) -> str:
+    out = []
+    for cfg in dict.fromkeys((r["distribution"], r["ranks"], r["sequences"]) for r in rows):
+        sub = [r for r in rows if (r["distribution"], r["ranks"], r["sequences"]) == cfg]
+        best = min(r["quality"] for r in sub)
+        cells = [[r[k] if k == "scheduler" else _fmt(r[k]) for k, _ in TABLE_KEYS] + [", ".join(r["violations"]) or "-"]
+                 for r in sub]
+        out.append(f"<h3>{esc(cfg[0])}: {cfg[1]} ranks, {cfg[2]} sequences, max_seqlen_per_rank "
+                   f"{sub[0]['max_seqlen_per_rank']}</h3>"
+                   + table(cells, [h for _, h in TABLE_KEYS] + ["violated invariants"], left=1,
+                           classes=["best" if r["quality"] == best else "" for r in sub]))
+    return "".join(out)
+
+
+def _edge_table(edges: list[dict]) -> str:
+    algos = list(edges[0]["ours"]) if edges else []
+    rows = []
+    for e in edges:
+        up = e["upstream"]
+        up_text = "not installed" if up is None else f"{up['kind']}: {up['text']}"
+        by_text: dict[tuple, list[str]] = {}
+        for a, o in e["ours"].items():
+            by_text.setdefault((o["ok"], o["text"]), []).append(a)
+        ours = "<br>".join(f"<b>{esc(', '.join(names))}</b>: {'OK' if ok else 'FAIL'} - {esc(text)}"
+                           for (ok, text), names in by_text.items())
+        rows.append([e["key"], e["title"], Raw(f'<span class="small">{esc(e["input"])}</span>'),
+                     Raw(f'<span class="small">{esc(up_text[:300])}</span>'), Raw(f'<span class="small">{ours}</span>')])
+    return table(rows, ["case", "defect", "input", "installed megatron-core", f"harness ({', '.join(algos)})"], left=5)
+
+
+def render(result: dict) -> tuple[str, str]:
+    """(html, markdown) for a main-job ``result`` (see ``harness.main_job``)."""
+    bench, checks, edges = result["bench"], result["checks"], result["edge_cases"]
+    ok = result["verdict"] == "PASS"
+    stamp = result.get("finished", dt.datetime.now().isoformat(timespec="seconds"))
+    check_rows = [[c["target"], c.get("shown", f"{c['value']:.4g}"), "PASS" if c["pass"] else "FAIL"] for c in checks]
+    body = [
+        f"<h1>dcp-harness: dynamic-CP scheduler comparison</h1>",
+        f'<p class="meta">{esc(stamp)} &middot; git {esc(result["producer"].get("git_rev"))} &middot; '
+        f'{esc(result["producer"]["versions"])} &middot; {bench["batches"]} global batches per configuration</p>',
+        f'<p><span class="verdict {"pass" if ok else "fail"}">{result["verdict"]}</span></p>',
+        "<h2>Checks</h2>", table(check_rows, ["check", "value", "verdict"], left=1),
+        "<p>Quality = simulated step time / lower bound (1.0 is optimal) under the cost of a 12-layer, hidden-2048, "
+        "FFN-8192 GPT with K/V exchange priced at 1000 FLOP/byte; <i>balanced</i> is given that cost, "
+        "<i>balanced[L2]</i> only upstream's L&sup2;/cp estimate. Latency checks are informational here: "
+        "<code>dcp-harness bench schedule</code> gates them.</p>",
+        "<h2>Quality</h2>", figure_png(plots.grouped_bars(bench["rows"], "quality", "step time / lower bound", ref=1.0)),
+        "<h2>Latency per global batch</h2>", figure_png(plots.grouped_bars(bench["rows"], "latency_ms", "ms (log)", log=True)),
+        "<h2>One global batch, rank by rank</h2>",
+        f"<p>{esc(result['timeline']['title'])}. White gaps: a rank waits for the other members of its next CP block "
+        "(or has finished).</p>",
+        result["timeline"]["img"],
+        "<h2>Edge cases (spec 2.8 and defects found by the differential suite)</h2>", _edge_table(edges),
+        "<h2>Per configuration</h2>", _config_tables(bench["rows"]),
+    ]
+    md = [f"# dcp-harness scheduler comparison: {result['verdict']}", "", f"{stamp}, git {result['producer'].get('git_rev')}", "",
+          "| check | value | verdict |", "|---|---|---|"]
+    md += [f"| {c['target']} | {c.get('shown', format(c['value'], '.4g'))} | {'PASS' if c['pass'] else 'FAIL'} |"
+           for c in checks]
+    md += ["", "| distribution | ranks | seqs | scheduler | latency ms | quality | q(L^2/cp) | #mb | invalid |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    md += [f"| {r['distribution']} | {r['ranks']} | {r['sequences']} | {r['scheduler']} | {r['latency_ms']:.2f} | "
+           f"{r['quality']:.3f} | {r['quality_l2']:.3f} | {r['microbatches']:.0f} | {r['invalid_batches']} |"
+           for r in bench["rows"]]
+    md += ["", "| edge case | harness | megatron-core |", "|---|---|---|"]
+    for e in edges:
+        ours = "all OK" if all(o["ok"] for o in e["ours"].values()) else "FAIL"
+        up = "not installed" if e["upstream"] is None else e["upstream"]["kind"]
+        md.append(f"| {e['key']}: {e['title']} | {ours} | {up} |")
+    return page("dcp-harness scheduler comparison", "\n".join(body)), "\n".join(md) + "\n"

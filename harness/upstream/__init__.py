@@ -1,0 +1,1 @@
+"""Adapters that run installed upstream implementations behind ``harness.plan``'s interfaces."""

@@ -1,0 +1,128 @@
+"""Sequence-length workloads: named distributions, the Wikipedia sample, length files.
+
+Spec strings (``sample(spec, n, seed)``):
+
+- ``lognormal:mean=1024,sigma=1.5,min=128,max=8192`` - Megatron's mock SFT data:
+  ``mu = ln(mean) - sigma**2 / 2``, lognormal, rounded and clipped to ``[min, max]``.
+- ``uniform:min=128,max=8192`` - integers, both ends included.
+- ``const:value=4096``.
+- ``wikipedia:max=32768`` - draws (with replacement) from the committed seeded sample of real
+  Wikipedia document lengths (``fixtures/lengths/wikipedia_sample.txt.gz``), clipped to ``max``.
+- ``file:PATH`` - the first ``n`` lengths of a text file (one int per line, ``#`` comments,
+  ``.gz`` allowed); ``n=None`` takes all.
+
+Every distribution also takes ``multiple=K`` (round each length up to a multiple of K, e.g. the
+``2 * dp * cp`` THD padding divisor). Same spec, n and seed -> same lengths, on every machine.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+from pathlib import Path
+
+import numpy as np
+
+from harness.plan.errors import PlanInputError
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+WIKIPEDIA_SAMPLE = FIXTURES / "lengths" / "wikipedia_sample.txt.gz"
+
+_PARAMS = {
+    "lognormal": {"mean", "sigma", "min", "max"},
+    "uniform": {"min", "max"},
+    "const": {"value"},
+    "wikipedia": {"max"},
+}
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, float]]:
+    """``"lognormal:mean=1024,sigma=1.5"`` -> ``("lognormal", {"mean": 1024.0, "sigma": 1.5})``."""
+    kind, _, rest = spec.partition(":")
+    if kind == "file":
+        return kind, {"path": rest}
+    if kind not in _PARAMS:
+        raise PlanInputError(f"unknown length distribution {kind!r} in {spec!r}; use one of "
+                             f"{', '.join(sorted(_PARAMS))} or file:PATH")
+    params: dict[str, float] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in _PARAMS[kind] | {"multiple"}:
+            raise PlanInputError(f"bad parameter {item!r} in {spec!r}; {kind} takes "
+                                 f"{', '.join(sorted(_PARAMS[kind] | {'multiple'}))} as key=value")
+        try:
+            params[key] = float(value)
+        except ValueError:
+            raise PlanInputError(f"parameter {key}={value!r} in {spec!r} is not a number") from None
+    missing = {"mean", "sigma"} - set(params) if kind == "lognormal" else set()
+    missing |= {"value"} - set(params) if kind == "const" else set()
+    if missing:
+        raise PlanInputError(f"{spec!r} needs {', '.join(sorted(missing))}")
+    return kind, params
+
+
+def read_lengths(path: str | Path) -> list[int]:
+    """Integers, one per line, from a text file (``.gz`` allowed); ``#`` starts a comment."""
+    p = Path(path)
+    if not p.is_file():
+        raise PlanInputError(f"length file {str(p)!r} does not exist")
+    opener = gzip.open if p.suffix == ".gz" else open
+    out = []
+    with opener(p, "rt") as f:
+        for i, line in enumerate(f, 1):
+            text = line.split("#", 1)[0].strip()
+            if not text:
+                continue
+            try:
+                out.append(int(text))
+            except ValueError:
+                raise PlanInputError(f"{p}:{i}: {text!r} is not an integer length") from None
+    return out
+
+
+def _draw(kind: str, params: dict, n: int, rng: np.random.Generator) -> np.ndarray:
+    if kind == "lognormal":
+        mean, sigma = params["mean"], params["sigma"]
+        if mean <= 0 or sigma < 0:
+            raise PlanInputError(f"lognormal needs mean > 0 and sigma >= 0, got mean={mean}, sigma={sigma}")
+        x = np.rint(rng.lognormal(math.log(mean) - sigma * sigma / 2, sigma, size=n))
+        return np.clip(x, params.get("min", 1), params.get("max", np.inf))
+    if kind == "uniform":
+        lo, hi = int(params.get("min", 1)), int(params.get("max", 8192))
+        if not 1 <= lo <= hi:
+            raise PlanInputError(f"uniform needs 1 <= min <= max, got min={lo}, max={hi}")
+        return rng.integers(lo, hi + 1, size=n).astype(float)
+    if kind == "const":
+        return np.full(n, params["value"])
+    pool = np.asarray(read_lengths(WIKIPEDIA_SAMPLE), dtype=float)
+    return np.clip(rng.choice(pool, size=n, replace=True), 1, params.get("max", np.inf))
+
+
+def sample(spec: str, n: int | None, seed: int = 0) -> list[int]:
+    """``n`` lengths from ``spec`` with a fixed ``seed`` (see module doc)."""
+    kind, params = parse_spec(spec)
+    if kind == "file":
+        lengths = read_lengths(params["path"])
+        return lengths if n is None else lengths[:n]
+    if n is None or n < 0:
+        raise PlanInputError(f"number of sequences must be >= 0, got {n!r}")
+    x = _draw(kind, params, n, np.random.default_rng(seed))
+    mult = int(params.get("multiple", 1))
+    if mult < 1:
+        raise PlanInputError(f"multiple must be >= 1, got {mult}")
+    x = np.maximum(x, 1).astype(np.int64)
+    return (-(-x // mult) * mult).tolist()
+
+
+def make_wikipedia_sample(source: str | Path, n: int, seed: int, out: Path = WIKIPEDIA_SAMPLE) -> Path:
+    """Write a seeded sample (without replacement) of ``source`` to ``out`` (atomically)."""
+    from harness.io import atomic_write_bytes
+
+    pool = np.asarray(read_lengths(source), dtype=np.int64)
+    picked = np.random.default_rng(seed).choice(pool, size=n, replace=False)
+    header = (f"# {n} Wikipedia document lengths (tokens), sampled without replacement with seed {seed}\n"
+              f"# from {Path(source).name} ({len(pool)} lengths; FlexSP / Hetu-Galvatron evaluation data)\n"
+              f"# regenerate: dcp-harness fixtures wikipedia --source {Path(source).name} --n {n} --seed {seed}\n")
+    body = header + "\n".join(str(int(v)) for v in picked) + "\n"
+    atomic_write_bytes(out, gzip.compress(body.encode(), mtime=0))
+    return out

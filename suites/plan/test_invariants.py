@@ -1,0 +1,101 @@
+"""Every scheduler satisfies every invariant of spec 2.7 on every valid input (hypothesis).
+
+``pytest --impl megatron-core`` runs the same properties against the installed upstream
+``BalancedCPScheduler`` (no min_cp / VPP there): its failures name the invariant it breaks.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+
+from harness.plan import (
+    ALGORITHMS,
+    BatchTooSmallError,
+    CostModel,
+    VPPAlignmentError,
+    check_schedule,
+    lower_bound,
+    schedule,
+    simulate,
+)
+from harness.testing import batches
+
+COSTS = [CostModel.megatron(), CostModel.from_model_shape(num_layers=2, hidden_size=64, ffn_hidden_size=256,
+                                                          num_attention_heads=4, cp_comm_flops_per_byte=500.0,
+                                                          per_microbatch_flops=1e6)]
+
+
+def _algorithms(impl: str) -> list[str]:
+    return ["megatron-core"] if impl == "megatron-core" else list(ALGORITHMS)
+
+
+def pytest_generate_tests(metafunc):
+    if "algorithm" in metafunc.fixturenames:
+        metafunc.parametrize("algorithm", _algorithms(metafunc.config.getoption("--impl")))
+
+
+def _run(algorithm: str, batch, cost=None):
+    if algorithm == "megatron-core":
+        from harness.upstream import megatron
+
+        if not megatron.available():
+            pytest.skip("megatron-core is not installed")
+        return megatron.sample_id_groups(batch.lengths, n_ranks=batch.n_ranks,
+                                         max_seqlen_per_rank=batch.max_seqlen_per_rank)
+    return schedule(batch.lengths, algorithm=algorithm, cost=cost, **batch.kwargs())
+
+
+@given(batch=batches())
+def test_every_invariant_holds(algorithm, impl, batch):
+    if impl == "megatron-core":
+        batch = type(batch)(batch.lengths, batch.n_ranks, batch.max_seqlen_per_rank)  # no min_cp, no VPP
+    try:
+        result = _run(algorithm, batch)
+    except VPPAlignmentError as e:
+        assert batch.vpp_group and batch.vpp_group > 1, "only VPP alignment may refuse a valid batch"
+        assert f"vpp_group={batch.vpp_group}" in str(e)
+        return
+    except BatchTooSmallError as e:
+        # static CP (dp-balanced) needs one pack per DP replica; nothing else may refuse a batch
+        assert algorithm == "dp-balanced" and len(batch.lengths) < batch.n_ranks, e
+        return
+    kw = batch.kwargs() if impl == "ours" else dict(n_ranks=batch.n_ranks, max_seqlen_per_rank=batch.max_seqlen_per_rank)
+    mbs = result.microbatches if hasattr(result, "microbatches") else result
+    violations = check_schedule(mbs, batch.lengths, **kw)
+    assert not violations, "\n".join(v.error().args[0] for v in violations[:5])
+
+
+@given(batch=batches(vpp=False))
+def test_deterministic_and_never_below_the_lower_bound(algorithm, impl, batch):
+    if impl == "megatron-core":
+        pytest.skip("determinism of upstream is not ours to assert")
+    for cost in COSTS:
+        try:
+            a = schedule(batch.lengths, algorithm=algorithm, cost=cost, **batch.kwargs())
+        except BatchTooSmallError:
+            assert algorithm == "dp-balanced"
+            return
+        b = schedule(list(batch.lengths), algorithm=algorithm, cost=cost, **batch.kwargs())
+        assert a.microbatches == b.microbatches
+        lb = lower_bound(batch.lengths, cost=cost, n_ranks=batch.n_ranks,
+                         max_seqlen_per_rank=batch.max_seqlen_per_rank, min_cp_size=batch.min_cp_size)
+        assert simulate(a).step_time >= lb * (1 - 1e-9)
+
+
+@given(batch=batches(), seed=__import__("hypothesis").strategies.randoms(use_true_random=False))
+def test_balanced_is_order_free_and_never_waits(batch, seed):
+    """Ours only: the input order does not matter (gids break ties), and no CP block ever waits for
+    a straggler, so the step time is the busiest rank's sum of blocks."""
+    shuffled = list(batch.lengths)
+    seed.shuffle(shuffled)
+    for cost in COSTS:
+        try:
+            a = schedule(batch.lengths, cost=cost, **batch.kwargs())
+        except VPPAlignmentError:
+            with pytest.raises(VPPAlignmentError):
+                schedule(shuffled, cost=cost, **batch.kwargs())
+            return
+        assert schedule(shuffled, cost=cost, **batch.kwargs()).microbatches == a.microbatches
+        sim = simulate(a)
+        assert max(sim.waiting, default=0.0) <= 1e-9 * max(sim.step_time, 1.0)
