@@ -1,0 +1,65 @@
+"""The command line, run as users run it (a real subprocess of ``python -m harness``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from harness.plan import Schedule, validate_schedule
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)
+
+
+def test_schedule_prints_table_map_and_writes_json(tmp_path):
+    out = tmp_path / "s.json"
+    r = cli("schedule", "--dist", "lognormal:mean=1024,sigma=1.5,min=128,max=8192", "-n", "64", "--ranks", "8",
+            "--max-seqlen-per-rank", "2048", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "rank-occupancy map (8 ranks" in r.stdout and "valid: every invariant holds" in r.stdout
+    doc = json.loads(out.read_text())
+    s = Schedule.from_dict(doc["schedule"])
+    validate_schedule(s)
+    assert s.microbatches == doc["microbatches"] and doc["violations"] == []
+
+
+def test_schedule_from_a_length_file_and_wikipedia(tmp_path):
+    f = tmp_path / "lens.txt"
+    f.write_text("# my batch\n8192\n4096\n3000\n2048\n1024\n1024\n512\n512\n256\n")
+    r = cli("schedule", "--lengths", str(f), "--ranks", "8", "--max-seqlen-per-rank", "2048",
+            "--algorithm", "megatron-pr2000", "--cost", "megatron")
+    assert r.returncode == 0 and "   0 |AAAABBCC|" in r.stdout, r.stdout
+    r = cli("schedule", "--wikipedia", "-n", "300", "--ranks", "256", "--max-seqlen-per-rank", "4096")
+    assert r.returncode == 0 and "every 2th shown" in r.stdout
+
+
+def test_bad_input_exits_2_with_the_fix():
+    r = cli("schedule", "--dist", "const:value=9000", "-n", "3", "--ranks", "8", "--max-seqlen-per-rank", "1024")
+    assert r.returncode == 2 and "SequenceTooLong" not in r.stderr and ">= 1125" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = cli("schedule", "--dist", "zipf:a=1", "--ranks", "8", "--max-seqlen-per-rank", "1024")
+    assert r.returncode == 2 and "unknown length distribution 'zipf'" in r.stderr
+
+
+def test_bench_schedule_quick_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    r = cli("bench", "schedule", "--quick", "--batches", "1", "--out", str(out))
+    doc = json.loads(out.read_text())
+    names = {row["scheduler"] for row in doc["results"]}
+    assert {"balanced", "megatron-dev", "megatron-pr2000", "dp-balanced"} <= names
+    assert doc["producer"]["versions"]["dcp-harness"] and doc["checks"]
+    assert "latency ms" in r.stdout and r.returncode in (0, 1)  # 1 = a latency target missed on a busy box
+
+
+def test_main_job_writes_a_complete_report(tmp_path):
+    r = cli("run", "--batches", "1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "verdict: PASS" in r.stdout
+    (run,) = [p for p in tmp_path.iterdir() if p.name.startswith("run-")]
+    html = (run / "index.html").read_text()
+    assert html.count("data:image/png;base64,") == 3 and "Edge cases" in html
+    assert json.loads((run / "results.json").read_text())["verdict"] == "PASS"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run-")]  # no half-written folder
