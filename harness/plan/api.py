@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from harness.plan.balanced import schedule_balanced
 from harness.plan.cost import CostModel
 from harness.plan.dp_balanced import schedule_dp_balanced
 from harness.plan.errors import UnknownAlgorithmError
@@ -21,15 +22,9 @@ from harness.plan.megatron_dev import schedule_dev
 from harness.plan.megatron_pr2000 import schedule_pr2000
 
 
-def _balanced(pairs, n_ranks, mslpr, min_cp, vpp, cost):
-    from harness.plan.balanced import schedule_balanced
-
-    return schedule_balanced(pairs, n_ranks, mslpr, min_cp, vpp, cost)
-
-
 # name -> (function(pairs, n_ranks, mslpr, min_cp, vpp, cost) -> blocks per micro-batch, summary)
 ALGORITHMS: dict[str, tuple[Callable, str]] = {
-    "balanced": (_balanced, "ours: lane-balanced, lockstep CP blocks, cost-model aware (default)"),
+    "balanced": (schedule_balanced, "ours: lane-balanced, lockstep CP blocks, cost-model aware (default)"),
     "megatron-pr2000": (lambda p, n, m, c, v, _: schedule_pr2000(p, n, m, c, v),
                         "Megatron-LM PR #2000 next_hdp_group, exact"),
     "megatron-dev": (lambda p, n, m, c, v, _: schedule_dev(p, n, m, c, v),

@@ -1,6 +1,7 @@
 """Parity of ``megatron-pr2000`` / ``megatron-dev`` with upstream on the vectors of spec section 7
 (produced by running the upstream functions), the worked examples of spec 2.3, 2.4 and 2.6, and
-the unit tests upstream added with PR #5154."""
+the unit tests upstream added with PR #5154. Vector F (upstream's failure cases) is pinned in
+``test_reviewed_bugs.py`` (bugs 2, 4, 9, 10)."""
 
 from __future__ import annotations
 
