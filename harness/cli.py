@@ -3,6 +3,8 @@
   dcp-harness run                      main job: scheduler comparison + edge cases, report, verdict
   dcp-harness schedule ...             schedule one global batch; table, occupancy map, --json
   dcp-harness bench schedule           scheduler latency and quality benchmark -> reports/
+  dcp-harness bench thd                zig-zag index speed (CPU) -> reports/
+  dcp-harness bench attention          CP attention throughput on GPUs -> reports/
   dcp-harness fixtures wikipedia ...   regenerate the committed Wikipedia length sample
 
 Exit codes: 0 success, 1 a verdict or benchmark target failed, 2 bad input (message on stderr).
@@ -86,6 +88,11 @@ def parser() -> argparse.ArgumentParser:
     bs.add_argument("--quick", action="store_true", help="3 configurations instead of 6")
     bs.add_argument("--batches", type=int, default=5, help="global batches per configuration (default 5)")
     bs.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_schedule.json)")
+    ba = bsub.add_parser("attention", help="(GPU) CP attention fwd+bwd throughput and per-GPU efficiency")
+    ba.add_argument("--nproc", type=int, default=None, help="GPUs to use (default min(4, available))")
+    ba.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_attention.json)")
+    bt = bsub.add_parser("thd", help="zig-zag index computation speed (CPU)")
+    bt.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_thd.json)")
     f = sub.add_parser("fixtures", help="regenerate committed fixtures")
     fsub = f.add_subparsers(dest="fixture", required=True)
     fw = fsub.add_parser("wikipedia", help="seeded sample of the Wikipedia document lengths")
@@ -107,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "schedule":
             return _cmd_schedule(a)
         if a.command == "bench":
+            if a.bench == "attention":
+                from harness.bench import attention
+
+                return attention.main(out=a.out, nproc=a.nproc)
+            if a.bench == "thd":
+                from harness.bench import thd
+
+                return thd.main(out=a.out)
             from harness.bench import schedule as bench_schedule
 
             return bench_schedule.main(quick=a.quick, batches=a.batches, out=a.out)

@@ -16,8 +16,9 @@ REPORTS = ROOT / "reports"
 
 def time_call(fn: Callable[[], object], *, min_total_s: float = 0.2, max_reps: int = 7) -> tuple[float, object]:
     """Median wall time (seconds) of ``fn()`` over repetitions (GC off while timing), and the
-    last result. Repeats until ``min_total_s`` has passed or ``max_reps`` runs were made."""
-    times, result = [], None
+    last result, after one untimed warm-up call. Repeats until ``min_total_s`` has passed or
+    ``max_reps`` runs were made."""
+    times, result = [], fn()
     while len(times) < max_reps and (not times or sum(times) < min_total_s):
         enabled = gc.isenabled()
         gc.disable()

@@ -1,0 +1,137 @@
+"""``dcp-harness bench attention`` (GPU): CP attention forward + backward throughput.
+
+For 32K and 128K tokens per pack (one sequence, and eight equal sequences) and CP sizes 1, 2, 4 on
+``min(4, GPUs)`` GPUs, every CP block of the world runs ``cp_attention`` (varlen flash backend, bf16,
+16 heads x 128) on its own copy of the pack. Figures: the median over iterations of the slowest
+rank's time, TFLOP/s counting causal FLOPs (forward 2 L^2 H D per sequence, backward 2.5 x forward),
+and the per-GPU efficiency relative to one GPU's ``varlen_attn`` on the whole pack:
+``t_1gpu / (cp * t_cp)``. Target: >= 0.8 at cp 4 with 128K tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from harness.bench.common import REPORTS, table, write_report
+
+DEFAULT = {"tokens": [32768, 131072], "shapes": [1, 8], "cps": [1, 2, 4], "heads": 16, "kv_heads": 16,
+           "head_dim": 128, "warmup": 3, "iters": 10, "dtype": "bfloat16"}
+TARGET = {"tokens": 131072, "sequences": 1, "cp": 4, "efficiency": 0.8}
+
+
+def causal_flops(lengths: list[int], heads: int, head_dim: int) -> float:
+    """Forward + backward FLOPs of causal attention over the sequences (backward = 2.5 x forward)."""
+    return 3.5 * sum(2.0 * L * L * heads * head_dim for L in lengths)
+
+
+def measure(rank: int, world: int, cfg: dict) -> list[dict]:
+    """Runs on every rank under torchrun (``harness.dist.entry bench-attention``)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.attention.varlen import varlen_attn
+
+    from harness.dist.cp_attention import CPAttentionPlan, cp_attention
+    from harness.dist.groups import DynamicGroups, ParallelLayout
+    from harness.plan.thd import pack, padding_divisor, zigzag_index_array
+
+    cfg = {**DEFAULT, **cfg}
+    device = torch.device("cuda", torch.cuda.current_device())
+    dtype = getattr(torch, cfg["dtype"])
+    H, Hkv, D = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    groups = DynamicGroups(ParallelLayout(dp=world, cp=1), rank)
+    rows = []
+
+    def timed(fn):
+        for _ in range(cfg["warmup"]):
+            fn()
+        times = []
+        for _ in range(cfg["iters"]):
+            dist.barrier()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    for T in cfg["tokens"]:
+        for nseq in cfg["shapes"]:
+            lengths = [T // nseq] * nseq
+            g = torch.Generator(device=device).manual_seed(T + nseq)
+            for cp in [c for c in cfg["cps"] if c <= world]:
+                p = pack(lengths, padding_divisor(cp_size=cp))
+                full = [torch.randn(p.total_tokens, h, D, generator=g, device=device, dtype=dtype) for h in (H, Hkv, Hkv)]
+                start = rank // cp * cp
+                if cp == 1:  # the baseline: one GPU's varlen flash attention on the whole pack
+                    cu = torch.tensor(p.cu_seqlens_padded, dtype=torch.int32, device=device)
+                    q, k, v = (t.clone().requires_grad_() for t in full)
+
+                    def step():
+                        out = varlen_attn(q, k, v, cu, cu, p.max_seqlen, p.max_seqlen, window_size=(-1, 0))
+                        out.backward(torch.ones_like(out))
+                else:
+                    idx = torch.as_tensor(zigzag_index_array(p.cu_seqlens_padded, cp, rank - start), device=device)
+                    q, k, v = (t[idx].clone().requires_grad_() for t in full)
+                    plan = CPAttentionPlan.build(p.cu_seqlens_padded, cp, rank - start, device)
+                    group = groups.for_block(start, cp)
+
+                    def step():
+                        out = cp_attention(q, k, v, plan, group, backend="varlen")
+                        out.backward(torch.ones_like(out))
+                seconds = timed(step)
+                rows.append({"tokens": T, "sequences": nseq, "cp": cp, "seconds": seconds,
+                             "flops": causal_flops(lengths, H, D)})
+                del full, q, k, v
+                torch.cuda.empty_cache()
+    return rows
+
+
+def summarize(ranks: list[list[dict]]) -> list[dict]:
+    """Slowest rank per configuration; TFLOP/s and efficiency against the cp = 1 baseline."""
+    out = []
+    for i, row in enumerate(ranks[0]):
+        t = max(r[i]["seconds"] for r in ranks)
+        out.append({**row, "seconds": t})
+    base = {(r["tokens"], r["sequences"]): r["seconds"] for r in out if r["cp"] == 1}
+    for r in out:
+        r["ms"] = r["seconds"] * 1e3
+        r["tflops"] = r["flops"] / r["seconds"] / 1e12
+        r["tflops_per_gpu"] = r["tflops"] / r["cp"]
+        r["efficiency"] = base[(r["tokens"], r["sequences"])] / (r["cp"] * r["seconds"])
+    return out
+
+
+COLUMNS = [("tokens", "tokens", "d"), ("sequences", "seqs", "d"), ("cp", "cp", "d"), ("ms", "fwd+bwd ms", ".2f"),
+           ("tflops", "TFLOP/s", ".1f"), ("tflops_per_gpu", "TFLOP/s/GPU", ".1f"), ("efficiency", "efficiency", ".3f")]
+
+
+def main(*, out: Path | None = None, nproc: int | None = None, cfg: dict | None = None) -> int:
+    import tempfile
+
+    import torch
+
+    from harness.dist.entry import launch
+
+    if not torch.cuda.is_available():
+        print("dcp-harness bench attention: needs CUDA GPUs (run it on a GPU node)")
+        return 2
+    n = nproc or min(4, torch.cuda.device_count())
+    print(f"bench attention: {n} GPUs ({torch.cuda.get_device_name(0)}), torch {torch.__version__}")
+    with tempfile.TemporaryDirectory() as tmp:
+        res = launch("bench-attention", n, Path(tmp) / "bench.json", cfg)
+    rows = summarize(res["ranks"])
+    print(table(rows, COLUMNS))
+    hit = [r for r in rows if (r["tokens"], r["sequences"], r["cp"]) ==
+           (TARGET["tokens"], TARGET["sequences"], TARGET["cp"])]
+    checks = [{"target": f"efficiency >= {TARGET['efficiency']} at cp {TARGET['cp']}, {TARGET['tokens']} tokens "
+                         f"({TARGET['sequences']} sequence)", "value": hit[0]["efficiency"],
+               "pass": hit[0]["efficiency"] >= TARGET["efficiency"]}] if hit else []
+    for c in checks:
+        print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['value']:.3f}")
+    path = write_report("bench_attention", {**DEFAULT, **(cfg or {}), "gpus": n,
+                                            "device": torch.cuda.get_device_name(0)}, rows,
+                        out=out or REPORTS / "bench_attention.json", checks=checks)
+    print(f"wrote {path}")
+    return 0 if all(c["pass"] for c in checks) else 1

@@ -1,0 +1,1 @@
+"""Single-process torch code (never torch.distributed): attention backends, models, replay store."""

@@ -1,0 +1,153 @@
+"""Causal attention over THD chunks, with interchangeable backends.
+
+Shapes (legend): ``T`` tokens, ``H`` query heads, ``Hkv`` key/value heads (GQA when smaller), ``D``
+head dim. ``q_TQ`` holds a rank's local queries as the chunks of a ``ChunkPlan``; ``k_TK``/``v_TK``
+hold the keys of the whole pack in any row order: ``DeviceChunks.key_index`` lists, chunk after
+chunk, the rows of the keys each chunk may see (its sequence's prefix up to its last query), so the
+causal mask is aligned bottom-right: the j-th query of a chunk sees the first ``k_len - q_len + j + 1``
+of its keys.
+
+Backends (``BACKENDS``):
+- ``sdpa``: ``F.scaled_dot_product_attention`` with an explicit boolean mask per chunk; any device,
+  fp32-exact; the CPU reference.
+- ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (flash attention, CUDA): one call for all
+  chunks, keys gathered into per-chunk prefixes.
+- ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` (optional extra, CUDA).
+- ``te``: TransformerEngine ``DotProductAttention`` in THD format (optional extra, CUDA).
+``auto`` = ``varlen`` on CUDA, ``sdpa`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from harness.plan.thd import ChunkPlan, whole_chunks
+
+
+@dataclass(frozen=True)
+class DeviceChunks:
+    """A ``ChunkPlan`` moved to a device once (reused by every layer of a micro-batch)."""
+
+    plan: ChunkPlan
+    cu_q: torch.Tensor  # int32 [2n + 1]
+    cu_k: torch.Tensor  # int32 [2n + 1]
+    key_index: torch.Tensor | None  # int64 [sum(k_lens)]; None: the keys are the pack, in order
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def build(cls, plan: ChunkPlan, device) -> "DeviceChunks":
+        as_i32 = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int32), device=device)  # noqa: E731
+        index = plan.key_index()
+        identity = bool((index == np.arange(index.size)).all())
+        return cls(plan, as_i32(plan.cu_q), as_i32(plan.cu_k),
+                   None if identity else torch.as_tensor(index, dtype=torch.int64, device=device),
+                   int(plan.q_lens.max(initial=0)), int(plan.k_lens.max(initial=0)))
+
+
+def _sdpa(q_TQ, k_TK, v_TK, chunks: DeviceChunks, scale):
+    outs, p, qpos, kpos = [], chunks.plan, 0, 0
+    kp, vp = _gathered(k_TK, v_TK, chunks)
+    gqa = kp.shape[1] != q_TQ.shape[1]
+    for q_len, k_len in zip(p.q_lens.tolist(), p.k_lens.tolist()):
+        kpos += k_len
+        if q_len == 0:
+            continue
+        qi = q_TQ[qpos:qpos + q_len].transpose(0, 1)
+        ki = kp[kpos - k_len:kpos].transpose(0, 1)
+        vi = vp[kpos - k_len:kpos].transpose(0, 1)
+        rows = torch.arange(q_len, device=q_TQ.device)[:, None] + (k_len - q_len)  # bottom-right causal
+        mask = torch.arange(k_len, device=q_TQ.device)[None, :] <= rows
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        outs.append(o.transpose(0, 1))
+        qpos += q_len
+    return torch.cat(outs) if outs else torch.zeros_like(q_TQ)
+
+
+def _gathered(k_TK, v_TK, chunks: DeviceChunks):
+    if chunks.key_index is None:
+        return k_TK, v_TK
+    return k_TK.index_select(0, chunks.key_index), v_TK.index_select(0, chunks.key_index)
+
+
+def _varlen(q_TQ, k_TK, v_TK, chunks: DeviceChunks, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    kp, vp = _gathered(k_TK, v_TK, chunks)
+    kw = {}
+    if kp.shape[1] != q_TQ.shape[1]:
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+            kw["enable_gqa"] = True
+        else:  # older torch: expand K/V heads
+            rep = q_TQ.shape[1] // kp.shape[1]
+            kp, vp = kp.repeat_interleave(rep, dim=1), vp.repeat_interleave(rep, dim=1)
+    return varlen_attn(q_TQ, kp, vp, chunks.cu_q, chunks.cu_k, chunks.max_q, chunks.max_k,
+                       scale=scale, window_size=(-1, 0), **kw)
+
+
+def _flash_attn(q_TQ, k_TK, v_TK, chunks: DeviceChunks, scale):
+    from flash_attn import flash_attn_varlen_func  # bottom-right causal since flash-attn 2.1
+
+    kp, vp = _gathered(k_TK, v_TK, chunks)
+    return flash_attn_varlen_func(q_TQ, kp, vp, chunks.cu_q, chunks.cu_k, chunks.max_q, chunks.max_k,
+                                  softmax_scale=scale, causal=True)
+
+
+_TE_MODULES: dict = {}
+
+
+def _te(q_TQ, k_TK, v_TK, chunks: DeviceChunks, scale):
+    import transformer_engine.pytorch as te
+
+    kp, vp = _gathered(k_TK, v_TK, chunks)
+    H, D, Hkv = q_TQ.shape[1], q_TQ.shape[2], kp.shape[1]
+    key = (H, D, Hkv, scale)
+    if key not in _TE_MODULES:
+        _TE_MODULES[key] = te.DotProductAttention(H, D, num_gqa_groups=Hkv, qkv_format="thd",
+                                                  attn_mask_type="padding_causal_bottom_right",
+                                                  softmax_scale=scale)
+    o = _TE_MODULES[key](q_TQ, kp, vp, cu_seqlens_q=chunks.cu_q, cu_seqlens_kv=chunks.cu_k,
+                         max_seqlen_q=chunks.max_q, max_seqlen_kv=chunks.max_k)
+    return o.view(q_TQ.shape)
+
+
+BACKENDS = {"sdpa": _sdpa, "varlen": _varlen, "flash_attn": _flash_attn, "te": _te}
+
+
+def backend_available(name: str, device: torch.device | str) -> bool:
+    device = torch.device(device)
+    if name == "sdpa":
+        return True
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if name == "varlen":
+        return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    return importlib.util.find_spec({"flash_attn": "flash_attn", "te": "transformer_engine"}[name]) is not None
+
+
+def resolve_backend(name: str, device) -> str:
+    if name == "auto":
+        name = "varlen" if torch.device(device).type == "cuda" else "sdpa"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
+    if not backend_available(name, device):
+        raise ValueError(f"attention backend {name!r} is not available on {device} "
+                         f"(varlen/flash_attn/te need CUDA and the package installed)")
+    return name
+
+
+def chunk_attention(q_TQ, k_TK, v_TK, chunks: DeviceChunks, *, backend: str = "auto", scale=None):
+    """Attention of ``q_TQ`` (laid out as ``chunks``) against ``k_TK``/``v_TK``; differentiable."""
+    return BACKENDS[resolve_backend(backend, q_TQ.device)](q_TQ, k_TK, v_TK, chunks, scale)
+
+
+def thd_attention(q_TH, k_TH, v_TH, cu_seqlens_padded, *, backend: str = "auto", scale=None):
+    """Causal attention of a whole THD pack without CP (every sequence attends its own prefix)."""
+    chunks = DeviceChunks.build(whole_chunks(cu_seqlens_padded), q_TH.device)
+    return chunk_attention(q_TH, k_TH, v_TH, chunks, backend=backend, scale=scale)
