@@ -1,0 +1,58 @@
+"""Causal CP attention over a THD pack sliced with TransformerEngine's zig-zag rule.
+
+Each rank of a CP block holds ``q``, ``k``, ``v`` for its zig-zag slice of the pack (two chunks per
+sequence, see ``harness.plan.thd``). ``cp_attention``:
+
+1. all-gathers K and V (one collective on the stacked pair) inside the block's process group - its
+   backward reduce-scatters dK/dV, so each rank gets the gradient of its own slice summed over the
+   block;
+2. gathers, in one index, the key prefix each local query chunk may see, straight from the gathered
+   (rank-major) layout;
+3. runs chunk attention with a backend of ``harness.runtime.attention``.
+
+Zig-zag slicing gives every rank the same causal work (chunk r is cheap where chunk 2cp-1-r is
+expensive), so no rank waits for another inside the block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from harness.dist.collectives import all_gather_tokens
+from harness.plan.thd import whole_chunks, zigzag_chunks, zigzag_permutation
+from harness.runtime.attention import DeviceChunks, chunk_attention
+
+
+@dataclass(frozen=True)
+class CPAttentionPlan:
+    """Per micro-batch, per rank: everything the attention of every layer reuses."""
+
+    cp_size: int
+    cp_rank: int
+    cu_seqlens_padded: tuple[int, ...]
+    chunks: DeviceChunks  # key_index points into the *gathered* (rank-major) K/V
+
+    @classmethod
+    def build(cls, cu_seqlens_padded, cp_size: int, cp_rank: int, device) -> "CPAttentionPlan":
+        if cp_size == 1:
+            return cls(1, 0, tuple(int(x) for x in cu_seqlens_padded),
+                       DeviceChunks.build(whole_chunks(cu_seqlens_padded), device))
+        plan = zigzag_chunks(cu_seqlens_padded, cp_size, cp_rank)
+        row_of = np.empty(int(cu_seqlens_padded[-1]), dtype=np.int64)  # pack position -> gathered row
+        row_of[zigzag_permutation(cu_seqlens_padded, cp_size)] = np.arange(row_of.size)
+        chunks = DeviceChunks.build(plan, device)
+        chunks = DeviceChunks(plan, chunks.cu_q, chunks.cu_k, torch.as_tensor(row_of[plan.key_index()], device=device),
+                              chunks.max_q, chunks.max_k)
+        return cls(cp_size, cp_rank, tuple(int(x) for x in cu_seqlens_padded), chunks)
+
+
+def cp_attention(q_TH, k_TH, v_TH, plan: CPAttentionPlan, group, *, backend: str = "auto", scale=None):
+    """This rank's attention output for its zig-zag slice; ``group`` is the CP block's process group
+    (ignored when ``plan.cp_size == 1``)."""
+    if plan.cp_size == 1:
+        return chunk_attention(q_TH, k_TH, v_TH, plan.chunks, backend=backend, scale=scale)
+    kv = all_gather_tokens(torch.stack([k_TH, v_TH], dim=1), group)  # [T, 2, Hkv, D], rank-major
+    return chunk_attention(q_TH, kv[:, 0], kv[:, 1], plan.chunks, backend=backend, scale=scale)

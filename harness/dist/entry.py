@@ -1,0 +1,69 @@
+"""torchrun entry point: ``torchrun --nproc-per-node N -m harness.dist.entry JOB --out FILE [--cfg JSON]``.
+
+Jobs: ``checks`` (``harness.dist.checks.all_checks``: groups, reroute, CP attention vs full attention)
+and ``bench-attention`` (``harness.bench.attention.measure``). Every rank runs the job; rank 0 gathers
+the ranks' results and writes them as JSON (atomically). NCCL on CUDA machines, gloo otherwise.
+``launch(job, nproc, out, cfg)`` runs it from Python (used by the GPU suite and the benchmark CLI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+JOBS = {"checks": "harness.dist.checks:all_checks", "bench-attention": "harness.bench.attention:measure"}
+
+
+def _job(name: str):
+    module, fn = JOBS[name].split(":")
+    return getattr(__import__(module, fromlist=[fn]), fn)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.dist.entry")
+    p.add_argument("job", choices=sorted(JOBS))
+    p.add_argument("--out", required=True)
+    p.add_argument("--cfg", default="{}", help="JSON config for the job")
+    a = p.parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=dt.timedelta(seconds=600))
+    cfg = {"device": "cuda" if cuda else "cpu", **json.loads(a.cfg)}
+    result = _job(a.job)(rank, world, cfg)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        from harness.io import atomic_write_json
+
+        atomic_write_json(a.out, {"job": a.job, "world": world, "cfg": cfg, "ranks": gathered})
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def launch(job: str, nproc: int, out: Path, cfg: dict | None = None, timeout_s: float = 1800) -> dict:
+    """Run ``job`` under torchrun on ``nproc`` local processes and return rank 0's JSON."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+           "--rdzv-endpoint=localhost:0", "-m", "harness.dist.entry", job, "--out", str(out),
+           "--cfg", json.dumps(cfg or {})]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun {job} on {nproc} processes failed (exit {proc.returncode}):\n"
+                           f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return json.loads(Path(out).read_text())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

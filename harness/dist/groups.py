@@ -1,0 +1,128 @@
+"""Dynamic DP x CP process groups: every buddy-aligned power-of-two block of the DP x CP positions.
+
+World layout (Megatron's default order ``tp-cp-ep-dp-pp``, TP fastest, then CP, then DP):
+``rank = tp_rank + tp * position`` with ``position = dp_index * cp + cp_index`` in ``[0, dp * cp)``.
+For each TP coordinate the DP x CP ranks are ``[tp_rank + tp * p for p in range(dp * cp)]``; the
+groups of size ``s`` are their consecutive chunks ``[k*s, (k+1)*s)`` - exactly the blocks a valid
+schedule may use. Size ``dp * cp`` is the DP x CP group itself.
+
+>>> layout = ParallelLayout(dp=2, cp=2, tp=2)
+>>> layout.world_size, layout.position(5), layout.dp_cp_ranks(1)
+(8, 2, [1, 3, 5, 7])
+>>> layout.block_ranks(rank=5, size=2)
+[5, 7]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.plan.errors import PlanInputError
+from harness.plan.layout import Schedule
+
+
+class GroupError(PlanInputError):
+    """A schedule block has no matching process group."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    dp: int
+    """Data-parallel replicas."""
+    cp: int
+    """Static context-parallel size (dynamic blocks range over dp * cp positions)."""
+    tp: int = 1
+    """Tensor-parallel size (fastest-varying rank coordinate)."""
+
+    def __post_init__(self):
+        for name in ("dp", "cp", "tp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise PlanInputError(f"ParallelLayout.{name} must be a positive int, got {v!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp
+
+    @property
+    def n_positions(self) -> int:
+        return self.dp * self.cp
+
+    def position(self, rank: int) -> int:
+        return rank // self.tp
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def rank_of(self, position: int, tp_rank: int = 0) -> int:
+        return tp_rank + self.tp * position
+
+    def dp_cp_ranks(self, tp_rank: int) -> list[int]:
+        return [self.rank_of(p, tp_rank) for p in range(self.n_positions)]
+
+    def block_ranks(self, rank: int, size: int) -> list[int]:
+        start = self.position(rank) // size * size
+        return [self.rank_of(p, self.tp_rank(rank)) for p in range(start, start + size)]
+
+
+def check_block(start: int, size: int, sizes: list[int], where: str = "block") -> None:
+    """Raise ``GroupError`` unless ``[start, start + size)`` is one of the dynamic groups."""
+    if size not in sizes:
+        raise GroupError(f"{where}: block of size {size} at position {start} has no process group "
+                         f"(created sizes: {sizes})")
+    if start % size:
+        raise GroupError(f"{where}: block of size {size} starts at position {start}, not a multiple "
+                         f"of {size}: no process group holds exactly its ranks")
+
+
+class DynamicGroups:
+    """Create (collectively, on every rank, in one fixed order) all dynamic DP x CP groups.
+
+    ``group(size)`` is this rank's group of ``size`` positions; ``for_block(block)`` checks that a
+    schedule block is one of them and returns it; ``check_schedule(schedule)`` checks every block.
+    Sizes below ``min_cp_size`` are not created (as upstream)."""
+
+    def __init__(self, layout: ParallelLayout, rank: int, *, min_cp_size: int = 1, backend: str | None = None):
+        import torch.distributed as dist
+
+        n = layout.n_positions
+        if n & (n - 1):
+            raise GroupError(f"dp * cp = {n} is not a power of two: dynamic CP needs power-of-two blocks")
+        self.layout, self.rank = layout, rank
+        self.sizes = [s for s in (1 << i for i in range(n.bit_length())) if s >= min_cp_size]
+        self._mine: dict[int, tuple[object, list[int]]] = {}
+        for size in self.sizes:
+            for t in range(layout.tp):
+                for k in range(n // size):
+                    ranks = [layout.rank_of(p, t) for p in range(k * size, (k + 1) * size)]
+                    group = dist.new_group(ranks, backend=backend)
+                    if rank in ranks:
+                        self._mine[size] = (group, ranks)
+
+    def group(self, size: int):
+        if size not in self._mine:
+            raise GroupError(f"no dynamic group of size {size}; created sizes are {self.sizes}")
+        return self._mine[size][0]
+
+    def ranks(self, size: int) -> list[int]:
+        self.group(size)
+        return list(self._mine[size][1])
+
+    def _check_block(self, start: int, size: int, where: str) -> None:
+        check_block(start, size, self.sizes, where)
+
+    def check_schedule(self, schedule: Schedule) -> None:
+        if schedule.n_ranks != self.layout.n_positions:
+            raise GroupError(f"schedule has {schedule.n_ranks} positions, the DP x CP domain has "
+                             f"{self.layout.n_positions}")
+        for m, mb in enumerate(schedule.layout):
+            for b in mb:
+                self._check_block(b.start, b.size, f"micro-batch {m}")
+
+    def for_block(self, start: int, size: int):
+        """This rank's group for a block ``[start, start + size)`` of positions that contains it."""
+        self._check_block(start, size, "block")
+        pos = self.layout.position(self.rank)
+        if not start <= pos < start + size:
+            raise GroupError(f"rank {self.rank} (position {pos}) is not in block [{start}, {start + size})")
+        return self.group(size)

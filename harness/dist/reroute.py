@@ -1,0 +1,145 @@
+"""Deliver each rank the sequences of its schedule slots and build its THD micro-batches.
+
+``reroute``: every rank holds the samples it loaded (``owners`` maps gid -> the DP x CP position that
+holds it). One ``all_to_all_single`` over the DP x CP group moves every sample to the positions whose
+slots list it, in slot order; split sizes are computed from the schedule on every rank (it is
+identical everywhere), so no size exchange is needed. The four token tensors of a sample travel
+stacked as one int64 ``[L, 4]`` block.
+
+``build_microbatches``: for micro-batch m, the rank concatenates its slot's samples, pads each to the
+divisor (``padding="local"``: ``2 * local_cp_size``, knowing the schedule; ``"domain"``: Megatron's
+``2 * dp * cp``; both times TP with sequence parallelism), and keeps its zig-zag slice for its rank in
+the block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from harness.plan.errors import PlanInputError
+from harness.plan.layout import Schedule
+from harness.plan.thd import pack, padding_divisor, zigzag_index_array
+
+SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+PAD_VALUES = {"tokens": 0, "labels": -100, "loss_mask": 0}  # position_ids keep counting
+
+
+class RerouteError(PlanInputError):
+    """Ownership or data does not match the schedule."""
+
+
+def needed_gids(schedule: Schedule, position: int) -> list[int]:
+    """The gids in ``position``'s slots, micro-batch after micro-batch, in slot order."""
+    out = []
+    for mb in schedule.layout:
+        for b in mb:
+            if b.start <= position < b.start + b.size:
+                out.extend(b.gids)
+    return out
+
+
+def reroute(local: Mapping[int, Mapping[str, torch.Tensor]], owners: Mapping[int, int], schedule: Schedule,
+            position: int, group=None) -> dict[int, dict[str, torch.Tensor]]:
+    """Samples ``local`` (this rank's) -> the samples of this rank's slots (see module doc)."""
+    n = schedule.n_ranks
+    missing = [g for g in schedule.lengths if g not in owners]
+    if missing:
+        raise RerouteError(f"no owner for gids {missing[:10]}: every scheduled gid needs the position that holds it")
+    needs = [needed_gids(schedule, q) for q in range(n)]
+    send = [[g for g in needs[q] if owners[g] == position] for q in range(n)]
+    recv = [[g for g in needs[position] if owners[g] == q] for q in range(n)]
+    absent = [g for gs in send for g in gs if g not in local]
+    if absent:
+        raise RerouteError(f"position {position} owns gids {absent[:10]} but does not hold their samples")
+    L = schedule.lengths
+    device = next((t.device for s in local.values() for t in s.values()), torch.device("cpu"))
+    blocks = [_stacked(local[g], L[g]) for gs in send for g in gs]
+    buf = torch.cat(blocks) if blocks else torch.empty((0, len(SAMPLE_KEYS)), dtype=torch.int64, device=device)
+    out_splits = [sum(L[g] for g in gs) for gs in recv]
+    out = buf.new_empty((sum(out_splits), len(SAMPLE_KEYS)))
+    dist.all_to_all_single(out, buf, out_splits, [sum(L[g] for g in gs) for gs in send], group=group)
+    received, offset = {}, 0
+    for gs in recv:
+        for g in gs:
+            received[g] = {k: out[offset:offset + L[g], i] for i, k in enumerate(SAMPLE_KEYS)}
+            offset += L[g]
+    return {g: received[g] for g in needs[position]}
+
+
+def _stacked(sample: Mapping[str, torch.Tensor], length: int) -> torch.Tensor:
+    cols = []
+    for k in SAMPLE_KEYS:
+        t = sample[k]
+        if t.shape != (length,):
+            raise RerouteError(f"sample key {k!r} has shape {tuple(t.shape)}, the schedule says {length} tokens")
+        cols.append(t.to(torch.int64))
+    return torch.stack(cols, dim=1)
+
+
+@dataclass(frozen=True)
+class ThdMicroBatch:
+    """This rank's share of one micro-batch: its zig-zag slice of the block's packed THD buffer."""
+
+    index: int
+    gids: tuple[int, ...]
+    block_start: int
+    local_cp_size: int
+    cp_rank: int
+    cu_seqlens: tuple[int, ...]
+    cu_seqlens_padded: tuple[int, ...]
+    max_seqlen: int
+    data: dict[str, torch.Tensor]  # key -> [T_local]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_seqlens[-1]
+
+
+def build_microbatches(samples: Mapping[int, Mapping[str, torch.Tensor]], schedule: Schedule, position: int, *,
+                       padding: str = "local", tp_size: int = 1, sequence_parallel: bool = False) -> list[ThdMicroBatch]:
+    if padding not in ("local", "domain"):
+        raise RerouteError(f"padding must be 'local' or 'domain', got {padding!r}")
+    out = []
+    for m, mb in enumerate(schedule.layout):
+        (b,) = [b for b in mb if b.start <= position < b.start + b.size]
+        div = padding_divisor(cp_size=b.size, tp_size=tp_size, sequence_parallel=sequence_parallel) \
+            if padding == "local" else padding_divisor(n_ranks=schedule.n_ranks, tp_size=tp_size,
+                                                      sequence_parallel=sequence_parallel)
+        p = pack([schedule.lengths[g] for g in b.gids], div)
+        full = {k: torch.cat([_padded(samples[g], k, p.cu_seqlens_padded[i + 1] - p.cu_seqlens_padded[i])
+                              for i, g in enumerate(b.gids)]) for k in SAMPLE_KEYS}
+        idx = torch.as_tensor(zigzag_index_array(p.cu_seqlens_padded, b.size, position - b.start),
+                              device=full["tokens"].device)
+        out.append(ThdMicroBatch(m, b.gids, b.start, b.size, position - b.start, tuple(p.cu_seqlens),
+                                 tuple(p.cu_seqlens_padded), p.max_seqlen, {k: v[idx] for k, v in full.items()}))
+    return out
+
+
+def _padded(sample, key: str, padded_len: int) -> torch.Tensor:
+    t = sample[key]
+    extra = padded_len - t.shape[0]
+    if extra == 0:
+        return t
+    if key == "position_ids":
+        fill = t.shape[0] + torch.arange(extra, dtype=t.dtype, device=t.device)
+    else:
+        fill = torch.full((extra,), PAD_VALUES[key], dtype=t.dtype, device=t.device)
+    return torch.cat([t, fill])
+
+
+def owners_round_robin(gids, n_positions: int) -> dict[int, int]:
+    """A simple ownership map (gid -> position), e.g. for tests."""
+    return {g: i % n_positions for i, g in enumerate(sorted(gids))}
+
+
+def sample_for(gid: int, length: int, vocab: int = 32000, device="cpu") -> dict[str, torch.Tensor]:
+    """A deterministic synthetic sample (every rank can regenerate any gid's data to check it)."""
+    rng = np.random.default_rng(gid)
+    tokens = torch.as_tensor(rng.integers(0, vocab, size=length + 1), dtype=torch.int64, device=device)
+    return {"tokens": tokens[:-1], "labels": tokens[1:], "loss_mask": torch.ones(length, dtype=torch.int64, device=device),
+            "position_ids": torch.arange(length, dtype=torch.int64, device=device)}
