@@ -5,7 +5,8 @@ For 32K and 128K tokens per pack (one sequence, and eight equal sequences) and C
 16 heads x 128) on its own copy of the pack. Figures: the median over iterations of the slowest
 rank's time, TFLOP/s counting causal FLOPs (forward 2 L^2 H D per sequence, backward 2.5 x forward),
 and the per-GPU efficiency relative to one GPU's ``varlen_attn`` on the whole pack:
-``t_1gpu / (cp * t_cp)``. Target: >= 0.8 at cp 4 with 128K tokens.
+``t_1gpu / (cp * t_cp)``. Target: >= 0.8 at cp 4 with 128K tokens. For cp > 1 a breakdown times the
+K/V exchange alone (all-gather + gradient reduce-scatter) and the chunk attention alone.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
     import torch.distributed as dist
     from torch.nn.attention.varlen import varlen_attn
 
+    from harness.dist.collectives import all_gather_tokens
     from harness.dist.cp_attention import CPAttentionPlan, cp_attention
+    from harness.runtime.attention import chunk_attention
     from harness.dist.groups import DynamicGroups, ParallelLayout
     from harness.plan.thd import pack, padding_divisor, zigzag_index_array
 
@@ -80,9 +83,21 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
                     def step():
                         out = cp_attention(q, k, v, plan, group, backend="varlen")
                         out.backward(torch.ones_like(out))
+
+                    kv_local = torch.stack([k, v], dim=1).detach().requires_grad_()
+                    kv_all = all_gather_tokens(kv_local.detach(), group).detach().requires_grad_()
+
+                    def comm():  # K/V all-gather + fp32 reduce-scatter of their gradient only
+                        g = all_gather_tokens(kv_local, group)
+                        g.backward(torch.ones_like(g))
+
+                    def compute():  # chunk attention on already-gathered K/V only
+                        out = chunk_attention(q, kv_all[:, 0], kv_all[:, 1], plan.chunks, backend="varlen")
+                        out.backward(torch.ones_like(out))
                 seconds = timed(step)
+                parts = {} if cp == 1 else {"comm_seconds": timed(comm), "attention_seconds": timed(compute)}
                 rows.append({"tokens": T, "sequences": nseq, "cp": cp, "seconds": seconds,
-                             "flops": causal_flops(lengths, H, D)})
+                             "flops": causal_flops(lengths, H, D), **parts})
                 del full, q, k, v
                 torch.cuda.empty_cache()
     return rows
@@ -92,19 +107,22 @@ def summarize(ranks: list[list[dict]]) -> list[dict]:
     """Slowest rank per configuration; TFLOP/s and efficiency against the cp = 1 baseline."""
     out = []
     for i, row in enumerate(ranks[0]):
-        t = max(r[i]["seconds"] for r in ranks)
-        out.append({**row, "seconds": t})
+        slowest = {k: max(r[i][k] for r in ranks) for k in row if k.endswith("seconds")}
+        out.append({**row, **slowest})
     base = {(r["tokens"], r["sequences"]): r["seconds"] for r in out if r["cp"] == 1}
     for r in out:
         r["ms"] = r["seconds"] * 1e3
         r["tflops"] = r["flops"] / r["seconds"] / 1e12
         r["tflops_per_gpu"] = r["tflops"] / r["cp"]
         r["efficiency"] = base[(r["tokens"], r["sequences"])] / (r["cp"] * r["seconds"])
+        r["comm_ms"] = r["comm_seconds"] * 1e3 if "comm_seconds" in r else None
+        r["attention_ms"] = r["attention_seconds"] * 1e3 if "attention_seconds" in r else None
     return out
 
 
 COLUMNS = [("tokens", "tokens", "d"), ("sequences", "seqs", "d"), ("cp", "cp", "d"), ("ms", "fwd+bwd ms", ".2f"),
-           ("tflops", "TFLOP/s", ".1f"), ("tflops_per_gpu", "TFLOP/s/GPU", ".1f"), ("efficiency", "efficiency", ".3f")]
+           ("tflops", "TFLOP/s", ".1f"), ("tflops_per_gpu", "TFLOP/s/GPU", ".1f"), ("efficiency", "efficiency", ".3f"),
+           ("comm_ms", "K/V comm ms", ".2f"), ("attention_ms", "attention-only ms", ".2f")]
 
 
 def main(*, out: Path | None = None, nproc: int | None = None, cfg: dict | None = None) -> int:
