@@ -6,7 +6,7 @@ For 32K and 128K tokens per pack (one sequence, and eight equal sequences) and C
 rank's time, TFLOP/s counting causal FLOPs (forward 2 L^2 H D per sequence, backward 2.5 x forward),
 and the per-GPU efficiency relative to one GPU's ``varlen_attn`` on the whole pack:
 ``t_1gpu / (cp * t_cp)``. Target: >= 0.8 at cp 4 with 128K tokens. For cp > 1 a breakdown times the
-K/V exchange alone (all-gather + gradient reduce-scatter) and the chunk attention alone.
+K/V exchange alone (all-gather, key gather and their backward) and the chunk attention alone.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
     import torch.distributed as dist
     from torch.nn.attention.varlen import varlen_attn
 
-    from harness.dist.collectives import all_gather_tokens
+    from harness.dist.collectives import gather_chunk_keys
     from harness.dist.cp_attention import CPAttentionPlan, cp_attention
     from harness.runtime.attention import chunk_attention
     from harness.dist.groups import DynamicGroups, ParallelLayout
@@ -85,14 +85,15 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
                         out.backward(torch.ones_like(out))
 
                     kv_local = torch.stack([k, v], dim=1).detach().requires_grad_()
-                    kv_all = all_gather_tokens(kv_local.detach(), group).detach().requires_grad_()
+                    kv_keys = gather_chunk_keys(kv_local.detach(), group, plan.chunks.key_index).detach().requires_grad_()
 
-                    def comm():  # K/V all-gather + fp32 reduce-scatter of their gradient only
-                        g = all_gather_tokens(kv_local, group)
+                    def comm():  # K/V all-gather + key gather, and their backward (fp32 sum, reduce-scatter)
+                        g = gather_chunk_keys(kv_local, group, plan.chunks.key_index)
                         g.backward(torch.ones_like(g))
 
-                    def compute():  # chunk attention on already-gathered K/V only
-                        out = chunk_attention(q, kv_all[:, 0], kv_all[:, 1], plan.chunks, backend="varlen")
+                    def compute():  # chunk attention on already-gathered keys only
+                        out = chunk_attention(q, kv_keys[:, 0], kv_keys[:, 1], plan.chunks, backend="varlen",
+                                              keys_gathered=True)
                         out.backward(torch.ones_like(out))
                 seconds = timed(step)
                 parts = {} if cp == 1 else {"comm_seconds": timed(comm), "attention_seconds": timed(compute)}

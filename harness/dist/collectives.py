@@ -1,11 +1,10 @@
 """Collectives with autograd, on both the torch 2.11 (GPU machine) and 2.13 (CPU) APIs.
 
-``all_gather_tokens(x, group)``: concatenate every rank's ``x`` along dim 0 (rank order); its
-backward reduce-scatters the gradient, so each rank receives the sum of all ranks' gradients for
-its own slice - the gradient of a shared K/V under context parallelism. Low-precision gradients are
-summed in fp32 (``grad_reduce_dtype``): a bf16 reduce-scatter rounds after every addition, which
-measurably loosened dK/dV against unsharded attention on 4 H200s (elementwise error 1.02x TE's
-2.5e-2 tolerance on a 128K GQA pack; within it with fp32 sums).
+``gather_chunk_keys(kv, group, index)`` = ``all_gather(kv)[index]``: every rank's K/V slice,
+concatenated in rank order, then the rows each local query chunk may attend. Its backward sums the
+gradients of duplicated rows in fp32, reduce-scatters in fp32 and casts once, so each rank receives
+its own slice's gradient summed over the CP block. (With bf16 partial sums, one dV element of a 128K
+GQA pack on 4 H200s was 6 bf16 ulps off unsharded attention: 1.02x TE's 2.5e-2 tolerance.)
 """
 
 from __future__ import annotations
@@ -17,29 +16,34 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class _AllGatherTokens(torch.autograd.Function):
+class _GatherChunkKeys(torch.autograd.Function):
+    """All-gather ``kv`` in ``group`` (None = this rank only), then pick ``index`` rows. Backward:
+    the gradients of duplicated rows (a key seen by two query chunks, on several ranks) are summed in
+    fp32 and reduce-scattered in fp32, then cast once - as precise as one unsharded kernel's
+    accumulation."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group, grad_reduce_dtype) -> torch.Tensor:
-        ctx.group, ctx.grad_reduce_dtype = group, grad_reduce_dtype
-        world = dist.get_world_size(group)
-        out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        _all_gather(out, x.contiguous(), group=group)
-        return out
+    def forward(ctx, kv: torch.Tensor, group, index: torch.Tensor) -> torch.Tensor:
+        full = kv
+        if group is not None and dist.get_world_size(group) > 1:
+            full = kv.new_empty((dist.get_world_size(group) * kv.shape[0], *kv.shape[1:]))
+            _all_gather(full, kv.contiguous(), group=group)
+        ctx.group, ctx.rows, ctx.dtype = group, full.shape[0], kv.dtype
+        ctx.save_for_backward(index)
+        return full.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        world = dist.get_world_size(ctx.group)
-        wide = ctx.grad_reduce_dtype if grad.element_size() < torch.empty((), dtype=ctx.grad_reduce_dtype).element_size() \
-            else grad.dtype
-        g = grad.to(wide).contiguous()
-        out = g.new_empty((g.shape[0] // world, *g.shape[1:]))
-        _reduce_scatter(out, g, group=ctx.group)
-        return out.to(grad.dtype), None, None
+        (index,) = ctx.saved_tensors
+        acc = grad.new_zeros((ctx.rows, *grad.shape[1:]), dtype=torch.float32 if grad.element_size() < 4 else grad.dtype)
+        acc.index_add_(0, index, grad.to(acc.dtype))
+        if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
+            out = acc.new_empty((acc.shape[0] // dist.get_world_size(ctx.group), *acc.shape[1:]))
+            _reduce_scatter(out, acc, group=ctx.group)
+            acc = out
+        return acc.to(ctx.dtype), None, None
 
 
-def all_gather_tokens(x: torch.Tensor, group, grad_reduce_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Differentiable all-gather along dim 0 inside ``group`` (identity for a group of one); the
-    backward sums gradients in at least ``grad_reduce_dtype``."""
-    if group is None or dist.get_world_size(group) == 1:
-        return x
-    return _AllGatherTokens.apply(x, group, grad_reduce_dtype)
+def gather_chunk_keys(kv: torch.Tensor, group, index: torch.Tensor) -> torch.Tensor:
+    """Differentiable ``all_gather(kv)[index]`` with fp32 gradient accumulation (see above)."""
+    return _GatherChunkKeys.apply(kv, group, index)

@@ -3,12 +3,11 @@
 Each rank of a CP block holds ``q``, ``k``, ``v`` for its zig-zag slice of the pack (two chunks per
 sequence, see ``harness.plan.thd``). ``cp_attention``:
 
-1. all-gathers K and V (one collective on the stacked pair) inside the block's process group - its
-   backward reduce-scatters dK/dV, so each rank gets the gradient of its own slice summed over the
-   block;
-2. gathers, in one index, the key prefix each local query chunk may see, straight from the gathered
-   (rank-major) layout;
-3. runs chunk attention with a backend of ``harness.runtime.attention``.
+1. all-gathers K and V (one collective on the stacked pair) inside the block's process group and
+   picks, in one index, the key prefix each local query chunk may see, straight from the gathered
+   (rank-major) layout; the backward sums the duplicated keys' gradients in fp32 and reduce-scatters
+   them in fp32, so each rank gets its slice's gradient summed over the block, rounded once;
+2. runs chunk attention with a backend of ``harness.runtime.attention``.
 
 Zig-zag slicing gives every rank the same causal work (chunk r is cheap where chunk 2cp-1-r is
 expensive), so no rank waits for another inside the block.
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from harness.dist.collectives import all_gather_tokens
+from harness.dist.collectives import gather_chunk_keys
 from harness.plan.thd import whole_chunks, zigzag_chunks, zigzag_permutation
 from harness.runtime.attention import DeviceChunks, chunk_attention
 
@@ -54,5 +53,5 @@ def cp_attention(q_TH, k_TH, v_TH, plan: CPAttentionPlan, group, *, backend: str
     (ignored when ``plan.cp_size == 1``)."""
     if plan.cp_size == 1:
         return chunk_attention(q_TH, k_TH, v_TH, plan.chunks, backend=backend, scale=scale)
-    kv = all_gather_tokens(torch.stack([k_TH, v_TH], dim=1), group)  # [T, 2, Hkv, D], rank-major
-    return chunk_attention(q_TH, kv[:, 0], kv[:, 1], plan.chunks, backend=backend, scale=scale)
+    kv = gather_chunk_keys(torch.stack([k_TH, v_TH], dim=1), group, plan.chunks.key_index)  # [sum k_len, 2, Hkv, D]
+    return chunk_attention(q_TH, kv[:, 0], kv[:, 1], plan.chunks, backend=backend, scale=scale, keys_gathered=True)

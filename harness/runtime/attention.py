@@ -142,8 +142,13 @@ def resolve_backend(name: str, device) -> str:
     return name
 
 
-def chunk_attention(q_TQ, k_TK, v_TK, chunks: DeviceChunks, *, backend: str = "auto", scale=None):
-    """Attention of ``q_TQ`` (laid out as ``chunks``) against ``k_TK``/``v_TK``; differentiable."""
+def chunk_attention(q_TQ, k_TK, v_TK, chunks: DeviceChunks, *, backend: str = "auto", scale=None,
+                    keys_gathered: bool = False):
+    """Attention of ``q_TQ`` (laid out as ``chunks``) against ``k_TK``/``v_TK``; differentiable.
+    ``keys_gathered``: ``k_TK``/``v_TK`` already hold each chunk's keys, chunk after chunk (the
+    caller applied ``chunks.key_index``, e.g. with fp32 gradient accumulation)."""
+    if keys_gathered:
+        chunks = DeviceChunks(chunks.plan, chunks.cu_q, chunks.cu_k, None, chunks.max_q, chunks.max_k)
     return BACKENDS[resolve_backend(backend, q_TQ.device)](q_TQ, k_TK, v_TK, chunks, scale)
 
 
