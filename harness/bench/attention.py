@@ -15,7 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
-from harness.bench.common import REPORTS, table, write_report
+from harness.bench.common import table, write_report
 
 DEFAULT = {"tokens": [32768, 131072], "shapes": [1, 8], "cps": [1, 2, 4], "heads": 16, "kv_heads": 16,
            "head_dim": 128, "warmup": 3, "iters": 10, "dtype": "bfloat16"}
@@ -149,8 +149,8 @@ def main(*, out: Path | None = None, nproc: int | None = None, cfg: dict | None 
                "pass": hit[0]["efficiency"] >= TARGET["efficiency"]}] if hit else []
     for c in checks:
         print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['value']:.3f}")
-    path = write_report("bench_attention", {**DEFAULT, **(cfg or {}), "gpus": n,
+    path = write_report("attention", {**DEFAULT, **(cfg or {}), "gpus": n,
                                             "device": torch.cuda.get_device_name(0)}, rows,
-                        out=out or REPORTS / "bench_attention.json", checks=checks)
+                        out=out, checks=checks)
     print(f"wrote {path}")
     return 0 if all(c["pass"] for c in checks) else 1

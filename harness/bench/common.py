@@ -33,7 +33,8 @@ def time_call(fn: Callable[[], object], *, min_total_s: float = 0.2, max_reps: i
 
 
 def write_report(name: str, config: dict, results, out: Path | None = None, **extra) -> Path:
-    path = out or REPORTS / f"{name}.json"
+    """Write ``reports/bench_<name>.json`` (or ``out``) for ``dcp-harness bench <name>``."""
+    path = out or REPORTS / f"bench_{name}.json"
     doc = {"benchmark": name, "config": config, "producer": producer(f"dcp-harness bench {name}"),
            "results": results, **extra}
     return atomic_write_json(path, doc)

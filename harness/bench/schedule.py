@@ -123,7 +123,7 @@ def main(*, quick: bool = False, batches: int = 5, out=None) -> int:
     print()
     for c in result["checks"]:
         print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['value']:.4g}")
-    path = write_report("bench_schedule", {"quick": quick, "batches": batches, "configs": QUICK_CONFIGS if quick else CONFIGS,
+    path = write_report("schedule", {"quick": quick, "batches": batches, "configs": QUICK_CONFIGS if quick else CONFIGS,
                                            "distributions": DISTRIBUTIONS}, result["rows"], out=out,
                         checks=result["checks"], cost=result["cost"])
     print(f"\nwrote {path}")

@@ -45,5 +45,5 @@ def main(out: Path | None = None) -> int:
                "value": r["all_ranks_ms"], "pass": r["all_ranks_ms"] <= TARGET_MS} for r in first]
     for c in checks:
         print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['value']:.2f}")
-    print(f"wrote {write_report('bench_thd', {'target_ms': TARGET_MS}, rows, out=out, checks=checks)}")
+    print(f"wrote {write_report('thd', {'target_ms': TARGET_MS}, rows, out=out, checks=checks)}")
     return 0 if all(c["pass"] for c in checks) else 1

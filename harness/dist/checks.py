@@ -29,7 +29,7 @@ from harness.runtime.attention import thd_attention
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT = {"device": "cpu", "dtype": "float32", "backend": "auto", "ref_backend": None, "heads": 4, "kv_heads": 2,
            "head_dim": 32, "max_seq": 300, "max_seqs": 4, "pack_tokens": None, "seed": 0,
-           "layouts": None, "reroute_sequences": 24, "max_seqlen_per_rank": 256}
+           "layouts": None, "reroute_sequences": 24, "max_seqlen_per_rank": 256, "parallel": None}
 
 
 def default_layouts(world: int) -> list[list[int]]:
@@ -62,16 +62,18 @@ def _device(groups: DynamicGroups):
     return groups.device
 
 
-def check_reroute(rank: int, world: int, layout: ParallelLayout, cfg: dict, device) -> dict:
+def check_reroute(rank: int, world: int, groups: DynamicGroups, cfg: dict, device) -> dict:
+    layout = groups.layout
     rng = np.random.default_rng(cfg["seed"] + 101)
     mslpr = cfg["max_seqlen_per_rank"]
     lengths = [(int(g), int(L)) for g, L in zip(rng.permutation(1000)[:cfg["reroute_sequences"]],
                                                 rng.integers(1, 2 * mslpr, size=cfg["reroute_sequences"]))]
     sched = schedule(lengths, n_ranks=layout.n_positions, max_seqlen_per_rank=mslpr)
+    groups.check_schedule(sched)
     owners = owners_round_robin([g for g, _ in lengths], layout.n_positions)
     me = layout.position(rank)
     local = {g: sample_for(g, L, device=device) for g, L in lengths if owners[g] == me}
-    got = reroute(local, owners, sched, me)
+    got = reroute(local, owners, sched, me, group=groups.group(layout.n_positions))
     expect_gids = needed_gids(sched, me)
     content_ok = all(torch.equal(got[g][k], sample_for(g, sched.lengths[g], device=device)[k])
                      for g in expect_gids for k in got[g])
@@ -145,9 +147,12 @@ def check_attention(rank: int, world: int, groups: DynamicGroups, cfg: dict, dev
 def all_checks(rank: int, world: int, cfg: dict | None = None) -> dict:
     cfg = {**DEFAULT, **(cfg or {})}
     device = torch.device(cfg["device"], torch.cuda.current_device()) if cfg["device"] == "cuda" else torch.device("cpu")
-    layout = ParallelLayout(dp=world, cp=1)
+    dp, cp, tp = cfg["parallel"] or (world, 1, 1)  # Megatron order: TP fastest, then CP, then DP
+    layout = ParallelLayout(dp=dp, cp=cp, tp=tp)
+    if layout.world_size != world:
+        raise ValueError(f"parallel (dp, cp, tp) = {cfg['parallel']} needs {layout.world_size} ranks, world has {world}")
     groups = DynamicGroups(layout, rank)
     groups.device = device
-    return {"rank": rank, "world": world, "groups": check_groups(rank, world, groups),
-            "reroute": check_reroute(rank, world, layout, cfg, device),
-            "attention": check_attention(rank, world, groups, cfg, device)}
+    return {"rank": rank, "world": world, "parallel": [dp, cp, tp], "groups": check_groups(rank, world, groups),
+            "reroute": check_reroute(rank, world, groups, cfg, device),
+            "attention": check_attention(rank, layout.n_positions, groups, cfg, device)}

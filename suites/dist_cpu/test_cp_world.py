@@ -12,14 +12,21 @@ from harness.dist.launch import run_on_ranks
 pytestmark = pytest.mark.dist_cpu
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+WORLDS = {"world2": (2, None), "world4": (4, None), "world4_dp1_cp2_tp2": (4, (1, 2, 2))}
+
+
+@pytest.fixture(scope="module", params=list(WORLDS))
 def world(request, tmp_path_factory):
-    cfg = {"dtype": "float32", "seed": request.param}
-    return request.param, run_on_ranks(all_checks, world_size=request.param,
-                                       tmp_path=tmp_path_factory.mktemp("world"), args=(cfg,), timeout_s=120)
+    size, parallel = WORLDS[request.param]
+    cfg = {"dtype": "float32", "seed": size, "parallel": parallel}
+    results = run_on_ranks(all_checks, world_size=size, tmp_path=tmp_path_factory.mktemp("world"), args=(cfg,),
+                           timeout_s=120)
+    tp = parallel[2] if parallel else 1
+    return size // tp, results  # DP x CP positions
 
 
 def test_every_dynamic_group_has_exactly_its_block(world):
+    """With TP > 1 the groups of a TP coordinate are [t, t + tp, ...] (TP varies fastest)."""
     n, results = world
     for r in results:
         assert sorted(r["groups"]) == [s for s in (1, 2, 4) if s <= n]
