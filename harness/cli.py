@@ -2,6 +2,8 @@
 
   dcp-harness run                      main job: scheduler comparison + edge cases, report, verdict
   dcp-harness schedule ...             schedule one global batch; table, occupancy map, --json
+  dcp-harness converge ...             train bshd / thd / dcp side by side; report, goldens, wandb
+  dcp-harness nightly                  both models, more steps, GPUs if present; history + trend plots
   dcp-harness bench schedule           scheduler latency and quality benchmark -> reports/
   dcp-harness bench thd                zig-zag index speed (CPU) -> reports/
   dcp-harness bench attention          CP attention throughput on GPUs -> reports/
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 
 from harness import __version__
+from harness.golden import GoldenError
 from harness.plan import ALGORITHMS, CostModel, PlanInputError, check_schedule, gpt_benchmark_cost
 
 
@@ -73,6 +76,43 @@ def _cmd_schedule(a) -> int:
     return 0 if not bad else 1
 
 
+def _add_converge(sub) -> None:
+    c = sub.add_parser("converge", help="train bshd / thd / dcp side by side and check they agree",
+                       description="Train the layouts side by side (torchrun: gloo on CPU, NCCL on GPUs) and compare.")
+    c.add_argument("--layouts", default="bshd,thd,dcp", help="comma-separated: bshd, thd, dcp")
+    c.add_argument("--world", type=int, default=4, help="ranks (processes or GPUs), a power of two")
+    c.add_argument("--steps", type=int, default=50)
+    c.add_argument("--model", default="tiny-gpt", help="tiny-gpt or tiny-moe")
+    c.add_argument("--scheduler", default="balanced", help="dynamic-CP scheduler for the dcp layout")
+    c.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
+    c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    c.add_argument("--lengths", default=None, help="length spec of the corpus (harness.workloads)")
+    c.add_argument("--batch-size", type=int, default=None, help="sequences per global batch (default 32)")
+    c.add_argument("--max-seqlen-per-rank", type=int, default=None)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--golden", choices=["auto", "require", "off"], default="auto",
+                   help="compare with golden/convergence/<case>.<hw>.json: when it exists (auto), always (require)")
+    c.add_argument("--update-golden", action="store_true", help="write the golden of this case from this run")
+    c.add_argument("--out", type=Path, default=None, help="report root (default reports/)")
+
+
+def _cmd_converge(a) -> int:
+    from harness import converge
+    from harness.bench.common import REPORTS
+
+    if a.device == "auto":
+        import torch
+
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = converge.config_from_args(a)
+    res = converge.run(cfg, world=a.world, out_root=a.out or REPORTS,
+                       golden="update" if a.update_golden else a.golden)
+    for c in res.checks:
+        print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['value']:.3g}")
+    print(f"report: {res.run_dir / 'index.html'}\nverdict: {res.verdict}")
+    return 0 if res.verdict == "PASS" else 1
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dcp-harness", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -81,7 +121,16 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="the main job on the embedded CPU default")
     r.add_argument("--batches", type=int, default=3, help="global batches per configuration (default 3)")
     r.add_argument("--out", type=Path, default=None, help="report root (default reports/)")
+    r.add_argument("--steps", type=int, default=50, help="convergence steps (default 50, which has a golden)")
+    r.add_argument("--no-convergence", action="store_true", help="skip the convergence comparison")
     _add_schedule(sub)
+    _add_converge(sub)
+    n = sub.add_parser("nightly", help="both models, more steps, GPUs when present; history with trend plots")
+    n.add_argument("--steps", type=int, default=100)
+    n.add_argument("--models", default="tiny-gpt,tiny-moe")
+    n.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    n.add_argument("--world", type=int, default=None, help="default: min(4, GPUs) on GPU, 4 on CPU")
+    n.add_argument("--root", type=Path, default=None, help="default reports/nightly")
     b = sub.add_parser("bench", help="benchmarks (write reports/<name>.json)")
     bsub = b.add_subparsers(dest="bench", required=True)
     bs = bsub.add_parser("schedule", help="scheduler latency and quality vs upstream and the lower bound")
@@ -109,10 +158,18 @@ def main(argv: list[str] | None = None) -> int:
             from harness import main_job
             from harness.bench.common import REPORTS
 
-            code, _ = main_job.run(quick_batches=a.batches, out_root=a.out or REPORTS)
+            conv = None if a.no_convergence else {**main_job.DEFAULT_CONVERGENCE, "steps": a.steps}
+            code, _ = main_job.run(quick_batches=a.batches, out_root=a.out or REPORTS, convergence=conv)
             return code
         if a.command == "schedule":
             return _cmd_schedule(a)
+        if a.command == "converge":
+            return _cmd_converge(a)
+        if a.command == "nightly":
+            from harness import nightly
+
+            return nightly.run(steps=a.steps, models=tuple(a.models.split(",")), device=a.device, world=a.world,
+                               root=a.root or nightly.NIGHTLY)
         if a.command == "bench":
             if a.bench == "attention":
                 from harness.bench import attention
@@ -130,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"wrote {make_wikipedia_sample(a.source, a.n, a.seed)}")
             return 0
-    except PlanInputError as e:
+    except (PlanInputError, GoldenError) as e:
         print(f"dcp-harness: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,9 +1,12 @@
 """``dcp-harness run``: the main job on the embedded CPU default.
 
-Until the convergence runner exists it runs the scheduler comparison (``bench schedule`` on a quick
-grid), the edge-case catalogue, and a rank-by-rank picture of one global batch, then writes
-``reports/run-<timestamp>/{index.html, summary.md, results.json}`` (into a temporary folder renamed
-at the end, so an interrupted run leaves earlier reports intact) and prints a verdict.
+1. Convergence: bshd vs THD packing vs dynamic CP, tiny GPT, 4 gloo ranks, 50 steps, fp32; every
+   layout within 1e-5 of bshd and of the committed golden at every step (``harness.converge``).
+2. Scheduler comparison (``bench schedule`` on a quick grid) and a rank-by-rank picture of one batch.
+3. The edge-case catalogue (spec 2.8 and the differential suite's findings).
+Writes ``reports/run-<timestamp>/`` (``index.html``, ``summary.md``, ``results.json``, and
+``convergence/`` with the metrics JSONL and offline wandb runs) into a temporary folder renamed at the
+end, so an interrupted run leaves earlier reports intact, and prints a PASS / FAIL verdict.
 """
 
 from __future__ import annotations
@@ -41,21 +44,46 @@ def _timeline() -> dict:
             "img": figure_png(plots.timelines(scheds, gpt, steps)), "step_times": steps}
 
 
-def run(*, quick_batches: int = 3, out_root: Path = REPORTS) -> tuple[int, Path]:
+DEFAULT_CONVERGENCE = {"model": "tiny-gpt", "steps": 50, "world": 4}
+
+
+def run(*, quick_batches: int = 3, out_root: Path = REPORTS, convergence: dict | None = DEFAULT_CONVERGENCE) -> tuple[int, Path]:
+    from harness import converge
+    from harness.dist.train import TrainConfig
+
     t0 = time.perf_counter()
-    print("dcp-harness run: dynamic-CP scheduler comparison on the embedded CPU default")
-    print(f"[1/3] scheduler comparison ({quick_batches} global batches per configuration)")
+    print("dcp-harness run: convergence, scheduler comparison and edge cases on the embedded CPU default")
+    out_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".run-", dir=out_root))
+    try:
+        conv = None
+        if convergence:
+            c = dict(convergence)
+            world = c.pop("world")
+            print(f"[1/4] convergence: {c['model']}, {world} gloo ranks, {c['steps']} steps, layouts bshd / thd / dcp")
+            golden = "require" if convergence == DEFAULT_CONVERGENCE else "auto"  # the default has a committed golden
+            conv = converge.run(TrainConfig(**c), world=world, golden=golden, run_dir=tmp / "convergence",
+                                progress=lambda s: print(s, flush=True))
+        return _rest(t0, quick_batches, tmp, out_root, conv)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _rest(t0, quick_batches, tmp, out_root, conv):
+    print(f"[2/4] scheduler comparison ({quick_batches} global batches per configuration)")
     bench = bench_schedule.run(quick=True, batches=quick_batches, progress=lambda s: print(s, flush=True))
-    print("[2/3] edge cases (spec 2.8 and the differential suite's findings)")
+    print("[3/4] edge cases (spec 2.8 and the differential suite's findings)")
     edges = run_all()
     for e in edges:
         ours_ok = all(o["ok"] for o in e["ours"].values())
         up = e["upstream"]
         print(f"  {e['key']:20s} harness {'OK  ' if ours_ok else 'FAIL'}  megatron-core: "
               f"{'not installed' if up is None else up['kind']}")
-    print("[3/3] report")
+    print("[4/4] report")
     timeline = _timeline()
-    checks = [c for c in bench["checks"] if "latency" not in c["target"]]
+    checks = list(conv.checks) if conv else []
+    checks += [c for c in bench["checks"] if "latency" not in c["target"]]
     checks += [{"target": f"edge case {e['key']}: typed error or valid schedule from every algorithm",
                 "value": sum(o["ok"] for o in e["ours"].values()),
                 "shown": f"{sum(o['ok'] for o in e['ours'].values())}/{len(e['ours'])}",
@@ -63,30 +91,27 @@ def run(*, quick_batches: int = 3, out_root: Path = REPORTS) -> tuple[int, Path]
                for e in edges]
     verdict = "PASS" if all(c["pass"] for c in checks) else "FAIL"
     result = {"verdict": verdict, "checks": checks + [c for c in bench["checks"] if "latency" in c["target"]],
-              "bench": bench, "edge_cases": edges, "timeline": timeline,
+              "bench": bench, "edge_cases": edges, "timeline": timeline, "convergence": conv,
               "producer": producer("dcp-harness run"), "finished": dt.datetime.now().isoformat(timespec="seconds")}
-    path = _write(result, out_root)
+    path = _write(result, tmp, out_root)
     print(f"\nreport: {path / 'index.html'}\nsummary: {path / 'summary.md'}")
     print(f"verdict: {verdict} ({sum(c['pass'] for c in checks)}/{len(checks)} checks, {time.perf_counter() - t0:.0f} s)")
     return (0 if verdict == "PASS" else 1), path
 
 
-def _write(result: dict, out_root: Path) -> Path:
+def _write(result: dict, tmp: Path, out_root: Path) -> Path:
     from harness.report.schedule_report import render
 
     html, md = render(result)
-    out_root.mkdir(parents=True, exist_ok=True)
+    conv = result["convergence"]
+    atomic_write_text(tmp / "index.html", html)
+    atomic_write_text(tmp / "summary.md", md)
+    atomic_write_json(tmp / "results.json", {k: v for k, v in result.items() if k not in ("timeline", "convergence")}
+                      | {"timeline": {k: v for k, v in result["timeline"].items() if k != "img"},
+                         "convergence": None if conv is None else {"verdict": conv.verdict, "case_id": conv.case_id,
+                                                                   "checks": conv.checks, "config": conv.config}})
     final = out_root / f"run-{dt.datetime.now():%Y%m%d-%H%M%S}"
-    tmp = Path(tempfile.mkdtemp(prefix=".run-", dir=out_root))
-    try:
-        atomic_write_text(tmp / "index.html", html)
-        atomic_write_text(tmp / "summary.md", md)
-        atomic_write_json(tmp / "results.json", {k: v for k, v in result.items() if k != "timeline"}
-                          | {"timeline": {k: v for k, v in result["timeline"].items() if k != "img"}})
-        if final.exists():
-            final = final.with_name(final.name + f"-{os.getpid()}")
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    if final.exists():
+        final = final.with_name(final.name + f"-{os.getpid()}")
+    os.replace(tmp, final)
     return final

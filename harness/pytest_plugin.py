@@ -12,6 +12,8 @@ property, derandomized so CI is reproducible), ``nightly`` (5000, random), ``qui
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from harness import golden as golden_mod
@@ -29,6 +31,12 @@ try:
     settings.load_profile("ci")
 except ImportError:  # hypothesis is a test extra; the plugin still loads without it
     pass
+
+
+def pytest_configure(config):
+    # xdist workers share the machine's cores: one intra-op thread each (torch reads this at import)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_addoption(parser):

@@ -1,7 +1,7 @@
 """torchrun entry point: ``torchrun --nproc-per-node N -m harness.dist.entry JOB --out FILE [--cfg JSON]``.
 
-Jobs: ``checks`` (``harness.dist.checks.all_checks``: groups, reroute, CP attention vs full attention)
-and ``bench-attention`` (``harness.bench.attention.measure``). Every rank runs the job; rank 0 gathers
+Jobs: ``checks`` (``harness.dist.checks.all_checks``: groups, reroute, CP attention vs full attention),
+``bench-attention`` (``harness.bench.attention.measure``) and ``converge`` (``harness.dist.train.train``). Every rank runs the job; rank 0 gathers
 the ranks' results and writes them as JSON (atomically). NCCL on CUDA machines, gloo otherwise.
 ``launch(job, nproc, out, cfg)`` runs it from Python (used by the GPU suite and the benchmark CLI).
 """
@@ -16,7 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-JOBS = {"checks": "harness.dist.checks:all_checks", "bench-attention": "harness.bench.attention:measure"}
+JOBS = {"checks": "harness.dist.checks:all_checks", "bench-attention": "harness.bench.attention:measure",
+        "converge": "harness.dist.train:train"}
 
 
 def _job(name: str):
@@ -51,17 +52,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def launch(job: str, nproc: int, out: Path, cfg: dict | None = None, timeout_s: float = 1800) -> dict:
-    """Run ``job`` under torchrun on ``nproc`` local processes and return rank 0's JSON."""
+def launch(job: str, nproc: int, out: Path, cfg: dict | None = None, timeout_s: float = 1800,
+           stream=None) -> dict:
+    """Run ``job`` under torchrun on ``nproc`` local processes and return rank 0's JSON. ``stream``:
+    called with each stdout line as it arrives (progress); otherwise output is captured."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
            "--rdzv-endpoint=localhost:0", "-m", "harness.dist.entry", job, "--out", str(out),
            "--cfg", json.dumps(cfg or {})]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+    tail: list[str] = []
+    try:
+        for line in proc.stdout:
+            tail = (tail + [line])[-200:]
+            if stream:
+                stream(line.rstrip("\n"))
+        proc.wait(timeout=timeout_s)
+    except BaseException:
+        proc.kill()
+        raise
     if proc.returncode != 0:
-        raise RuntimeError(f"torchrun {job} on {nproc} processes failed (exit {proc.returncode}):\n"
-                           f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise RuntimeError(f"torchrun {job} on {nproc} processes failed (exit {proc.returncode}); last output:\n"
+                           + "".join(tail[-80:]))
     return json.loads(Path(out).read_text())
 
 

@@ -101,16 +101,27 @@ class ThdMicroBatch:
 
 
 def build_microbatches(samples: Mapping[int, Mapping[str, torch.Tensor]], schedule: Schedule, position: int, *,
-                       padding: str = "local", tp_size: int = 1, sequence_parallel: bool = False) -> list[ThdMicroBatch]:
-    if padding not in ("local", "domain"):
-        raise RerouteError(f"padding must be 'local' or 'domain', got {padding!r}")
+                       padding: str = "local", fixed_length: int = 0, tp_size: int = 1,
+                       sequence_parallel: bool = False) -> list[ThdMicroBatch]:
+    """``padding``: ``local`` (2 x local_cp_size), ``domain`` (2 x N) or ``fixed`` (every sequence
+    padded to ``fixed_length``: the bshd layout)."""
+    if padding not in ("local", "domain", "fixed"):
+        raise RerouteError(f"padding must be 'local', 'domain' or 'fixed', got {padding!r}")
     out = []
     for m, mb in enumerate(schedule.layout):
         (b,) = [b for b in mb if b.start <= position < b.start + b.size]
-        div = padding_divisor(cp_size=b.size, tp_size=tp_size, sequence_parallel=sequence_parallel) \
-            if padding == "local" else padding_divisor(n_ranks=schedule.n_ranks, tp_size=tp_size,
-                                                      sequence_parallel=sequence_parallel)
-        p = pack([schedule.lengths[g] for g in b.gids], div)
+        lengths = [schedule.lengths[g] for g in b.gids]
+        if padding == "fixed":
+            if fixed_length < max(lengths) or fixed_length % (2 * b.size if b.size > 1 else 1):
+                raise RerouteError(f"fixed_length={fixed_length} must hold {max(lengths)} tokens and be a "
+                                   f"multiple of 2 x {b.size}")
+            p = pack(lengths, 1)
+            p = type(p)(p.cu_seqlens, [fixed_length * i for i in range(len(lengths) + 1)], fixed_length)
+        else:
+            div = padding_divisor(cp_size=b.size, tp_size=tp_size, sequence_parallel=sequence_parallel) \
+                if padding == "local" else padding_divisor(n_ranks=schedule.n_ranks, tp_size=tp_size,
+                                                          sequence_parallel=sequence_parallel)
+            p = pack(lengths, div)
         full = {k: torch.cat([_padded(samples[g], k, p.cu_seqlens_padded[i + 1] - p.cu_seqlens_padded[i])
                               for i, g in enumerate(b.gids)]) for k in SAMPLE_KEYS}
         idx = torch.as_tensor(zigzag_index_array(p.cu_seqlens_padded, b.size, position - b.start),

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import statistics
+
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from harness.plan.layout import Schedule  # noqa: E402
 
@@ -73,4 +76,66 @@ def timelines(schedules: dict[str, Schedule], cost, step_times: dict[str, float]
     handles = [Rectangle((0, 0), 1, 1, facecolor=color[sz]) for sz in sizes]
     fig.legend(handles, [f"CP {sz}" for sz in sizes], loc="upper right", ncol=len(sizes), fontsize=7)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
+
+
+def schedule_grids(schedules: dict[str, Schedule]):
+    """Ranks x micro-batches per layout: one rectangle per CP block, coloured by its first sequence,
+    labelled with its CP size."""
+    import colorsys
+
+    fig, axes = plt.subplots(1, len(schedules), figsize=(4.2 * len(schedules), 3.6), squeeze=False)
+    for ax, (name, s) in zip(axes[0], schedules.items()):
+        for m, mb in enumerate(s.layout):
+            for b in mb:
+                hue = (b.gids[0] * 0.6180339887) % 1.0
+                ax.add_patch(Rectangle((m, b.start), 1, b.size, facecolor=colorsys.hsv_to_rgb(hue, 0.55, 0.95),
+                                       edgecolor="black", lw=0.6))
+                if b.size > 1 or s.n_ranks <= 8:
+                    ax.text(m + 0.5, b.start + b.size / 2, f"{b.size}", ha="center", va="center", fontsize=6)
+        ax.set_xlim(0, max(1, s.num_microbatches))
+        ax.set_ylim(s.n_ranks, 0)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("micro-batch")
+        ax.set_ylabel("rank")
+        ax.set_title(f"{name}: {s.num_microbatches} micro-batches", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def loss_curves(rows: dict[str, list[dict]]):
+    """Loss per step for every layout (top) and |loss - bshd| (bottom, log scale)."""
+    fig, (top, bot) = plt.subplots(2, 1, figsize=(10, 5.4), sharex=True, height_ratios=[3, 2])
+    styles = {"bshd": ("k", "-", 2.2), "thd": ("#ff7f0e", "--", 1.6), "dcp": ("#1f77b4", ":", 1.8)}
+    base = rows.get("bshd") or next(iter(rows.values()))
+    for layout, rs in rows.items():
+        c, ls, lw = styles.get(layout, (None, "-", 1.2))
+        top.plot([r["step"] for r in rs], [r["loss"] for r in rs], ls, color=c, lw=lw, label=layout)
+        if rs is not base:
+            d = [max(abs(r["loss"] - b["loss"]), 1e-12) for r, b in zip(rs, base)]
+            bot.semilogy([r["step"] for r in rs], d, ls, color=c, lw=1.2, label=f"|{layout} - bshd|")
+    top.set_ylabel("loss (per token)")
+    top.legend()
+    top.grid(alpha=0.3)
+    bot.set_ylabel("|delta loss|")
+    bot.set_xlabel("step")
+    bot.grid(alpha=0.3, which="both")
+    if bot.lines:
+        bot.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def layout_bars(rows: dict[str, list[dict]]):
+    """Median tokens/s and padding fraction per layout."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3))
+    names = list(rows)
+    tps = [statistics.median(r["tokens_per_s"] for r in rows[n][1:] or rows[n]) for n in names]
+    pad = [statistics.fmean(r["padding_fraction"] for r in rows[n]) for n in names]
+    a.bar(names, tps, color="#4c72b0")
+    a.set_title("real tokens / s (median step)", fontsize=9)
+    b.bar(names, [100 * p for p in pad], color="#dd8452")
+    b.set_title("padding (% of processed tokens)", fontsize=9)
+    fig.tight_layout()
     return fig

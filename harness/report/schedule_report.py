@@ -51,29 +51,41 @@ def render(result: dict) -> tuple[str, str]:
     ok = result["verdict"] == "PASS"
     stamp = result.get("finished", dt.datetime.now().isoformat(timespec="seconds"))
     check_rows = [[c["target"], c.get("shown", f"{c['value']:.4g}"), "PASS" if c["pass"] else "FAIL"] for c in checks]
+    conv = result.get("convergence")
+    conv_html = ""
+    if conv is not None:
+        from harness.report.convergence_report import section
+
+        conv_html = section(conv, None)
     body = [
-        f"<h1>dcp-harness: dynamic-CP scheduler comparison</h1>",
+        "<h1>dcp-harness: convergence, scheduler comparison, edge cases</h1>",
         f'<p class="meta">{esc(stamp)} &middot; git {esc(result["producer"].get("git_rev"))} &middot; '
         f'{esc(result["producer"]["versions"])} &middot; {bench["batches"]} global batches per configuration</p>',
         f'<p><span class="verdict {"pass" if ok else "fail"}">{result["verdict"]}</span></p>',
         "<h2>Checks</h2>", table(check_rows, ["check", "value", "verdict"], left=1),
+        conv_html,
+        "<h2>Scheduler comparison</h2>",
         "<p>Quality = simulated step time / lower bound (1.0 is optimal) under the cost of a 12-layer, hidden-2048, "
         "FFN-8192 GPT with K/V exchange priced at 1000 FLOP/byte; <i>balanced</i> is given that cost, "
         "<i>balanced[L2]</i> only upstream's L&sup2;/cp estimate. Latency checks are informational here: "
         "<code>dcp-harness bench schedule</code> gates them.</p>",
-        "<h2>Quality</h2>", figure_png(plots.grouped_bars(bench["rows"], "quality", "step time / lower bound", ref=1.0)),
-        "<h2>Latency per global batch</h2>", figure_png(plots.grouped_bars(bench["rows"], "latency_ms", "ms (log)", log=True)),
-        "<h2>One global batch, rank by rank</h2>",
+        "<h3>Quality</h3>", figure_png(plots.grouped_bars(bench["rows"], "quality", "step time / lower bound", ref=1.0)),
+        "<h3>Latency per global batch</h3>", figure_png(plots.grouped_bars(bench["rows"], "latency_ms", "ms (log)", log=True)),
+        "<h3>One global batch, rank by rank</h3>",
         f"<p>{esc(result['timeline']['title'])}. White gaps: a rank waits for the other members of its next CP block "
         "(or has finished).</p>",
         result["timeline"]["img"],
         "<h2>Edge cases (spec 2.8 and defects found by the differential suite)</h2>", _edge_table(edges),
         "<h2>Per configuration</h2>", _config_tables(bench["rows"]),
     ]
-    md = [f"# dcp-harness scheduler comparison: {result['verdict']}", "", f"{stamp}, git {result['producer'].get('git_rev')}", "",
+    md = [f"# dcp-harness run: {result['verdict']}", "", f"{stamp}, git {result['producer'].get('git_rev')}", "",
           "| check | value | verdict |", "|---|---|---|"]
     md += [f"| {c['target']} | {c.get('shown', format(c['value'], '.4g'))} | {'PASS' if c['pass'] else 'FAIL'} |"
            for c in checks]
+    if conv is not None:
+        from harness.report.convergence_report import markdown
+
+        md += ["", markdown(conv)]
     md += ["", "| distribution | ranks | seqs | scheduler | latency ms | quality | q(L^2/cp) | #mb | invalid |",
            "|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['distribution']} | {r['ranks']} | {r['sequences']} | {r['scheduler']} | {r['latency_ms']:.2f} | "
@@ -84,4 +96,4 @@ def render(result: dict) -> tuple[str, str]:
         ours = "all OK" if all(o["ok"] for o in e["ours"].values()) else "FAIL"
         up = "not installed" if e["upstream"] is None else e["upstream"]["kind"]
         md.append(f"| {e['key']}: {e['title']} | {ours} | {up} |")
-    return page("dcp-harness scheduler comparison", "\n".join(body)), "\n".join(md) + "\n"
+    return page("dcp-harness run", "\n".join(body)), "\n".join(md) + "\n"

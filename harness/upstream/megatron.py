@@ -34,9 +34,19 @@ class _Domain:
         return self.n
 
 
+def _import():
+    """Import the scheduler module quietly (megatron warns about missing TE / Apex on import)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.core.pipeline_parallel.hybrid_cp_schedule as mod
+    return mod
+
+
 def available() -> bool:
     try:
-        import megatron.core.pipeline_parallel.hybrid_cp_schedule  # noqa: F401
+        _import()
     except Exception:  # noqa: BLE001 - any import failure means "not usable here"
         return False
     return True
@@ -51,9 +61,7 @@ def version() -> str | None:
 
 def scheduler(n_ranks: int, max_seqlen_per_rank: int):
     """A fresh upstream ``BalancedCPScheduler`` for a domain of ``n_ranks`` positions."""
-    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
-
-    return BalancedCPScheduler(max_seq_len_per_rank=max_seqlen_per_rank, dp_cp_group=_Domain(n_ranks))
+    return _import().BalancedCPScheduler(max_seq_len_per_rank=max_seqlen_per_rank, dp_cp_group=_Domain(n_ranks))
 
 
 def sample_id_groups(lengths, *, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,

@@ -55,11 +55,13 @@ def test_bench_schedule_quick_writes_json(tmp_path):
 
 
 def test_main_job_writes_a_complete_report(tmp_path):
-    r = cli("run", "--batches", "1", "--out", str(tmp_path))
+    """The main job with a short convergence run (the 50-step golden run is the slow suite's)."""
+    r = cli("run", "--batches", "1", "--steps", "3", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "verdict: PASS" in r.stdout
+    assert "verdict: PASS" in r.stdout and "[bshd] step    3/3" in r.stdout
     (run,) = [p for p in tmp_path.iterdir() if p.name.startswith("run-")]
     html = (run / "index.html").read_text()
-    assert html.count("data:image/png;base64,") == 3 and "Edge cases" in html
+    assert html.count("data:image/png;base64,") == 6 and "Edge cases" in html and "Convergence" in html
+    assert (run / "convergence" / "metrics.jsonl").read_text().count("\n") == 9
     assert json.loads((run / "results.json").read_text())["verdict"] == "PASS"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run-")]  # no half-written folder

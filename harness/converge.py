@@ -1,0 +1,180 @@
+"""``dcp-harness converge``: train bshd, thd and dcp side by side and check they agree.
+
+One torchrun world (gloo on CPU, NCCL on GPUs) trains every layout in turn from the same seed on the
+same global batches (``harness.dist.train``); rank 0 streams a progress line per step and writes
+``metrics.jsonl``. The run folder (``reports/converge-<time>/``, written to a hidden temporary folder
+and renamed when complete, so an interrupted run leaves earlier reports intact) holds the metrics,
+``results.json``, ``index.html`` + ``summary.md`` and, when wandb is installed, offline wandb runs.
+
+Checks (``TOLERANCES``): CPU fp32: every layout within 1e-5 of bshd at every step and, for a config
+with a committed golden (``golden/convergence/<case_id>.cpu.json``), within 1e-5 of the golden's bshd
+curve. GPU bf16: per-step |delta| <= 2e-3 and mean |delta| <= 5e-4 against bshd.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from harness import golden as golden_mod
+from harness.bench.common import REPORTS
+from harness.dist.layouts import LayoutError, static_cp_for
+from harness.dist.train import TrainConfig, longest_sequence
+from harness.io import atomic_write_json, atomic_write_text
+
+TOLERANCES = {"float32": {"max": 1e-5, "mean": 1e-5}, "bfloat16": {"max": 2e-3, "mean": 5e-4}}
+GOLDEN_SUITE = "convergence"
+
+
+def case_id(cfg: TrainConfig, world: int) -> str:
+    dtype = {"float32": "fp32", "bfloat16": "bf16"}[cfg.dtype]
+    return f"converge__{cfg.model.replace('-', '_')}__w{world}__s{cfg.steps}__{dtype}"
+
+
+def hardware(cfg: TrainConfig) -> str:
+    if cfg.device != "cuda":
+        return "cpu"
+    import torch
+
+    name = torch.cuda.get_device_name(0).lower()
+    return next((k for k in ("h200", "h100", "a100", "b200") if k in name), "gpu")
+
+
+@dataclass
+class ConvergeResult:
+    verdict: str
+    run_dir: Path
+    case_id: str
+    rows: dict[str, list[dict]]
+    checks: list[dict]
+    config: dict
+
+
+def _deltas(rows: dict[str, list[dict]], ref: list[float]) -> dict[str, list[float]]:
+    return {layout: [abs(r["loss"] - ref[i]) for i, r in enumerate(rs)] for layout, rs in rows.items()}
+
+
+def evaluate(rows: dict[str, list[dict]], cfg: TrainConfig, world: int, hw: str, *, use_golden: bool) -> list[dict]:
+    """Layout-vs-bshd and layout-vs-golden checks."""
+    cid = case_id(cfg, world)
+    tol = TOLERANCES[cfg.dtype]
+    base = "bshd" if "bshd" in rows else next(iter(rows))
+    ref = [r["loss"] for r in rows[base]]
+    checks = []
+    for layout, d in _deltas(rows, ref).items():
+        if layout == base:
+            continue
+        checks.append({"target": f"{layout} vs {base}: max |delta loss| <= {tol['max']:g}", "value": max(d),
+                       "pass": max(d) <= tol["max"]})
+        if tol["mean"] != tol["max"]:
+            checks.append({"target": f"{layout} vs {base}: mean |delta loss| <= {tol['mean']:g}",
+                           "value": statistics.fmean(d), "pass": statistics.fmean(d) <= tol["mean"]})
+    if use_golden:
+        doc = golden_mod.load(golden_mod.path_for(GOLDEN_SUITE, cid, hw), _update_hint(cfg, world))
+        gref = doc["data"]["bshd"]
+        if len(gref) != len(ref):
+            raise golden_mod.GoldenError(f"golden {cid} has {len(gref)} steps, this run {len(ref)}")
+        for layout, d in _deltas(rows, gref).items():
+            checks.append({"target": f"{layout} vs golden bshd: max |delta loss| <= {doc['rule']['atol']:g}",
+                           "value": max(d), "pass": max(d) <= doc["rule"]["atol"]})
+    return checks
+
+
+def write_golden(rows, cfg: TrainConfig, world: int, cid: str, hw: str) -> Path:
+    return golden_mod.write(golden_mod.path_for(GOLDEN_SUITE, cid, hw), suite=GOLDEN_SUITE, case_id=cid, hw=hw,
+                            config={**cfg.to_dict(), "world": world},
+                            data={layout: [r["loss"] for r in rs] for layout, rs in rows.items()},
+                            rule={"kind": "approx", "atol": TOLERANCES[cfg.dtype]["max"], "rtol": 0.0},
+                            command=f"dcp-harness converge --model {cfg.model} --world {world} --steps {cfg.steps} "
+                                    f"--update-golden")
+
+
+def preflight(cfg: TrainConfig, world: int) -> None:
+    """Fail before launching anything: bad model / layout / world, sequences too long for the world."""
+    cfg.validate(world)
+    C = static_cp_for(longest_sequence(cfg), world, cfg.max_seqlen_per_rank)
+    n, dp = cfg.corpus.sequences_per_batch, world // C
+    if "bshd" in cfg.layouts and n % (dp * cfg.micro_batch_size):
+        raise LayoutError(f"bshd splits each global batch ({n} sequences) over {dp} data-parallel replicas in "
+                          f"micro-batches of {cfg.micro_batch_size}: use a batch size that is a multiple of "
+                          f"{dp * cfg.micro_batch_size}")
+
+
+def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str = "auto", progress=print,
+        report: bool = True, run_dir: Path | None = None) -> ConvergeResult:
+    """Train, check, report. ``golden``: ``auto`` (compare if a golden exists for this case),
+    ``require`` (missing golden is an error), ``update`` (write it), ``off``. ``run_dir``: write into
+    this (existing, caller-owned) folder instead of a new ``out_root/converge-<time>``."""
+    from harness.dist.entry import launch
+
+    preflight(cfg, world)
+    cid, hw = case_id(cfg, world), hardware(cfg)
+    gpath = golden_mod.path_for(GOLDEN_SUITE, cid, hw)
+    if golden == "require" or (golden == "auto" and gpath.exists()):
+        golden_mod.load(gpath, _update_hint(cfg, world))  # missing / corrupted: fail before training
+    if run_dir is None:
+        out_root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".converge-", dir=out_root))
+    else:
+        tmp = Path(run_dir)
+        tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        progress(f"converge {cid}: layouts {', '.join(cfg.layouts)} on {world} {cfg.device} ranks ({hw})")
+        res = launch("converge", world, tmp / "results_raw.json", {**cfg.to_dict(), "metrics_path": str(tmp / "metrics.jsonl")},
+                     stream=lambda line: progress("  " + line) if line.startswith("[") else None)
+        rank0 = res["ranks"][0]
+        rows = rank0["layouts"]
+        if golden == "update":
+            progress(f"wrote golden {write_golden(rows, cfg, world, cid, hw)}")
+        use = golden == "require" or (golden == "auto" and gpath.exists())
+        checks = evaluate(rows, cfg, world, hw, use_golden=use)
+        verdict = "PASS" if all(c["pass"] for c in checks) else "FAIL"
+        config = {**cfg.to_dict(), "world": world, "static_cp": rank0["static_cp"], "longest": rank0["longest"],
+                  "case_id": cid, "hardware": hw, "golden": str(gpath) if use else None}
+        result = ConvergeResult(verdict, tmp, cid, rows, checks, config)
+        atomic_write_json(tmp / "results.json", {"verdict": verdict, "case_id": cid, "config": config,
+                                                 "checks": checks, "layouts": rows,
+                                                 "producer": golden_mod.producer("dcp-harness converge")})
+        (tmp / "results_raw.json").unlink()
+        if report:
+            from harness.report.convergence_report import render_standalone
+            from harness.report.tracking import log_runs
+
+            tracking = log_runs(cid, rows, config, tmp)
+            html, md = render_standalone(result, tracking)
+            atomic_write_text(tmp / "index.html", html)
+            atomic_write_text(tmp / "summary.md", md)
+        if run_dir is None:
+            final = out_root / f"converge-{dt.datetime.now():%Y%m%d-%H%M%S}"
+            if final.exists():
+                final = final.with_name(final.name + f"-{os.getpid()}")
+            os.replace(tmp, final)
+            result.run_dir = final
+        return result
+    except BaseException:
+        if run_dir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _update_hint(cfg: TrainConfig, world: int) -> str:
+    return (f"dcp-harness converge --model {cfg.model} --world {world} --steps {cfg.steps} --device {cfg.device} "
+            f"--update-golden")
+
+
+def config_from_args(a) -> TrainConfig:
+    from harness.corpus import CorpusConfig
+
+    corpus = CorpusConfig(**{k: v for k, v in {"lengths": a.lengths, "sequences_per_batch": a.batch_size,
+                                               "seed": a.seed}.items() if v is not None})
+    cfg = TrainConfig(model=a.model, layouts=tuple(x.strip() for x in a.layouts.split(",") if x.strip()),
+                      steps=a.steps, scheduler=a.scheduler, device=a.device, corpus=corpus,
+                      dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"))
+    if a.max_seqlen_per_rank:
+        cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank)
+    return cfg

@@ -1,0 +1,189 @@
+"""The training step of each layout, run on every rank (``train(rank, world, cfg)``).
+
+For each layout in turn: the same initial model (seeded), the same AdamW, the same global batches
+(``harness.corpus``). A step: schedule the batch (``harness.dist.layouts``), reroute every sequence
+from the position that loaded it (DP shards: gid % N) to the ranks of its block, build THD
+micro-batches, run forward/backward per micro-batch with CP attention in the block's group, add
+``(sum of token losses + aux) / tokens of the global batch``, all-reduce the gradients (sum over the
+DP x CP ranks), clip, step. In exact arithmetic every layout computes the same loss and update.
+
+Rank 0 prints one progress line per step and appends the step's metrics to ``cfg["metrics_path"]``
+(JSONL) as it goes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from harness.corpus import CorpusConfig, global_batch
+from harness.dist.cp_attention import CPAttentionPlan, cp_attention
+from harness.dist.groups import DynamicGroups, ParallelLayout
+from harness.dist.layouts import LAYOUTS, LayoutConfig, LayoutError, plan, static_cp_for
+from harness.dist.reroute import build_microbatches, reroute
+from harness.plan import CostModel, cp_min
+from harness.runtime.model import MODELS, TinyLM
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: str = "tiny-gpt"
+    """A key of ``harness.runtime.model.MODELS``."""
+    layouts: tuple[str, ...] = LAYOUTS
+    steps: int = 50
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    max_seqlen_per_rank: int = 256
+    micro_batch_size: int = 1
+    scheduler: str = "balanced"
+    dcp_padding: str = "local"
+    dtype: str = "float32"
+    """``float32``, or ``bfloat16`` (autocast; fp32 master weights)."""
+    device: str = "cpu"
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+
+    def validate(self, world: int) -> None:
+        if self.model not in MODELS:
+            raise LayoutError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
+        bad = [x for x in self.layouts if x not in LAYOUTS]
+        if bad or not self.layouts:
+            raise LayoutError(f"unknown layout(s) {bad or self.layouts!r}; choose from {', '.join(LAYOUTS)}")
+        if world < 1 or world & (world - 1):
+            raise LayoutError(f"world size {world} is not a power of two: dynamic CP groups need one (use 1, 2, 4, 8)")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise LayoutError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.steps < 1:
+            raise LayoutError(f"steps must be >= 1, got {self.steps}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        d = dict(d)
+        d["corpus"] = CorpusConfig(**d.get("corpus", {}))
+        d["layouts"] = tuple(d.get("layouts", LAYOUTS))
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def longest_sequence(cfg: TrainConfig) -> int:
+    return max(len(x) - 1 for s in range(cfg.steps) for x in global_batch(cfg.corpus, s))
+
+
+def model_cost(cfg: TrainConfig) -> CostModel:
+    m = MODELS[cfg.model]
+    return CostModel.from_model_shape(num_layers=m.layers, hidden_size=m.hidden, ffn_hidden_size=m.ffn * max(1, m.top_k),
+                                      num_attention_heads=m.heads, num_query_groups=m.kv_heads, vocab_size=m.vocab,
+                                      name=cfg.model)
+
+
+def _samples(batch, owners, me, device) -> dict:
+    out = {}
+    for g, x in enumerate(batch):
+        if owners[g] == me:
+            t = torch.as_tensor(x, dtype=torch.int64, device=device)
+            L = t.numel() - 1
+            out[g] = {"tokens": t[:-1], "labels": t[1:], "loss_mask": torch.ones(L, dtype=torch.int64, device=device),
+                      "position_ids": torch.arange(L, dtype=torch.int64, device=device)}
+    return out
+
+
+def _step(model, groups, batch, layout, lcfg, cfg, cost, device):
+    """Forward/backward of one global batch; returns (loss sum, aux sum, processed tokens, #mb, cp hist)."""
+    lengths = [len(x) - 1 for x in batch]
+    sched, padding, fixed = plan(layout, lengths, lcfg, cost)
+    N, me = lcfg.n_ranks, groups.layout.position(groups.rank)
+    owners = {g: g % N for g in range(len(batch))}
+    samples = reroute(_samples(batch, owners, me, device), owners, sched, me, group=groups.group(N))
+    total = float(sum(lengths))
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    aux_sum = torch.zeros((), device=device, dtype=torch.float64)
+    processed = 0
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    for mb in build_microbatches(samples, sched, me, padding=padding, fixed_length=fixed):
+        aplan = CPAttentionPlan.build(mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, device)
+        group = groups.for_block(mb.block_start, mb.local_cp_size)
+        attention = lambda q, k, v, p=aplan, g=group: cp_attention(q, k, v, p, g)  # noqa: E731
+        with autocast:
+            ce, aux = model.token_losses(mb.data["tokens"], mb.data["labels"], mb.data["loss_mask"],
+                                         mb.data["position_ids"], attention)
+        ((ce + aux) / total).backward()
+        loss_sum += ce.detach().double()
+        aux_sum += aux.detach().double()
+        processed += mb.data["tokens"].numel()
+    hist: dict[int, int] = {}
+    for s in sched.cp_size_of().values():
+        hist[s] = hist.get(s, 0) + 1
+    return loss_sum, aux_sum, processed, sched.num_microbatches, hist, total
+
+
+def _reduce_grads(model, group) -> float:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return float(flat.double().norm())
+
+
+def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, groups, lcfg, device, log) -> list[dict]:
+    torch.manual_seed(cfg.corpus.seed)
+    model = TinyLM(MODELS[cfg.model]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    cost, everyone, rows = model_cost(cfg), groups.group(lcfg.n_ranks), []
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        batch = global_batch(cfg.corpus, step)
+        loss_sum, aux_sum, processed, nmb, hist, total = _step(model, groups, batch, layout, lcfg, cfg, cost, device)
+        grad_norm = _reduce_grads(model, everyone)
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stats = torch.tensor([float(loss_sum), float(aux_sum), float(processed)], dtype=torch.float64, device=device)
+        dist.all_reduce(stats, group=everyone)
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=everyone)
+        row = {"layout": layout, "step": step, "loss": float(stats[0]) / total, "aux_loss": float(stats[1]) / total,
+               "grad_norm": grad_norm, "tokens": int(total), "processed_tokens": int(stats[2]),
+               "padding_fraction": 1.0 - total / float(stats[2]), "step_time": float(elapsed),
+               "tokens_per_s": total / float(elapsed), "microbatches": nmb,
+               "cp_histogram": {str(k): v for k, v in sorted(hist.items())}}
+        rows.append(row)
+        if rank == 0:
+            log(row, cfg.steps)
+    return rows
+
+
+def train(rank: int, world: int, cfg_dict: dict) -> dict:
+    """Run every layout of ``cfg_dict`` (a ``TrainConfig`` as a dict, plus ``metrics_path``)."""
+    cfg = TrainConfig.from_dict(cfg_dict)
+    cfg.validate(world)
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    torch.use_deterministic_algorithms(cfg.device == "cpu", warn_only=True)
+    longest = longest_sequence(cfg)
+    lcfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=cfg.max_seqlen_per_rank,
+                        static_cp=static_cp_for(longest, world, cfg.max_seqlen_per_rank),
+                        micro_batch_size=cfg.micro_batch_size, scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding)
+    groups = DynamicGroups(ParallelLayout(dp=world, cp=1), rank)
+    path = cfg_dict.get("metrics_path")
+
+    def log(row, steps):
+        print(f"[{row['layout']:4s}] step {row['step'] + 1:>4d}/{steps}  loss {row['loss']:.6f}  grad_norm "
+              f"{row['grad_norm']:.4f}  {row['tokens_per_s']:9.0f} tok/s  padding {row['padding_fraction']:6.1%}  "
+              f"micro-batches {row['microbatches']}", flush=True)
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    out = {layout: train_layout(layout, rank, world, cfg, groups, lcfg, device, log) for layout in cfg.layouts}
+    return {"rank": rank, "static_cp": lcfg.static_cp, "longest": longest, "layouts": out if rank == 0 else {}}

@@ -1,0 +1,73 @@
+"""Convergence section and standalone report (``reports/converge-<time>/index.html``)."""
+
+from __future__ import annotations
+
+import statistics
+
+from harness.report import plots
+from harness.report.html import esc, figure_png, page, table
+
+
+def _schedules(result):
+    """Recompute step 0's schedule for each layout (deterministic) for the picture."""
+    from harness.corpus import global_batch
+    from harness.dist.layouts import LayoutConfig, plan
+    from harness.dist.train import TrainConfig, model_cost
+
+    cfg = TrainConfig.from_dict(result.config)
+    lengths = [len(x) - 1 for x in global_batch(cfg.corpus, 0)]
+    lcfg = LayoutConfig(n_ranks=result.config["world"], max_seqlen_per_rank=cfg.max_seqlen_per_rank,
+                        static_cp=result.config["static_cp"], micro_batch_size=cfg.micro_batch_size,
+                        scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding)
+    return {layout: plan(layout, lengths, lcfg, model_cost(cfg))[0] for layout in result.rows}
+
+
+def summary_rows(result) -> list[list]:
+    base = result.rows.get("bshd") or next(iter(result.rows.values()))
+    out = []
+    for layout, rs in result.rows.items():
+        d = [abs(r["loss"] - b["loss"]) for r, b in zip(rs, base)]
+        out.append([layout, f"{rs[0]['loss']:.5f}", f"{rs[-1]['loss']:.5f}", f"{max(d):.2e}",
+                    f"{statistics.median(r['tokens_per_s'] for r in rs):.0f}",
+                    f"{100 * statistics.fmean(r['padding_fraction'] for r in rs):.1f}%",
+                    f"{statistics.fmean(r['microbatches'] for r in rs):.1f}"])
+    return out
+
+
+HEADER = ["layout", "first loss", "last loss", "max |delta| vs bshd", "tokens/s (median)", "padding", "micro-batches"]
+
+
+def section(result, tracking: dict | None = None) -> str:
+    c = result.config
+    checks = [[x["target"], f"{x['value']:.3g}", "PASS" if x["pass"] else "FAIL"] for x in result.checks]
+    track = "" if tracking is None else f"<p class=\"meta\">tracking: {esc(tracking)}</p>"
+    return "".join([
+        f"<h2>Convergence: bshd vs THD packing vs dynamic CP ({esc(result.case_id)})</h2>",
+        f'<p class="meta">model {esc(c["model"])}, {c["world"]} ranks ({esc(c["hardware"])}, {esc(c["dtype"])}), '
+        f'{c["steps"]} steps, {c["corpus"]["sequences_per_batch"]} sequences per global batch '
+        f'({esc(c["corpus"]["lengths"])}), max_seqlen_per_rank {c["max_seqlen_per_rank"]}, static CP {c["static_cp"]}, '
+        f'scheduler {esc(c["scheduler"])}; golden: {esc(c["golden"] or "not compared")}</p>', track,
+        table(checks, ["check", "value", "verdict"], left=1),
+        table(summary_rows(result), HEADER, left=1),
+        figure_png(plots.loss_curves(result.rows)),
+        figure_png(plots.layout_bars(result.rows)),
+        "<h3>One global batch (step 0) in each layout</h3>",
+        "<p>Ranks x micro-batches; a rectangle is a CP block, coloured by its first sequence, labelled with its "
+        "size.</p>",
+        figure_png(plots.schedule_grids(_schedules(result))),
+    ])
+
+
+def markdown(result) -> str:
+    lines = [f"## Convergence {result.case_id}: {result.verdict}", "", "| check | value | verdict |", "|---|---|---|"]
+    lines += [f"| {x['target']} | {x['value']:.3g} | {'PASS' if x['pass'] else 'FAIL'} |" for x in result.checks]
+    lines += ["", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(map(str, r)) + " |" for r in summary_rows(result)]
+    return "\n".join(lines) + "\n"
+
+
+def render_standalone(result, tracking: dict | None) -> tuple[str, str]:
+    ok = result.verdict == "PASS"
+    body = (f"<h1>dcp-harness convergence: {esc(result.case_id)}</h1>"
+            f'<p><span class="verdict {"pass" if ok else "fail"}">{result.verdict}</span></p>' + section(result, tracking))
+    return page(f"dcp-harness {result.case_id}", body), markdown(result)

@@ -1,0 +1,178 @@
+"""Tiny GPT and tiny MoE for convergence comparisons (single process; attention is injected).
+
+Shape legend: ``T`` local tokens (a rank's zig-zag slice of a THD micro-batch), ``E`` hidden size,
+``H`` query heads, ``Hkv`` key/value heads, ``D`` head dim, ``F`` FFN size, ``X`` experts, ``K`` top-k.
+
+The model sees only a rank's tokens and their *global* position ids (RoPE uses them, so a zig-zag
+slice is rotated exactly like the unsharded sequence). Everything but attention is per token, so the
+caller passes ``attention(q_THD, k_THD, v_THD) -> o_THD`` for the current micro-batch (CP attention
+with its block's group, or single-process THD attention).
+
+MoE: the first layer is dense, the others route each token to its top-k experts (softmax over the
+top-k logits). The router's auxiliary loss is the per-token z-loss ``mean(logsumexp(logits)^2)``
+summed over tokens: a load-balancing loss computed per micro-batch would depend on how a layout
+groups tokens and break the layouts' exact equivalence (upstream noted the same gap for Dynamic CP).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    vocab: int = 256
+    """Vocabulary size."""
+    hidden: int = 64
+    """Hidden size E."""
+    layers: int = 2
+    """Transformer layers."""
+    heads: int = 4
+    """Query heads H."""
+    kv_heads: int = 2
+    """Key/value heads (GQA when < heads)."""
+    ffn: int = 128
+    """SwiGLU inner size F (per expert for MoE)."""
+    experts: int = 0
+    """Experts per MoE layer; 0 = dense model."""
+    top_k: int = 2
+    """Experts per token."""
+    z_loss: float = 1e-3
+    """Router z-loss coefficient (MoE only)."""
+    rope_base: float = 10000.0
+    seed: int = 0
+    """Parameter initialisation seed (same on every rank)."""
+
+    def __post_init__(self):
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}, "
+                             f"which must be divisible by kv_heads={self.kv_heads}")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k={self.top_k} must be in [1, experts={self.experts}]")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+MODELS = {
+    "tiny-gpt": ModelConfig(),
+    "tiny-moe": ModelConfig(experts=4, top_k=2, layers=3),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope(x_THD: torch.Tensor, pos_T: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotary embedding by *global* positions (half-split convention)."""
+    d = x_THD.shape[-1] // 2
+    inv = base ** (-torch.arange(d, device=x_THD.device, dtype=torch.float32) / d)
+    ang = pos_T.to(torch.float32)[:, None] * inv[None, :]
+    cos, sin = ang.cos()[:, None, :].to(x_THD.dtype), ang.sin()[:, None, :].to(x_THD.dtype)
+    x1, x2 = x_THD[..., :d], x_THD[..., d:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        g, u = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(g) * u)
+
+
+class MoE(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.router = nn.Linear(c.hidden, c.experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(c.hidden, c.ffn) for _ in range(c.experts))
+        self.top_k, self.z_coef = c.top_k, c.z_loss
+
+    def forward(self, x_TE, real_T):
+        logits_TX = self.router(x_TE).float()
+        weight_TK, idx_TK = torch.topk(logits_TX, self.top_k, dim=-1)
+        weight_TK = weight_TK.softmax(-1).to(x_TE.dtype)
+        out = torch.zeros_like(x_TE)
+        for e, expert in enumerate(self.experts):
+            tok, slot = (idx_TK == e).nonzero(as_tuple=True)
+            if tok.numel():
+                out = out.index_add(0, tok, expert(x_TE[tok]) * weight_TK[tok, slot, None])
+        z = (torch.logsumexp(logits_TX, dim=-1).pow(2) * real_T).sum() * self.z_coef  # real tokens only
+        return out, z
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig, moe: bool):
+        super().__init__()
+        self.c = c
+        D = c.hidden // c.heads
+        self.norm1, self.norm2 = RMSNorm(c.hidden), RMSNorm(c.hidden)
+        self.qkv = nn.Linear(c.hidden, (c.heads + 2 * c.kv_heads) * D, bias=False)
+        self.proj = nn.Linear(c.heads * D, c.hidden, bias=False)
+        self.mlp = MoE(c) if moe else SwiGLU(c.hidden, c.ffn)
+
+    def forward(self, x_TE, pos_T, real_T, attention: Attention):
+        c, D = self.c, self.c.hidden // self.c.heads
+        q, k, v = self.qkv(self.norm1(x_TE)).split([c.heads * D, c.kv_heads * D, c.kv_heads * D], dim=-1)
+        q = rope(q.view(-1, c.heads, D), pos_T, c.rope_base)
+        k = rope(k.view(-1, c.kv_heads, D), pos_T, c.rope_base)
+        o = attention(q, k, v.view(-1, c.kv_heads, D))
+        x_TE = x_TE + self.proj(o.reshape(x_TE.shape[0], -1))
+        if isinstance(self.mlp, MoE):
+            h, z = self.mlp(self.norm2(x_TE), real_T)
+            return x_TE + h, z
+        return x_TE + self.mlp(self.norm2(x_TE)), x_TE.new_zeros((), dtype=torch.float32)
+
+
+class TinyLM(nn.Module):
+    """Tiny GPT (``experts == 0``) or MoE: embedding, blocks, final RMSNorm, untied LM head."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        gen = torch.Generator().manual_seed(c.seed)
+        self.embed = nn.Embedding(c.vocab, c.hidden)
+        self.blocks = nn.ModuleList(Block(c, moe=c.experts > 0 and i > 0) for i in range(c.layers))
+        self.norm = RMSNorm(c.hidden)
+        self.head = nn.Linear(c.hidden, c.vocab, bias=False)
+        with torch.no_grad():  # deterministic, device-independent init
+            for name, p in sorted(self.named_parameters()):
+                if p.dim() > 1:
+                    std = 0.02 / math.sqrt(2 * c.layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def forward(self, tokens_T, pos_T, real_T, attention: Attention):
+        """Hidden states of the local tokens and the auxiliary (router z) loss summed over real
+        tokens (``real_T`` = 1 for tokens of a sequence, 0 for padding)."""
+        x = self.embed(tokens_T)
+        aux = torch.zeros((), device=x.device)
+        for blk in self.blocks:
+            x, a = blk(x, pos_T, real_T, attention)
+            aux = aux + a
+        return self.norm(x), aux
+
+    def token_losses(self, tokens_T, labels_T, mask_T, pos_T, attention: Attention):
+        """(sum of masked next-token cross-entropies over the local tokens, aux loss); ``mask_T``
+        marks the real tokens (padding has mask 0)."""
+        real = mask_T.to(torch.float32)
+        h, aux = self.forward(tokens_T, pos_T, real, attention)
+        logits = self.head(h).float()
+        ce = F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none")
+        return (ce * real).sum(), aux
