@@ -9,6 +9,14 @@ and renamed when complete, so an interrupted run leaves earlier reports intact) 
 Checks (``TOLERANCES``): CPU fp32: every layout within 1e-5 of bshd at every step and, for a config
 with a committed golden (``golden/convergence/<case_id>.cpu.json``), within 1e-5 of the golden's bshd
 curve. GPU bf16: per-step |delta| <= 2e-3 and mean |delta| <= 5e-4 against bshd.
+
+MoE models: hard top-k routing is discontinuous, so last-bit differences between layouts (matmuls
+over different row counts, attention over different key partitions) eventually resolve a near-tie
+differently and the trajectories separate (tiny MoE, 4 CPU ranks, fp32: all layouts within 2e-7 for
+49 steps, then 2e-5 .. 2e-3; final 10-step means within 0.04%). For them the strict rule covers the
+first ``MOE_EXACT_STEPS`` steps, and afterwards the mean loss of the last ``MOE_WINDOW`` steps must
+stay within ``MOE_BAND`` (relative) of bshd's. Exact MoE agreement over long horizons needs the same
+routes in every layout (router replay).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from harness.dist.train import TrainConfig, longest_sequence
 from harness.io import atomic_write_json, atomic_write_text
 
 TOLERANCES = {"float32": {"max": 1e-5, "mean": 1e-5}, "bfloat16": {"max": 2e-3, "mean": 5e-4}}
+MOE_EXACT_STEPS, MOE_WINDOW, MOE_BAND = 20, 10, 0.01
 GOLDEN_SUITE = "convergence"
 
 
@@ -55,33 +64,42 @@ class ConvergeResult:
     config: dict
 
 
-def _deltas(rows: dict[str, list[dict]], ref: list[float]) -> dict[str, list[float]]:
-    return {layout: [abs(r["loss"] - ref[i]) for i, r in enumerate(rs)] for layout, rs in rows.items()}
+def _compare(name: str, losses: list[float], ref: list[float], tol: dict, moe: bool) -> list[dict]:
+    """Checks of one loss curve against a reference curve (see the module doc for the MoE rule)."""
+    exact = len(ref) if not moe else min(len(ref), MOE_EXACT_STEPS)
+    d = [abs(a - b) for a, b in zip(losses[:exact], ref[:exact])]
+    span = "" if exact == len(ref) else f" (first {exact} steps)"
+    out = [{"target": f"{name}: max |delta loss|{span} <= {tol['max']:g}", "value": max(d), "pass": max(d) <= tol["max"]}]
+    if tol["mean"] != tol["max"]:
+        out.append({"target": f"{name}: mean |delta loss|{span} <= {tol['mean']:g}", "value": statistics.fmean(d),
+                    "pass": statistics.fmean(d) <= tol["mean"]})
+    if exact < len(ref):
+        w = min(MOE_WINDOW, len(ref))
+        rel = abs(statistics.fmean(losses[-w:]) - statistics.fmean(ref[-w:])) / abs(statistics.fmean(ref[-w:]))
+        out.append({"target": f"{name}: last-{w}-step mean loss within {MOE_BAND:.0%} (MoE routing)", "value": rel,
+                    "pass": rel <= MOE_BAND})
+    return out
 
 
 def evaluate(rows: dict[str, list[dict]], cfg: TrainConfig, world: int, hw: str, *, use_golden: bool) -> list[dict]:
     """Layout-vs-bshd and layout-vs-golden checks."""
-    cid = case_id(cfg, world)
-    tol = TOLERANCES[cfg.dtype]
+    from harness.runtime.model import MODELS
+
+    cid, tol, moe = case_id(cfg, world), TOLERANCES[cfg.dtype], MODELS[cfg.model].experts > 0
     base = "bshd" if "bshd" in rows else next(iter(rows))
     ref = [r["loss"] for r in rows[base]]
     checks = []
-    for layout, d in _deltas(rows, ref).items():
-        if layout == base:
-            continue
-        checks.append({"target": f"{layout} vs {base}: max |delta loss| <= {tol['max']:g}", "value": max(d),
-                       "pass": max(d) <= tol["max"]})
-        if tol["mean"] != tol["max"]:
-            checks.append({"target": f"{layout} vs {base}: mean |delta loss| <= {tol['mean']:g}",
-                           "value": statistics.fmean(d), "pass": statistics.fmean(d) <= tol["mean"]})
+    for layout, rs in rows.items():
+        if layout != base:
+            checks += _compare(f"{layout} vs {base}", [r["loss"] for r in rs], ref, tol, moe)
     if use_golden:
         doc = golden_mod.load(golden_mod.path_for(GOLDEN_SUITE, cid, hw), _update_hint(cfg, world))
         gref = doc["data"]["bshd"]
         if len(gref) != len(ref):
             raise golden_mod.GoldenError(f"golden {cid} has {len(gref)} steps, this run {len(ref)}")
-        for layout, d in _deltas(rows, gref).items():
-            checks.append({"target": f"{layout} vs golden bshd: max |delta loss| <= {doc['rule']['atol']:g}",
-                           "value": max(d), "pass": max(d) <= doc["rule"]["atol"]})
+        gtol = {"max": doc["rule"]["atol"], "mean": doc["rule"]["atol"]}
+        for layout, rs in rows.items():
+            checks += _compare(f"{layout} vs golden bshd", [r["loss"] for r in rs], gref, gtol, moe)
     return checks
 
 

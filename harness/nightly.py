@@ -46,6 +46,7 @@ def read_history(root: Path = NIGHTLY) -> list[dict]:
 
 def render_index(history: list[dict], root: Path = NIGHTLY) -> Path:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     from harness.report.html import esc, figure_png, page, table
 
@@ -54,16 +55,20 @@ def render_index(history: list[dict], root: Path = NIGHTLY) -> Path:
     for case in cases:
         runs = [h for h in history if h["case_id"] == case]
         fig, axes = plt.subplots(1, 3, figsize=(13, 3))
+        colors = {"bshd": "k", "thd": "#ff7f0e", "dcp": "#1f77b4"}
         for key, ax, title, log in (("last_loss", axes[0], "last loss", False),
                                     ("max_delta", axes[1], "max |loss - bshd|", True),
                                     ("tokens_per_s", axes[2], "tokens/s (median)", False)):
             for layout in runs[-1][key]:
-                ys = [r[key].get(layout) for r in runs]
                 if key == "max_delta" and layout == "bshd":
                     continue
-                ax.plot(range(len(runs)), [max(y, 1e-12) if log and y is not None else y for y in ys], "o-", label=layout)
+                ys = [r[key].get(layout) for r in runs]
+                ax.plot(range(len(runs)), [max(y, 1e-12) if log and y is not None else y for y in ys], "o-",
+                        label=layout, color=colors.get(layout))
             ax.set_title(title, fontsize=9)
-            ax.set_xlabel("run")
+            ax.set_xlabel("run (oldest first)")
+            ax.set_xlim(-0.5, len(runs) - 0.5)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             if log:
                 ax.set_yscale("log")
             ax.legend(fontsize=7)
@@ -87,8 +92,13 @@ def run(*, steps: int = 100, models=("tiny-gpt", "tiny-moe"), device: str = "aut
     world = world or (min(4, torch.cuda.device_count()) if device == "cuda" else 4)
     dtype = "bfloat16" if device == "cuda" else "float32"
     verdicts = []
+    from harness.corpus import CorpusConfig
+
     for model in models:
-        cfg = TrainConfig(model=model, steps=steps, device=device, dtype=dtype)
+        # bf16 MoE: 128-sequence batches average routing flips the way a real batch does
+        corpus = CorpusConfig(sequences_per_batch=128 if (model == "tiny-moe" and device == "cuda") else 32)
+        cfg = TrainConfig(model=model, steps=steps, device=device, dtype=dtype, corpus=corpus,
+                          max_seqlen_per_rank=max(256, 1024 // world))
         res = converge.run(cfg, world=world, out_root=root / "runs", golden="auto")
         line = history_line(res)
         path = root / "history.jsonl"

@@ -1,0 +1,42 @@
+"""The convergence checks' rules: strict per step for dense models; for MoE strict over the first
+``MOE_EXACT_STEPS`` steps, then a relative band on the late-window mean (routing flips)."""
+
+from __future__ import annotations
+
+from harness import converge
+from harness.dist.train import TrainConfig
+
+
+def rows(curves):
+    return {k: [{"step": i, "loss": v} for i, v in enumerate(c)] for k, c in curves.items()}
+
+
+def verdicts(curves, model="tiny-gpt", dtype="float32"):
+    cfg = TrainConfig(model=model, steps=len(curves["bshd"]), dtype=dtype)
+    return {c["target"]: c["pass"] for c in converge.evaluate(rows(curves), cfg, 4, "cpu", use_golden=False)}
+
+
+BASE = [5.0 - 0.01 * i for i in range(40)]
+
+
+def test_dense_models_are_strict_at_every_step():
+    late = BASE[:30] + [x + 2e-5 for x in BASE[30:]]
+    v = verdicts({"bshd": BASE, "thd": BASE, "dcp": late})
+    assert v == {"thd vs bshd: max |delta loss| <= 1e-05": True, "dcp vs bshd: max |delta loss| <= 1e-05": False}
+
+
+def test_moe_allows_late_routing_divergence_but_not_early_or_large():
+    late = BASE[:25] + [x + 3e-3 for x in BASE[25:]]           # flips after step 20, stays close
+    early = BASE[:5] + [x + 3e-5 for x in BASE[5:]]            # deviates within the first 20 steps
+    drift = BASE[:25] + [x * 1.05 for x in BASE[25:]]          # separates by 5%
+    v = verdicts({"bshd": BASE, "thd": late, "dcp": early}, model="tiny-moe")
+    assert v["thd vs bshd: max |delta loss| (first 20 steps) <= 1e-05"]
+    assert v["thd vs bshd: last-10-step mean loss within 1% (MoE routing)"]
+    assert not v["dcp vs bshd: max |delta loss| (first 20 steps) <= 1e-05"]
+    assert not verdicts({"bshd": BASE, "thd": drift}, model="tiny-moe")["thd vs bshd: last-10-step mean loss within 1% (MoE routing)"]
+
+
+def test_bf16_adds_a_mean_bound():
+    noisy = [x + (1.5e-3 if i % 2 else 0.0) for i, x in enumerate(BASE)]  # max ok (2e-3), mean 7.5e-4 > 5e-4
+    v = verdicts({"bshd": BASE, "thd": noisy}, dtype="bfloat16")
+    assert v == {"thd vs bshd: max |delta loss| <= 0.002": True, "thd vs bshd: mean |delta loss| <= 0.0005": False}
