@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 JOBS = {"checks": "harness.dist.checks:all_checks", "bench-attention": "harness.bench.attention:measure",
-        "converge": "harness.dist.train:train"}
+        "converge": "harness.dist.train:train", "replay": "harness.dist.replay:replay_check"}
 
 
 def _job(name: str):

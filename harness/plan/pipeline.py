@@ -61,6 +61,9 @@ def _uneven(L: int, P: int, V: int, first: int | None, last: int | None) -> list
     middle = L - (first or 0) - (last or 0)
     if middle < 0 or (middle_stages == 0 and middle):
         raise PlanInputError(f"first={first} and last={last} layers do not fit {L} layers on {P} stages")
+    if middle_stages and middle == 0:
+        raise PlanInputError(f"first={first} / last={last} leave no layers for the {middle_stages} middle stages "
+                             f"of {P}; every stage must build at least one layer")
     if middle_stages and middle % middle_stages:
         raise PlanInputError(f"{middle} layers left after first={first} / last={last} cannot be split evenly over "
                              f"{middle_stages} middle stages")

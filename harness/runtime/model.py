@@ -99,18 +99,22 @@ class SwiGLU(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, layer: int):
         super().__init__()
+        self.layer = layer  # global layer number: the key of replay data
         self.router = nn.Linear(c.hidden, c.experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(c.hidden, c.ffn) for _ in range(c.experts))
         self.top_k, self.z_coef = c.top_k, c.z_loss
 
-    def forward(self, x_TE, real_T):
-        # the router runs in fp32 even under bf16 autocast: bf16 logits tie or flip the top-k choice on
-        # last-bit differences between layouts (on 4 H200s: 2.3e-3 loss spread vs 2e-3 allowed)
+    def forward(self, x_TE, real_T, routing=None):
+        # the router runs in fp32 even under bf16 autocast (standard practice; Megatron's
+        # moe_router_dtype=fp32)
         logits_TX = F.linear(x_TE.float(), self.router.weight.float())
-        weight_TK, idx_TK = torch.topk(logits_TX, self.top_k, dim=-1)
-        weight_TK = weight_TK.softmax(-1).to(x_TE.dtype)
+        if routing is None:
+            idx_TK = torch.topk(logits_TX.detach(), self.top_k, dim=-1).indices
+        else:
+            idx_TK = routing.select(self.layer, logits_TX, self.top_k)
+        weight_TK = logits_TX.gather(1, idx_TK).softmax(-1).to(x_TE.dtype)  # live scores: router gets gradients
         out = torch.zeros_like(x_TE)
         for e, expert in enumerate(self.experts):
             tok, slot = (idx_TK == e).nonzero(as_tuple=True)
@@ -121,16 +125,16 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, c: ModelConfig, moe: bool):
+    def __init__(self, c: ModelConfig, moe: bool, layer: int = 0):
         super().__init__()
         self.c = c
         D = c.hidden // c.heads
         self.norm1, self.norm2 = RMSNorm(c.hidden), RMSNorm(c.hidden)
         self.qkv = nn.Linear(c.hidden, (c.heads + 2 * c.kv_heads) * D, bias=False)
         self.proj = nn.Linear(c.heads * D, c.hidden, bias=False)
-        self.mlp = MoE(c) if moe else SwiGLU(c.hidden, c.ffn)
+        self.mlp = MoE(c, layer) if moe else SwiGLU(c.hidden, c.ffn)
 
-    def forward(self, x_TE, pos_T, real_T, attention: Attention):
+    def forward(self, x_TE, pos_T, real_T, attention: Attention, routing=None):
         c, D = self.c, self.c.hidden // self.c.heads
         q, k, v = self.qkv(self.norm1(x_TE)).split([c.heads * D, c.kv_heads * D, c.kv_heads * D], dim=-1)
         q = rope(q.view(-1, c.heads, D), pos_T, c.rope_base)
@@ -138,7 +142,7 @@ class Block(nn.Module):
         o = attention(q, k, v.view(-1, c.kv_heads, D))
         x_TE = x_TE + self.proj(o.reshape(x_TE.shape[0], -1))
         if isinstance(self.mlp, MoE):
-            h, z = self.mlp(self.norm2(x_TE), real_T)
+            h, z = self.mlp(self.norm2(x_TE), real_T, routing)
             return x_TE + h, z
         return x_TE + self.mlp(self.norm2(x_TE)), x_TE.new_zeros((), dtype=torch.float32)
 
@@ -151,7 +155,7 @@ class TinyLM(nn.Module):
         self.c = c
         gen = torch.Generator().manual_seed(c.seed)
         self.embed = nn.Embedding(c.vocab, c.hidden)
-        self.blocks = nn.ModuleList(Block(c, moe=c.experts > 0 and i > 0) for i in range(c.layers))
+        self.blocks = nn.ModuleList(Block(c, moe=i in self.moe_layers(), layer=i) for i in range(c.layers))
         self.norm = RMSNorm(c.hidden)
         self.head = nn.Linear(c.hidden, c.vocab, bias=False)
         with torch.no_grad():  # deterministic, device-independent init
@@ -160,21 +164,34 @@ class TinyLM(nn.Module):
                     std = 0.02 / math.sqrt(2 * c.layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def forward(self, tokens_T, pos_T, real_T, attention: Attention):
+    def moe_layers(self) -> list[int]:
+        """Global layers with an MoE block: all but the first (dense) one, for an MoE config."""
+        return list(range(1, self.c.layers)) if self.c.experts else []
+
+    def run_layers(self, x, pos_T, real_T, attention: Attention, layers=None, routing=None):
+        """Apply blocks ``layers`` (global numbers; default all) to hidden states ``x``; returns
+        (hidden states, aux loss of those blocks). Pipeline stages call this with their range."""
+        aux = torch.zeros((), device=x.device)
+        for i in (range(self.c.layers) if layers is None else layers):
+            x, a = self.blocks[i](x, pos_T, real_T, attention, routing)
+            aux = aux + a
+        return x, aux
+
+    def loss_from_hidden(self, h, labels_T, real_T):
+        """Sum of masked next-token cross-entropies from the last block's hidden states."""
+        logits = self.head(self.norm(h)).float()
+        ce = F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none")
+        return (ce * real_T).sum()
+
+    def forward(self, tokens_T, pos_T, real_T, attention: Attention, routing=None):
         """Hidden states of the local tokens and the auxiliary (router z) loss summed over real
         tokens (``real_T`` = 1 for tokens of a sequence, 0 for padding)."""
-        x = self.embed(tokens_T)
-        aux = torch.zeros((), device=x.device)
-        for blk in self.blocks:
-            x, a = blk(x, pos_T, real_T, attention)
-            aux = aux + a
+        x, aux = self.run_layers(self.embed(tokens_T), pos_T, real_T, attention, routing=routing)
         return self.norm(x), aux
 
-    def token_losses(self, tokens_T, labels_T, mask_T, pos_T, attention: Attention):
+    def token_losses(self, tokens_T, labels_T, mask_T, pos_T, attention: Attention, routing=None):
         """(sum of masked next-token cross-entropies over the local tokens, aux loss); ``mask_T``
-        marks the real tokens (padding has mask 0)."""
+        marks the real tokens (padding has mask 0). ``routing``: a ``harness.runtime.replay.Routing``."""
         real = mask_T.to(torch.float32)
-        h, aux = self.forward(tokens_T, pos_T, real, attention)
-        logits = self.head(h).float()
-        ce = F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none")
-        return (ce * real).sum(), aux
+        x, aux = self.run_layers(self.embed(tokens_T), pos_T, real, attention, routing=routing)
+        return self.loss_from_hidden(x, labels_T, real), aux

@@ -1,0 +1,188 @@
+"""Router replay under pipeline and context parallelism, checked end to end on every rank.
+
+``replay_check(rank, world, cfg)`` (world = pp x cp, Megatron order: CP fastest, then PP):
+
+1. Rollout, single process on every rank: the tiny MoE with router weights W0 runs each sample alone
+   in ``record`` mode; its routes, ``[tokens, layers, top_k]`` with zero rows for the dense layer, are
+   what an inference engine returns.
+2. The training model is the same model with its routers perturbed (the rollout/training mismatch
+   R3 exists for). Each rank builds its PP stage (``harness.plan.pipeline.layer_ranges``); stages
+   exchange activations (send / recv) and gradients; the CP ranks of a stage hold zig-zag slices of
+   each THD micro-batch and run CP attention in their stage's group. The replay store of a rank is
+   filled with ``harness.plan.replay.thd_routes`` for the routers of its stage, keyed by global layer.
+3. Checks: (a) in ``replay`` mode every real token's chosen experts at every MoE layer equal the
+   rollout's for that (sample, position) - looked up independently through the token's position id;
+   (b) in ``free`` mode the perturbed routers choose differently for some tokens; (c) the replayed loss
+   and every parameter gradient equal a single-process replayed reference (no PP, no CP).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from harness.corpus import CorpusConfig, global_batch
+from harness.dist.cp_attention import CPAttentionPlan, cp_attention
+from harness.plan.pipeline import layer_ranges, routers_on_stage, stage_layers
+from harness.plan.replay import thd_routes
+from harness.plan.thd import pack, padding_divisor, zigzag_index_array
+from harness.runtime.attention import thd_attention
+from harness.runtime.model import ModelConfig, TinyLM
+from harness.runtime.replay import ReplayStore, Routing
+
+MODEL = ModelConfig(experts=4, top_k=2, layers=4, seed=3)
+DEFAULT = {"pp": 2, "cp": 2, "sequences": 6, "microbatches": 2, "lengths": "uniform:min=8,max=120",
+           "perturb": 0.05, "seed": 0, "device": "cpu", "dtype": "float32"}
+
+
+def _device(cfg) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if cfg["device"] == "cuda" else torch.device("cpu")
+
+
+def _autocast(cfg):
+    return torch.autocast(_device(cfg).type, dtype=torch.bfloat16, enabled=cfg["dtype"] == "bfloat16")
+
+
+def _batch(cfg):
+    seqs = global_batch(CorpusConfig(lengths=cfg["lengths"], sequences_per_batch=cfg["sequences"], seed=cfg["seed"]), 0)
+    per = cfg["sequences"] // cfg["microbatches"]
+    return seqs, [list(range(m * per, (m + 1) * per)) for m in range(cfg["microbatches"])]
+
+
+def rollout_routes(model: TinyLM, seqs, cfg=DEFAULT) -> list[np.ndarray]:
+    """Per-sample routes ``[T_i, layers, top_k]`` (zero rows for dense layers) from a record pass."""
+    out, dev = [], _device(cfg)
+    for i, s in enumerate(seqs):
+        t = torch.as_tensor(s[:-1], device=dev)
+        store = ReplayStore()
+        with torch.no_grad(), _autocast(cfg):
+            model.forward(t, torch.arange(len(t), device=dev), torch.ones(len(t), device=dev),
+                          lambda q, k, v, n=len(t): thd_attention(q, k, v, [0, n]),
+                          routing=Routing("record", store, microbatch=i))
+        r = np.zeros((len(t), model.c.layers, model.c.top_k), dtype=np.int64)
+        for layer in model.moe_layers():
+            r[:, layer] = store.get(layer, i, 0).cpu().numpy()
+        out.append(r)
+    return out
+
+
+def training_model(cfg) -> TinyLM:
+    torch.manual_seed(0)
+    model = TinyLM(MODEL)
+    gen = torch.Generator().manual_seed(cfg["seed"] + 1)
+    with torch.no_grad():
+        for layer in model.moe_layers():
+            w = model.blocks[layer].mlp.router.weight
+            w.add_(torch.randn(w.shape, generator=gen) * cfg["perturb"])
+    return model.to(_device(cfg))
+
+
+def _microbatch(seqs, gids, cp):
+    lens = [len(seqs[g]) - 1 for g in gids]
+    p = pack(lens, padding_divisor(cp_size=cp))
+    T = p.total_tokens
+    tok, lab, pos, real, owner = (np.zeros(T, np.int64) for _ in range(5))
+    for i, g in enumerate(gids):
+        a, n = p.cu_seqlens_padded[i], lens[i]
+        tok[a:a + n], lab[a:a + n] = seqs[g][:-1], seqs[g][1:]
+        pos[a:a + n], real[a:a + n], owner[a:a + n] = np.arange(n), 1, g
+    return p, tok, lab, pos, real, owner
+
+
+def _reference(cfg, seqs, mbs, routes, total):
+    """Single process, no PP / CP: replayed loss and gradients."""
+    model, dev = training_model(cfg), _device(cfg)
+    loss = 0.0
+    for m, gids in enumerate(mbs):
+        p, tok, lab, pos, real, _ = _microbatch(seqs, gids, 1)
+        store = ReplayStore()
+        rows = thd_routes([routes[g] for g in gids], p.cu_seqlens_padded)
+        for layer in model.moe_layers():
+            store.put(layer, m, 0, torch.as_tensor(rows[:, layer], device=dev))
+        with _autocast(cfg):
+            ce, aux = model.token_losses(*(torch.as_tensor(x, device=dev) for x in (tok, lab, real, pos)),
+                                         lambda q, k, v, c=p.cu_seqlens_padded: thd_attention(q, k, v, c),
+                                         routing=Routing("replay", store, microbatch=m))
+        ((ce + aux) / total).backward()
+        loss += float((ce + aux).detach())
+    return loss / total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _stage_params(model: TinyLM, layers: list[int], first: bool, last: bool) -> dict:
+    keep = [f"blocks.{i}." for i in layers] + (["embed."] if first else []) + (["norm.", "head."] if last else [])
+    return {n: p for n, p in model.named_parameters() if n.startswith(tuple(keep))}
+
+
+def _run(mode, cfg, rank, seqs, mbs, routes, total, groups):
+    pp, cp = cfg["pp"], cfg["cp"]
+    p_rank, c_rank = rank // cp, rank % cp
+    layers = stage_layers(layer_ranges(MODEL.layers, pp)[p_rank])
+    first, last = p_rank == 0, p_rank == pp - 1
+    model, dev = training_model(cfg), _device(cfg)
+    group = groups[p_rank]
+    loss, mismatches, checked = torch.zeros((), dtype=torch.float64, device=dev), 0, 0
+    for m, gids in enumerate(mbs):
+        p, tok, lab, pos, real, owner = _microbatch(seqs, gids, cp)
+        idx = zigzag_index_array(p.cu_seqlens_padded, cp, c_rank)
+        t = {k: torch.as_tensor(v[idx], device=dev) for k, v in (("tok", tok), ("lab", lab), ("pos", pos), ("real", real))}
+        realf = t["real"].float()
+        store = ReplayStore()
+        rows = thd_routes([routes[g] for g in gids], p.cu_seqlens_padded, cp, c_rank)
+        for layer in routers_on_stage(layer_ranges(MODEL.layers, pp)[p_rank], model.moe_layers()):
+            store.put(layer, m, c_rank, torch.as_tensor(rows[:, layer], device=dev))
+        routing = Routing(mode, store if mode == "replay" else None, microbatch=m, cp_rank=c_rank)
+        aplan = CPAttentionPlan.build(p.cu_seqlens_padded, cp, c_rank, dev)
+        attn = lambda q, k, v: cp_attention(q, k, v, aplan, group)  # noqa: E731
+        if first:
+            x = model.embed(t["tok"])
+        else:
+            x = torch.empty(len(idx), MODEL.hidden, device=dev)
+            dist.recv(x, src=rank - cp)
+            x.requires_grad_()
+        with _autocast(cfg):
+            h, aux = model.run_layers(x, t["pos"], realf, attn, layers=layers, routing=routing)
+            ce = model.loss_from_hidden(h, t["lab"], realf) if last else None
+        if last:
+            ((ce + aux) / total).backward()
+            loss += float((ce + aux).detach())
+        else:
+            h = h.float()  # activations travel in fp32 between stages
+            dist.send(h.detach().contiguous(), dst=rank + cp)
+            grad = torch.empty_like(h)
+            dist.recv(grad, src=rank + cp)
+            torch.autograd.backward([h, aux / total], [grad, torch.ones((), device=dev)])
+            loss += float(aux.detach())
+        if not first:
+            dist.send(x.grad, dst=rank - cp)
+        for layer, chosen in routing.chosen.items():  # independent lookup: (sample, position) per token
+            keep = t["real"].bool().cpu().numpy()
+            want = np.stack([routes[g][q, layer] for g, q in zip(owner[idx][keep], t["pos"].cpu().numpy()[keep])])
+            got = chosen.cpu().numpy()[keep]
+            mismatches += int((np.sort(got, 1) != np.sort(want, 1)).any(1).sum())
+            checked += int(keep.sum())
+    grads = {n: q.grad for n, q in _stage_params(model, layers, first, last).items()}
+    for g in grads.values():
+        if cp > 1:
+            dist.all_reduce(g, group=group)
+    dist.all_reduce(loss)
+    return float(loss) / total, grads, mismatches, checked  # CP ranks hold disjoint tokens: the sum is the loss
+
+
+def replay_check(rank: int, world: int, cfg: dict | None = None) -> dict:
+    cfg = {**DEFAULT, **(cfg or {})}
+    if cfg["pp"] * cfg["cp"] != world:
+        raise ValueError(f"pp={cfg['pp']} x cp={cfg['cp']} needs {cfg['pp'] * cfg['cp']} ranks, the world has {world}")
+    torch.manual_seed(0)
+    seqs, mbs = _batch(cfg)
+    routes = rollout_routes(TinyLM(MODEL).to(_device(cfg)), seqs, cfg)
+    total = float(sum(len(s) - 1 for s in seqs))
+    groups = [dist.new_group([c + cfg["cp"] * p for c in range(cfg["cp"])]) for p in range(cfg["pp"])]
+    ref_loss, ref_grads = _reference(cfg, seqs, mbs, routes, total)
+    loss, grads, mism, checked = _run("replay", cfg, rank, seqs, mbs, routes, total, groups)
+    _, _, free_mism, free_checked = _run("free", cfg, rank, seqs, mbs, routes, total, groups)
+    rel = {n: float((g - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30)) for n, g in grads.items()}
+    return {"rank": rank, "pp_rank": rank // cfg["cp"], "cp_rank": rank % cfg["cp"], "dtype": cfg["dtype"],
+            "replay_mismatches": mism,
+            "tokens_checked": checked, "free_mismatches": free_mism, "free_checked": free_checked,
+            "loss": loss, "ref_loss": ref_loss, "grad_rel": rel}
