@@ -6,6 +6,7 @@
   dcp-harness nightly                  both models, more steps, GPUs if present; history + trend plots
   dcp-harness bench schedule           scheduler latency and quality benchmark -> reports/
   dcp-harness bench thd                zig-zag index speed (CPU) -> reports/
+  dcp-harness bench padding            step-wise batch padding and builder speed (CPU) -> reports/
   dcp-harness bench attention          CP attention throughput on GPUs -> reports/
   dcp-harness fixtures wikipedia ...   regenerate the committed Wikipedia length sample
 
@@ -140,6 +141,8 @@ def parser() -> argparse.ArgumentParser:
     ba = bsub.add_parser("attention", help="(GPU) CP attention fwd+bwd throughput and per-GPU efficiency")
     ba.add_argument("--nproc", type=int, default=None, help="GPUs to use (default min(4, available))")
     ba.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_attention.json)")
+    bp = bsub.add_parser("padding", help="step-wise RL batches: two-segment vs unified padding, builder speed")
+    bp.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_padding.json)")
     bt = bsub.add_parser("thd", help="zig-zag index computation speed (CPU)")
     bt.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_thd.json)")
     f = sub.add_parser("fixtures", help="regenerate committed fixtures")
@@ -175,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                 from harness.bench import attention
 
                 return attention.main(out=a.out, nproc=a.nproc)
+            if a.bench == "padding":
+                from harness.bench import padding
+
+                return padding.main(out=a.out)
             if a.bench == "thd":
                 from harness.bench import thd
 
