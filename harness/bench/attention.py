@@ -99,7 +99,7 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
                 parts = {} if cp == 1 else {"comm_seconds": timed(comm), "attention_seconds": timed(compute)}
                 rows.append({"tokens": T, "sequences": nseq, "cp": cp, "seconds": seconds,
                              "flops": causal_flops(lengths, H, D), **parts})
-                del full, q, k, v
+                del full  # q, k, v are rebound by the next configuration
                 torch.cuda.empty_cache()
     return rows
 

@@ -44,22 +44,18 @@ def default_layouts(world: int) -> list[list[int]]:
     return layouts
 
 
-def check_groups(rank: int, world: int, groups: DynamicGroups) -> dict:
+def check_groups(rank: int, world: int, groups: DynamicGroups, device) -> dict:
     out = {}
     for size in groups.sizes:
         g = groups.group(size)
         expect = groups.layout.block_ranks(rank, size)
-        onehot = torch.zeros(world, dtype=torch.float64, device=_device(groups))
+        onehot = torch.zeros(world, dtype=torch.float64, device=device)
         onehot[rank] = 1.0
         dist.all_reduce(onehot, group=g)
         members = [r for r in range(world) if onehot[r] > 0]
         out[size] = {"ranks": dist.get_process_group_ranks(g), "members": members, "expected": expect,
                      "ok": dist.get_process_group_ranks(g) == members == expect == groups.ranks(size)}
     return out
-
-
-def _device(groups: DynamicGroups):
-    return groups.device
 
 
 def check_reroute(rank: int, world: int, groups: DynamicGroups, cfg: dict, device) -> dict:
@@ -152,7 +148,6 @@ def all_checks(rank: int, world: int, cfg: dict | None = None) -> dict:
     if layout.world_size != world:
         raise ValueError(f"parallel (dp, cp, tp) = {cfg['parallel']} needs {layout.world_size} ranks, world has {world}")
     groups = DynamicGroups(layout, rank)
-    groups.device = device
-    return {"rank": rank, "world": world, "parallel": [dp, cp, tp], "groups": check_groups(rank, world, groups),
+    return {"rank": rank, "world": world, "parallel": [dp, cp, tp], "groups": check_groups(rank, world, groups, device),
             "reroute": check_reroute(rank, world, groups, cfg, device),
             "attention": check_attention(rank, layout.n_positions, groups, cfg, device)}

@@ -20,7 +20,6 @@ import pytest
 
 from harness.plan import PlanInputError
 from harness.plan.pipeline import layer_ranges
-from harness.upstream import megatron
 
 pytestmark = pytest.mark.upstream
 
