@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 
 from harness.plan import (
     ALGORITHMS,
@@ -19,7 +19,7 @@ from harness.plan import (
     schedule,
     simulate,
 )
-from harness.testing import batches
+from harness.testing import Batch, batches
 
 COSTS = [CostModel.megatron(), CostModel.from_model_shape(num_layers=2, hidden_size=64, ffn_hidden_size=256,
                                                           num_attention_heads=4, cp_comm_flops_per_byte=500.0,
@@ -46,6 +46,20 @@ def _run(algorithm: str, batch, cost=None):
     return schedule(batch.lengths, algorithm=algorithm, cost=cost, **batch.kwargs())
 
 
+def _static_packs(batch) -> tuple[int, int]:
+    """Oracle for dp-balanced's refusals: greedy pack count (spec 2.10 step 1) and the multiple."""
+    longest = max(L for _, L in batch.lengths)
+    cp = max(batch.min_cp_size, 1 << (-(-longest // batch.max_seqlen_per_rank) - 1).bit_length())
+    cap, packs, tokens = cp * batch.max_seqlen_per_rank, 0, 0
+    for _, L in batch.lengths:
+        if packs and tokens + L <= cap:
+            tokens += L
+        else:
+            packs, tokens = packs + 1, L
+    return packs, (batch.n_ranks // cp) * (batch.vpp_group or 1)
+
+
+@example(batch=Batch([(0, 1), (1, 2048), (2, 1)], n_ranks=2, max_seqlen_per_rank=2048))  # CI, 2026-11
 @given(batch=batches())
 def test_every_invariant_holds(algorithm, impl, batch):
     if impl == "megatron-core":
@@ -57,10 +71,13 @@ def test_every_invariant_holds(algorithm, impl, batch):
         assert f"vpp_group={batch.vpp_group}" in str(e)
         return
     except BatchTooSmallError as e:
-        # static CP (dp-balanced) needs one pack per DP replica; nothing else may refuse a batch
-        assert algorithm == "dp-balanced" and len(batch.lengths) < batch.n_ranks, e
+        # only static CP (dp-balanced) may refuse, and only when its packs cannot be split into a
+        # multiple of dp x vpp_group (splitting adds one pack per step, at most one per sequence)
+        assert algorithm == "dp-balanced", e
+        packs, multiple = _static_packs(batch)
+        assert not any(k % multiple == 0 for k in range(packs, len(batch.lengths) + 1)), e
         return
-    kw = batch.kwargs() if impl == "ours" else dict(n_ranks=batch.n_ranks, max_seqlen_per_rank=batch.max_seqlen_per_rank)
+    kw = batch.kwargs() if impl == "ours" else {"n_ranks": batch.n_ranks, "max_seqlen_per_rank": batch.max_seqlen_per_rank}
     mbs = result.microbatches if hasattr(result, "microbatches") else result
     violations = check_schedule(mbs, batch.lengths, **kw)
     assert not violations, "\n".join(v.error().args[0] for v in violations[:5])
