@@ -8,6 +8,7 @@
   dcp-harness bench thd                zig-zag index speed (CPU) -> reports/
   dcp-harness bench padding            step-wise batch padding and builder speed (CPU) -> reports/
   dcp-harness bench attention          CP attention throughput on GPUs -> reports/
+  dcp-harness bench step               training step time, dynamic vs static CP (GPUs; --cpu smoke) -> reports/
   dcp-harness fixtures wikipedia ...   regenerate the committed Wikipedia length sample
 
 Exit codes: 0 success, 1 a verdict or benchmark target failed, 2 bad input (message on stderr).
@@ -141,6 +142,24 @@ def parser() -> argparse.ArgumentParser:
     ba = bsub.add_parser("attention", help="(GPU) CP attention fwd+bwd throughput and per-GPU efficiency")
     ba.add_argument("--nproc", type=int, default=None, help="GPUs to use (default min(4, available))")
     ba.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_attention.json)")
+    bst = bsub.add_parser("step", help="(GPU) training step time: dynamic CP vs static CP (Megatron's benchmark)")
+    bst.add_argument("--nproc", type=int, default=None, help="processes (default min(4, GPUs); 2 with --cpu)")
+    bst.add_argument("--cpu", action="store_true", help="smoke configuration on gloo (tiny model, no targets)")
+    bst.add_argument("--model", default=None, help="model key (default gpt-12l-h2048; tiny-gpt with --cpu)")
+    bst.add_argument("--lengths", default=None, help="length spec (default lognormal:mean=1024,sigma=1.5,min=128,max=8192)")
+    bst.add_argument("--max-seqlen-per-rank", type=int, default=None)
+    bst.add_argument("--microbatches", type=int, default=None, help="global batch = this x N x max_seqlen_per_rank tokens (8)")
+    bst.add_argument("--arms", default=None, help="comma list of layout:scheduler[:padding] "
+                                                  "(default thd:dp-balanced,dcp:balanced,dcp:megatron-dev)")
+    bst.add_argument("--warmup", type=int, default=None)
+    bst.add_argument("--iters", type=int, default=None)
+    bst.add_argument("--profile-iters", type=int, default=None, help="profiled steps per arm for the breakdown (2)")
+    bst.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    bst.add_argument("--cp-comm-flops-per-byte", type=float, default=None,
+                     help="balanced scheduler's price of K/V exchange (default 2000)")
+    bst.add_argument("--static-cp", type=int, default=None, help="CP size of the thd baseline (default: world)")
+    bst.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_step.json)")
+    bst.add_argument("--html", type=Path, default=None, help="HTML path (default: the JSON path with .html)")
     bp = bsub.add_parser("padding", help="step-wise RL batches: two-segment vs unified padding, builder speed")
     bp.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_padding.json)")
     bt = bsub.add_parser("thd", help="zig-zag index computation speed (CPU)")
@@ -178,6 +197,15 @@ def main(argv: list[str] | None = None) -> int:
                 from harness.bench import attention
 
                 return attention.main(out=a.out, nproc=a.nproc)
+            if a.bench == "step":
+                from harness.bench import step
+
+                keys = ("model", "lengths", "max_seqlen_per_rank", "microbatches", "warmup", "iters", "profile_iters",
+                        "dtype", "cp_comm_flops_per_byte", "static_cp")
+                over = {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
+                if a.arms:
+                    over["arms"] = tuple(x.strip() for x in a.arms.split(",") if x.strip())
+                return step.main(nproc=a.nproc, out=a.out, html=a.html, cpu=a.cpu, overrides=over)
             if a.bench == "padding":
                 from harness.bench import padding
 

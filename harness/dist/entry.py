@@ -1,8 +1,10 @@
 """torchrun entry point: ``torchrun --nproc-per-node N -m harness.dist.entry JOB --out FILE [--cfg JSON]``.
 
 Jobs: ``checks`` (``harness.dist.checks.all_checks``: groups, reroute, CP attention vs full attention),
-``bench-attention`` (``harness.bench.attention.measure``) and ``converge`` (``harness.dist.train.train``). Every rank runs the job; rank 0 gathers
-the ranks' results and writes them as JSON (atomically). NCCL on CUDA machines, gloo otherwise.
+``bench-attention`` (``harness.bench.attention.measure``), ``bench-step`` (``harness.bench.step.measure``),
+``converge`` (``harness.dist.train.train``) and ``replay`` (``harness.dist.replay.replay_check``).
+Every rank runs the job; rank 0 gathers the ranks' results and writes them as JSON (atomically).
+NCCL on CUDA machines, gloo otherwise; ``--cfg '{"device": "cpu"}'`` keeps a job on gloo there too.
 ``launch(job, nproc, out, cfg)`` runs it from Python (used by the GPU suite and the benchmark CLI).
 """
 
@@ -17,7 +19,8 @@ import sys
 from pathlib import Path
 
 JOBS = {"checks": "harness.dist.checks:all_checks", "bench-attention": "harness.bench.attention:measure",
-        "converge": "harness.dist.train:train", "replay": "harness.dist.replay:replay_check"}
+        "bench-step": "harness.bench.step:measure", "converge": "harness.dist.train:train",
+        "replay": "harness.dist.replay:replay_check"}
 
 
 def _job(name: str):
@@ -35,11 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cuda = torch.cuda.is_available()
+    job_cfg = json.loads(a.cfg)
+    # a job config may pin the device ("cpu": gloo even where GPUs are present)
+    cuda = torch.cuda.is_available() and job_cfg.get("device", "cuda") == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=dt.timedelta(seconds=600))
-    cfg = {"device": "cuda" if cuda else "cpu", **json.loads(a.cfg)}
+    cfg = {**job_cfg, "device": "cuda" if cuda else "cpu"}
     result = _job(a.job)(rank, world, cfg)
     gathered = [None] * world
     dist.all_gather_object(gathered, result)

@@ -40,7 +40,9 @@ class ModelConfig:
     kv_heads: int = 2
     """Key/value heads (GQA when < heads)."""
     ffn: int = 128
-    """SwiGLU inner size F (per expert for MoE)."""
+    """MLP inner size F (per expert for MoE)."""
+    mlp: str = "swiglu"
+    """``swiglu`` (gated, 3 matmuls) or ``gelu`` (2 matmuls, Megatron's GPT default)."""
     experts: int = 0
     """Experts per MoE layer; 0 = dense model."""
     top_k: int = 2
@@ -55,6 +57,8 @@ class ModelConfig:
         if self.hidden % self.heads or self.heads % self.kv_heads:
             raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}, "
                              f"which must be divisible by kv_heads={self.kv_heads}")
+        if self.mlp not in MLPS:
+            raise ValueError(f"mlp={self.mlp!r} is not one of {', '.join(MLPS)}")
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, experts={self.experts}]")
 
@@ -62,9 +66,14 @@ class ModelConfig:
         return asdict(self)
 
 
+MLPS = ("swiglu", "gelu")
+
 MODELS = {
     "tiny-gpt": ModelConfig(),
     "tiny-moe": ModelConfig(experts=4, top_k=2, layers=3),
+    # the model of Megatron's Dynamic-CP benchmark (examples/dynamic_context_parallel): 12 layers,
+    # hidden 2048, FFN 8192 (GeLU), 16 heads (MHA); for ``dcp-harness bench step``
+    "gpt-12l-h2048": ModelConfig(vocab=32000, hidden=2048, layers=12, heads=16, kv_heads=16, ffn=8192, mlp="gelu"),
 }
 
 
@@ -98,12 +107,26 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(g) * u)
 
 
+class GeLUMLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+def dense_mlp(c: ModelConfig) -> nn.Module:
+    return SwiGLU(c.hidden, c.ffn) if c.mlp == "swiglu" else GeLUMLP(c.hidden, c.ffn)
+
+
 class MoE(nn.Module):
     def __init__(self, c: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer  # global layer number: the key of replay data
         self.router = nn.Linear(c.hidden, c.experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(c.hidden, c.ffn) for _ in range(c.experts))
+        self.experts = nn.ModuleList(dense_mlp(c) for _ in range(c.experts))
         self.top_k, self.z_coef = c.top_k, c.z_loss
 
     def forward(self, x_TE, real_T, routing=None):
@@ -132,7 +155,7 @@ class Block(nn.Module):
         self.norm1, self.norm2 = RMSNorm(c.hidden), RMSNorm(c.hidden)
         self.qkv = nn.Linear(c.hidden, (c.heads + 2 * c.kv_heads) * D, bias=False)
         self.proj = nn.Linear(c.heads * D, c.hidden, bias=False)
-        self.mlp = MoE(c, layer) if moe else SwiGLU(c.hidden, c.ffn)
+        self.mlp = MoE(c, layer) if moe else dense_mlp(c)
 
     def forward(self, x_TE, pos_T, real_T, attention: Attention, routing=None):
         c, D = self.c, self.c.hidden // self.c.heads
@@ -150,19 +173,24 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """Tiny GPT (``experts == 0``) or MoE: embedding, blocks, final RMSNorm, untied LM head."""
 
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, device=None):
+        """``device=None``: build on the CPU with a device-independent init (bit-identical weights
+        on every machine; the convergence goldens rely on it). ``device``: build there directly with
+        the same distribution drawn from that device's generator (fast for large models, e.g.
+        benchmarks; the weights then depend on the device)."""
         super().__init__()
         self.c = c
-        gen = torch.Generator().manual_seed(c.seed)
-        self.embed = nn.Embedding(c.vocab, c.hidden)
-        self.blocks = nn.ModuleList(Block(c, moe=i in self.moe_layers(), layer=i) for i in range(c.layers))
-        self.norm = RMSNorm(c.hidden)
-        self.head = nn.Linear(c.hidden, c.vocab, bias=False)
-        with torch.no_grad():  # deterministic, device-independent init
+        with torch.device(device or "cpu"):
+            self.embed = nn.Embedding(c.vocab, c.hidden)
+            self.blocks = nn.ModuleList(Block(c, moe=i in self.moe_layers(), layer=i) for i in range(c.layers))
+            self.norm = RMSNorm(c.hidden)
+            self.head = nn.Linear(c.hidden, c.vocab, bias=False)
+        gen = torch.Generator(device=device or "cpu").manual_seed(c.seed)
+        with torch.no_grad():
             for name, p in sorted(self.named_parameters()):
                 if p.dim() > 1:
                     std = 0.02 / math.sqrt(2 * c.layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+                    p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * std)
 
     def moe_layers(self) -> list[int]:
         """Global layers with an MoE block: all but the first (dense) one, for an MoE config."""

@@ -1,0 +1,578 @@
+"""``dcp-harness bench step``: training step time of dynamic CP against static CP (torchrun).
+
+Megatron's Dynamic-CP benchmark (``examples/dynamic_context_parallel``; ``peers.md`` 1.1) run with
+this project's runtime: a GPT of 12 layers, hidden 2048, FFN 8192 (GeLU), 16 heads, vocabulary 32000
+(``gpt-12l-h2048``); sequence lengths lognormal(mean 1024, sigma 1.5) clipped to [128, 8192];
+``max_seqlen_per_rank`` 2048; bf16 autocast with fp32 weights, gradients and AdamW.
+
+Global batch ``i`` (the same for every arm): lengths drawn with seed ``seed + i`` until the next one
+would pass ``microbatches x N x max_seqlen_per_rank`` tokens (8 full micro-batches of the DP x CP
+domain; lengths longer than the domain holds are clipped to ``N x max_seqlen_per_rank`` and
+counted). Sequence ``g`` is loaded by position ``g % N`` (a DP shard) and rerouted by the schedule.
+
+Arms (``layout:scheduler[:padding]``):
+- ``thd:dp-balanced``: static CP of ``static_cp`` ranks (default: the world), Megatron's
+  ``dp_balanced`` packing - the baseline;
+- ``dcp:<scheduler>``: dynamic CP with any ``harness.plan.ALGORITHMS`` scheduler (``balanced``,
+  ``megatron-dev``, ...); padding ``local`` (``2 x local_cp_size``, default) or ``domain``.
+
+One step = schedule + reroute + every micro-batch's forward/backward with CP attention in its
+block's process group + gradient all-reduce over the DP x CP group (a flat fp32 buffer the
+gradients accumulate into) + clipping + AdamW. Each arm starts from the same weights and runs
+``warmup`` then ``iters`` steps, each between a barrier + device synchronisation and a device
+synchronisation; a step's time is the slowest rank's. Reported per arm: the 10%-trimmed mean,
+median and mean step time, tokens/s/GPU (real tokens), MFU (model FLOPs of the real tokens with
+causal attention, over the GPUs' peak), padding, micro-batches, the step-time model's prediction,
+and a measured breakdown (attention, linear, other kernels, exposed communication, idle) from
+``profile_iters`` extra profiled steps (``harness.bench.trace``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from harness.plan import ALGORITHMS, CostModel
+from harness.plan.errors import PlanInputError
+
+DEVICE_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "H20": 148.0, "A100": 312.0, "B200": 2250.0}
+"""Dense bf16 peak TFLOP/s by device-name substring (vendor data sheets), for MFU."""
+
+
+class BenchConfigError(PlanInputError):
+    """A ``bench step`` option is invalid (names the value and the fix)."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    layout: str
+    scheduler: str
+    padding: str = "local"
+
+    @property
+    def label(self) -> str:
+        return f"{self.layout}:{self.scheduler}" + ("" if self.padding == "local" else f":{self.padding}")
+
+
+def parse_arm(text: str) -> Arm:
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
+        raise BenchConfigError(f"arm {text!r} is not layout:scheduler[:padding], e.g. thd:dp-balanced or dcp:balanced")
+    layout, scheduler, padding = parts[0], parts[1], parts[2] if len(parts) == 3 else "local"
+    if layout not in ("thd", "dcp"):
+        raise BenchConfigError(f"arm {text!r}: layout must be thd (static CP) or dcp (dynamic CP), got {layout!r}")
+    if layout == "thd" and scheduler != "dp-balanced":
+        raise BenchConfigError(f"arm {text!r}: static CP (thd) packs with dp-balanced; write thd:dp-balanced")
+    if scheduler not in ALGORITHMS:
+        raise BenchConfigError(f"arm {text!r}: unknown scheduler {scheduler!r}; choose from {', '.join(ALGORITHMS)}")
+    if padding not in ("local", "domain"):
+        raise BenchConfigError(f"arm {text!r}: padding must be local or domain, got {padding!r}")
+    return Arm(layout, scheduler, padding)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepBenchConfig:
+    model: str = "gpt-12l-h2048"
+    """A key of ``harness.runtime.model.MODELS``."""
+    lengths: str = "lognormal:mean=1024,sigma=1.5,min=128,max=8192"
+    """Length distribution (``harness.workloads`` spec)."""
+    max_seqlen_per_rank: int = 2048
+    microbatches: int = 8
+    """Global batch = ``microbatches x N x max_seqlen_per_rank`` tokens (at most)."""
+    static_cp: int = 0
+    """CP size of the ``thd`` baseline; 0 = the world size."""
+    warmup: int = 10
+    iters: int = 30
+    arms: tuple[str, ...] = ("thd:dp-balanced", "dcp:balanced", "dcp:megatron-dev")
+    dtype: str = "bfloat16"
+    seed: int = 1234
+    lr: float = 1e-4
+    cp_comm_flops_per_byte: float = 2000.0
+    """Cost model of the ``balanced`` scheduler: FLOP-equivalents per byte of K/V exchanged. 2000
+    is calibrated from ``reports/recorded/bench_attention.h200x4.json`` (4.0 ms of K/V exchange
+    per layer for a 32K-token pack at cp 2 and 4, at ~400 TFLOP/s of useful compute)."""
+    per_microbatch_flops: float = 0.0
+    """Cost model: fixed FLOP-equivalents per micro-batch a rank runs (launch overhead)."""
+    profile_iters: int = 2
+    """Extra profiled steps per arm for the breakdown (0 = no breakdown)."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s per GPU for MFU; 0 = by device name (``DEVICE_PEAK_TFLOPS``)."""
+    trim: float = 0.1
+    """Fraction trimmed from each end for the trimmed mean."""
+    trace_dir: str = ""
+    """Where rank 0 keeps one gzipped Chrome trace per arm ('' = none)."""
+    device: str = "cpu"
+
+    def arm_list(self) -> list[Arm]:
+        arms = [parse_arm(a) for a in self.arms]
+        labels = [a.label for a in arms]
+        if not arms or len(set(labels)) != len(labels):
+            raise BenchConfigError(f"arms must be a non-empty list without repeats, got {list(self.arms)}")
+        return arms
+
+    def validate(self, world: int) -> None:
+        from harness.runtime.model import MODELS
+        from harness.workloads import parse_spec
+
+        if self.model not in MODELS:
+            raise BenchConfigError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
+        parse_spec(self.lengths)
+        self.arm_list()
+        if world < 1 or world & (world - 1):
+            raise BenchConfigError(f"world size {world} is not a power of two; use 1, 2, 4 or 8 processes")
+        for name in ("max_seqlen_per_rank", "microbatches", "iters"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise BenchConfigError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("warmup", "profile_iters", "static_cp"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise BenchConfigError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
+        if self.profile_iters > self.iters:
+            raise BenchConfigError(f"profile_iters={self.profile_iters} must be <= iters={self.iters}")
+        if self.static_cp and (self.static_cp > world or self.static_cp & (self.static_cp - 1)):
+            raise BenchConfigError(f"static_cp={self.static_cp} must be a power of two <= the world size {world}")
+        if not 0 <= self.trim < 0.5:
+            raise BenchConfigError(f"trim must be in [0, 0.5), got {self.trim}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise BenchConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepBenchConfig":
+        d = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        if "arms" in d:
+            d["arms"] = tuple(d["arms"])
+        return cls(**d)
+
+
+# ---------------------------------------------------------------- workload and model figures
+
+def global_batch_lengths(cfg: StepBenchConfig, world: int, index: int) -> tuple[list[int], int]:
+    """(lengths of global batch ``index``, how many were clipped to the domain)."""
+    from harness.workloads import sample
+
+    cap, budget = world * cfg.max_seqlen_per_rank, cfg.microbatches * world * cfg.max_seqlen_per_rank
+    out, total, clipped, chunk = [], 0, 0, 0
+    while True:
+        for L in sample(cfg.lengths, 256, seed=(cfg.seed + index) * 7919 + chunk):
+            if L > cap:
+                L, clipped = cap, clipped + 1
+            if total + L > budget:
+                return (out or [L]), clipped
+            out.append(L)
+            total += L
+        chunk += 1
+        if chunk > 10_000:
+            raise BenchConfigError(f"lengths {cfg.lengths!r} never fill a global batch of {budget} tokens")
+
+
+def model_cost(cfg: StepBenchConfig, *, comm: bool = True) -> CostModel:
+    """Training FLOPs per sequence of the benchmark model (``comm``: with the K/V exchange term)."""
+    from harness.runtime.model import MODELS
+
+    m = MODELS[cfg.model]
+    return CostModel.from_model_shape(
+        num_layers=m.layers, hidden_size=m.hidden, ffn_hidden_size=m.ffn * max(1, m.top_k if m.experts else 1),
+        num_attention_heads=m.heads, num_query_groups=m.kv_heads, gated_mlp=m.mlp == "swiglu",
+        vocab_size=m.vocab, cp_comm_flops_per_byte=cfg.cp_comm_flops_per_byte if comm else 0.0,
+        per_microbatch_flops=cfg.per_microbatch_flops if comm else 0.0, name=cfg.model)
+
+
+def model_flops(lengths: list[int], cost: CostModel) -> float:
+    """Model FLOPs (forward + backward) of the real tokens: no padding, causal attention, no CP."""
+    return float(sum(cost.seq_cost(L, 1) for L in lengths))
+
+
+def peak_tflops(cfg: StepBenchConfig, device_name: str) -> float | None:
+    if cfg.peak_tflops:
+        return cfg.peak_tflops
+    return next((v for k, v in DEVICE_PEAK_TFLOPS.items() if k in device_name), None)
+
+
+def trimmed_mean(xs: list[float], trim: float) -> float:
+    """Mean after dropping ``floor(trim * n)`` values from each end (scipy's ``trim_mean``)."""
+    if not xs:
+        raise ValueError("no values")
+    s, k = sorted(xs), math.floor(trim * len(xs))
+    kept = s[k:len(s) - k] or s
+    return statistics.fmean(kept)
+
+
+# ---------------------------------------------------------------- the torchrun job
+
+@dataclass
+class _Ctx:
+    cfg: StepBenchConfig
+    rank: int
+    world: int
+    device: object
+    model: object
+    params: list
+    flat: object
+    initial: list
+    groups: object
+    everyone: object
+    cost: CostModel
+    batches: list = field(default_factory=list)  # (lengths, clipped, local samples)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _local_samples(lengths: list[int], index: int, me: int, n: int, vocab: int, seed: int, device) -> dict:
+    import numpy as np
+    import torch
+
+    out = {}
+    for g, L in enumerate(lengths):
+        if g % n == me:
+            toks = np.random.default_rng((seed, index, g)).integers(0, vocab, size=L + 1)
+            t = torch.as_tensor(toks, dtype=torch.int64, device=device)
+            out[g] = {"tokens": t[:-1], "labels": t[1:], "loss_mask": torch.ones(L, dtype=torch.int64, device=device),
+                      "position_ids": torch.arange(L, dtype=torch.int64, device=device)}
+    return out
+
+
+def _layout_cfg(ctx: _Ctx, arm: Arm):
+    from harness.dist.layouts import LayoutConfig
+
+    return LayoutConfig(n_ranks=ctx.world, max_seqlen_per_rank=ctx.cfg.max_seqlen_per_rank,
+                        static_cp=ctx.cfg.static_cp or ctx.world, scheduler=arm.scheduler, dcp_padding=arm.padding)
+
+
+def _step(ctx: _Ctx, arm: Arm, lengths: list[int], local: dict, opt) -> dict:
+    """One training step; returns host-side figures (no device synchronisation inside)."""
+    import torch
+    import torch.distributed as dist
+
+    from harness.dist.cp_attention import CPAttentionPlan, cp_attention
+    from harness.dist.layouts import plan
+    from harness.dist.reroute import build_microbatches, reroute
+
+    t = time.perf_counter()
+    sched, padding, fixed = plan(arm.layout, lengths, _layout_cfg(ctx, arm), ctx.cost)
+    plan_s = time.perf_counter() - t
+    me, n = ctx.rank, ctx.world
+    owners = {g: g % n for g in range(len(lengths))}
+    samples = reroute(local, owners, sched, me, group=ctx.everyone)
+    mbs = build_microbatches(samples, sched, me, padding=padding, fixed_length=fixed)
+    plans = [CPAttentionPlan.build(mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, ctx.device) for mb in mbs]
+    total = float(sum(lengths))
+    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=ctx.cfg.dtype == "bfloat16")
+    local_tokens = 0
+    for mb, aplan in zip(mbs, plans):
+        group = ctx.groups.for_block(mb.block_start, mb.local_cp_size)
+        attention = lambda q, k, v, p=aplan, g=group: cp_attention(q, k, v, p, g)  # noqa: E731
+        with autocast:
+            ce, _ = ctx.model.token_losses(mb.data["tokens"], mb.data["labels"], mb.data["loss_mask"],
+                                           mb.data["position_ids"], attention)
+        (ce / total).backward()
+        local_tokens += mb.data["tokens"].numel()
+    dist.all_reduce(ctx.flat, group=ctx.everyone)
+    ctx.flat.mul_((1.0 / (ctx.flat.norm() + 1e-6)).clamp(max=1.0))  # clip the global norm at 1.0
+    opt.step()
+    ctx.flat.zero_()
+    return {"plan_s": plan_s, "schedule": sched, "local_tokens": local_tokens}
+
+
+def _profiled_step(ctx: _Ctx, arm: Arm, lengths, local, opt, keep_trace: Path | None) -> dict:
+    import gzip
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from harness.bench.trace import annotations, breakdown, load_trace
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    dist.barrier(group=ctx.everyone)
+    _sync(ctx.device)
+    with profile(activities=acts) as prof, record_function("dcp_harness_step"):
+        _step(ctx, arm, lengths, local, opt)
+        _sync(ctx.device)
+    fd, path = tempfile.mkstemp(suffix=".json", prefix=f"dcp_step_r{ctx.rank}_")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        trace = load_trace(path)
+        if keep_trace is not None:
+            from harness.io import atomic_write_bytes
+
+            atomic_write_bytes(keep_trace, gzip.compress(Path(path).read_bytes(), mtime=0))
+    finally:
+        os.unlink(path)
+    windows = annotations(trace, "dcp_harness_step")
+    if not windows:
+        raise RuntimeError("the profiler trace has no dcp_harness_step annotation")
+    return breakdown(trace, windows[-1])
+
+
+def _run_arm(ctx: _Ctx, arm: Arm) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    cfg, dev = ctx.cfg, ctx.device
+    with torch.no_grad():
+        for p, p0 in zip(ctx.params, ctx.initial):
+            p.copy_(p0)
+        ctx.flat.zero_()
+    opt = torch.optim.AdamW(ctx.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0,
+                            **({"fused": True} if dev.type == "cuda" else {}))
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    times, plan_ms, local_tokens, figures = [], [], [], []
+    for i, (lengths, _, local) in enumerate(ctx.batches):
+        dist.barrier(group=ctx.everyone)
+        _sync(dev)
+        t0 = time.perf_counter()
+        r = _step(ctx, arm, lengths, local, opt)
+        _sync(dev)
+        dt = time.perf_counter() - t0
+        if i >= cfg.warmup:
+            times.append(dt)
+            plan_ms.append(r["plan_s"] * 1e3)
+            local_tokens.append(r["local_tokens"])
+            if ctx.rank == 0:
+                figures.append(_schedule_figures(r["schedule"], ctx.cost))
+    t = torch.tensor(times, dtype=torch.float64, device=dev)
+    slowest = t.clone()
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.everyone)
+    tok = torch.tensor(local_tokens, dtype=torch.float64, device=dev)
+    dist.all_reduce(tok, group=ctx.everyone)
+    parts, error = [], None
+    for j in range(cfg.profile_iters):
+        lengths, _, local = ctx.batches[cfg.warmup + j]
+        keep = (Path(cfg.trace_dir) / f"trace_{arm.label.replace(':', '_')}_rank0.json.gz"
+                if cfg.trace_dir and ctx.rank == 0 and j == 0 else None)
+        try:
+            parts.append(_profiled_step(ctx, arm, lengths, local, opt, keep))
+        except Exception as e:  # the breakdown is diagnostic: report why it is missing, keep the timings
+            error = f"{type(e).__name__}: {e}"
+            break
+    out = {"rank": ctx.rank, "times_s": times, "step_s": slowest.tolist(), "processed_tokens": tok.tolist(),
+           "plan_ms": plan_ms, "breakdown": parts, "breakdown_error": error,
+           "peak_memory_gb": (torch.cuda.max_memory_allocated(dev) / 2**30) if dev.type == "cuda" else None}
+    if ctx.rank == 0:
+        out["schedules"] = figures
+    del opt
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _schedule_figures(sched, cost: CostModel) -> dict:
+    from harness.plan.bounds import lower_bound, simulate
+
+    hist: dict[str, int] = {}
+    for s in sched.cp_size_of().values():
+        hist[str(s)] = hist.get(str(s), 0) + 1
+    lengths = list(sched.lengths.values())
+    return {"microbatches": sched.num_microbatches, "cp_histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+            "predicted": simulate(sched, cost).step_time,
+            "lower_bound": lower_bound(lengths, n_ranks=sched.n_ranks, max_seqlen_per_rank=sched.max_seqlen_per_rank,
+                                       cost=cost)}
+
+
+def measure(rank: int, world: int, cfg_dict: dict) -> dict:
+    """The ``bench-step`` torchrun job: every arm on every rank (see module doc)."""
+    import torch
+
+    from harness.dist.groups import DynamicGroups, ParallelLayout
+    from harness.runtime.model import MODELS, TinyLM
+
+    cfg = StepBenchConfig.from_dict(cfg_dict)
+    cfg.validate(world)
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    mcfg = replace(MODELS[cfg.model], seed=cfg.seed)
+    model = TinyLM(mcfg, device=device)
+    params = [p for p in model.parameters()]
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
+    offset = 0
+    for p in params:  # gradients accumulate in place into views of one flat buffer (one all-reduce)
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    groups = DynamicGroups(ParallelLayout(dp=world, cp=1), rank)
+    ctx = _Ctx(cfg, rank, world, device, model, params, flat, [p.detach().clone() for p in params], groups,
+               groups.group(world), model_cost(cfg))
+    for i in range(cfg.warmup + cfg.iters):
+        lengths, clipped = global_batch_lengths(cfg, world, i)
+        ctx.batches.append((lengths, clipped, _local_samples(lengths, i, rank, world, mcfg.vocab, cfg.seed, device)))
+    if cfg.trace_dir and rank == 0:
+        Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
+    arms = {}
+    for arm in cfg.arm_list():
+        if rank == 0:
+            print(f"bench step: arm {arm.label} ({cfg.warmup} warm-up + {cfg.iters} measured steps)", flush=True)
+        arms[arm.label] = _run_arm(ctx, arm)
+        if rank == 0:
+            s = arms[arm.label]["step_s"]
+            print(f"bench step: arm {arm.label}: median {1e3 * statistics.median(s):.1f} ms", flush=True)
+    measured = ctx.batches[cfg.warmup:]
+    out = {"rank": rank, "arms": arms}
+    if rank == 0:
+        out["batches"] = [{"lengths": b[0], "clipped": b[1]} for b in measured]
+        out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        out["parameters"] = sum(p.numel() for p in params)
+        out["torch"] = torch.__version__
+    return out
+
+
+# ---------------------------------------------------------------- summary, targets, CLI
+
+TARGETS = {"speedup_vs_static": 1.4, "world": 4, "ours": "dcp:balanced", "upstream": "dcp:megatron-dev",
+           "baseline": "thd:dp-balanced"}
+
+
+def summarize(result: dict, cfg: StepBenchConfig) -> dict:
+    """Per-arm statistics from the job's JSON (rank 0 holds the slowest-rank times)."""
+    ranks = sorted(result["ranks"], key=lambda r: r["rank"])
+    r0, world = ranks[0], result["world"]
+    cost = model_cost(cfg, comm=False)
+    flops = [model_flops(b["lengths"], cost) for b in r0["batches"]]
+    tokens = [float(sum(b["lengths"])) for b in r0["batches"]]
+    peak = peak_tflops(cfg, r0["device_name"])
+    arms = {}
+    for label, a in r0["arms"].items():
+        s = a["step_s"]
+        tm = trimmed_mean(s, cfg.trim)
+        per_iter_tflops = [f / t / world / 1e12 for f, t in zip(flops, s)]
+        parts = [p for r in ranks for p in r["arms"][label]["breakdown"]]
+        from harness.bench.trace import mean_breakdown
+
+        per_rank = [mean_breakdown(r["arms"][label]["breakdown"]) for r in ranks if r["arms"][label]["breakdown"]]
+        compute = [sum(p[k] for k in ("attention", "linear", "other")) for p in per_rank]
+        arms[label] = {
+            "trimmed_mean_ms": 1e3 * tm, "median_ms": 1e3 * statistics.median(s), "mean_ms": 1e3 * statistics.fmean(s),
+            "min_ms": 1e3 * min(s), "max_ms": 1e3 * max(s), "stdev_ms": 1e3 * (statistics.stdev(s) if len(s) > 1 else 0.0),
+            "step_ms": [1e3 * x for x in s],
+            "tokens_per_s_per_gpu": statistics.fmean(tokens) / tm / world,
+            "tflops_per_gpu": statistics.fmean(flops) / tm / world / 1e12,
+            "mfu": (statistics.fmean(flops) / tm / world / (peak * 1e12)) if peak else None,
+            "tflops_per_gpu_per_iter": per_iter_tflops,
+            "padding_fraction": 1.0 - sum(tokens) / sum(a["processed_tokens"]),
+            "microbatches": statistics.fmean(f["microbatches"] for f in a["schedules"]),
+            "cp_histogram": _sum_hist(f["cp_histogram"] for f in a["schedules"]),
+            "predicted": statistics.fmean(f["predicted"] for f in a["schedules"]),
+            "lower_bound": statistics.fmean(f["lower_bound"] for f in a["schedules"]),
+            "plan_ms_median": statistics.median(a["plan_ms"]),
+            "peak_memory_gb": max((r["arms"][label]["peak_memory_gb"] or 0.0) for r in ranks) or None,
+            "breakdown": mean_breakdown(parts) if parts else None,
+            "breakdown_per_rank": per_rank,
+            "compute_imbalance_ms": (max(compute) - statistics.fmean(compute)) if compute else None,
+            "breakdown_error": next((r["arms"][label]["breakdown_error"] for r in ranks
+                                     if r["arms"][label]["breakdown_error"]), None),
+        }
+    base = arms.get(TARGETS["baseline"])
+    for label, a in arms.items():
+        a["speedup_vs_static"] = base["trimmed_mean_ms"] / a["trimmed_mean_ms"] if base else None
+        a["predicted_speedup_vs_static"] = base["predicted"] / a["predicted"] if base and a["predicted"] else None
+    return {"arms": arms, "world": world, "device_name": r0["device_name"], "peak_tflops": peak,
+            "parameters": r0["parameters"], "torch": r0["torch"],
+            "global_batch": {"sequences_mean": statistics.fmean(len(b["lengths"]) for b in r0["batches"]),
+                             "tokens_mean": statistics.fmean(tokens), "longest": max(max(b["lengths"]) for b in r0["batches"]),
+                             "clipped": sum(b["clipped"] for b in r0["batches"])}}
+
+
+def _sum_hist(hists) -> dict:
+    out: dict[str, int] = {}
+    for h in hists:
+        for k, v in h.items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def checks(summary: dict, device_type: str) -> list[dict]:
+    """The issue's targets: they apply to the 4-GPU run on GPUs (else reported as not applicable)."""
+    arms, out = summary["arms"], []
+    ours, up, base = (arms.get(TARGETS[k]) for k in ("ours", "upstream", "baseline"))
+    applies = device_type == "cuda" and summary["world"] == TARGETS["world"]
+    if ours and base:
+        v = ours["speedup_vs_static"]
+        out.append({"target": f"{TARGETS['ours']} / {TARGETS['baseline']} trimmed-mean speedup >= "
+                              f"{TARGETS['speedup_vs_static']} at {TARGETS['world']} GPUs",
+                    "value": v, "pass": v >= TARGETS["speedup_vs_static"] if applies else None})
+    if ours and up:
+        v = up["trimmed_mean_ms"] / ours["trimmed_mean_ms"]
+        out.append({"target": f"{TARGETS['ours']} at least as fast as {TARGETS['upstream']} (time ratio >= 1)",
+                    "value": v, "pass": v >= 1.0 if applies else None})
+    return out
+
+
+COLUMNS = [("arm", "arm", "s"), ("trimmed_mean_ms", "trimmed ms", ".1f"), ("median_ms", "median ms", ".1f"),
+           ("mean_ms", "mean ms", ".1f"), ("speedup_vs_static", "speedup", ".3f"),
+           ("predicted_speedup_vs_static", "predicted", ".3f"), ("tokens_per_s_per_gpu", "tok/s/GPU", ".0f"),
+           ("tflops_per_gpu", "TFLOP/s/GPU", ".3g"), ("mfu", "MFU", ".3f"), ("padding_fraction", "padding", ".3f"),
+           ("microbatches", "micro-batches", ".1f"), ("plan_ms_median", "plan ms", ".2f")]
+BREAKDOWN_COLUMNS = [("arm", "arm", "s"), ("wall", "wall ms", ".1f"), ("attention", "attention", ".1f"),
+                     ("linear", "linear", ".1f"), ("other", "other", ".1f"), ("communication", "comm (exposed)", ".1f"),
+                     ("idle", "idle", ".1f"), ("compute_imbalance_ms", "imbalance", ".1f")]
+
+CPU_SMOKE = {"model": "tiny-gpt", "lengths": "lognormal:mean=96,sigma=1.2,min=8,max=512", "max_seqlen_per_rank": 128,
+             "warmup": 1, "iters": 3, "profile_iters": 1, "dtype": "float32"}
+"""``--cpu``: a smoke configuration on gloo (checks the pipeline end to end; no targets)."""
+
+
+def _progress(line: str) -> None:
+    if not line.startswith(("USDT:", "STAGE:")):  # libkineto prints these on every profiler start/stop
+        print(line, flush=True)
+
+
+def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None = None, cpu: bool = False,
+         overrides: dict | None = None) -> int:
+    import tempfile
+
+    import torch
+
+    from harness.bench.common import REPORTS, table, write_report
+    from harness.dist.entry import launch
+
+    cuda = torch.cuda.is_available() and not cpu
+    if not cuda and not cpu:
+        print("dcp-harness bench step: needs CUDA GPUs; --cpu runs a smoke configuration on gloo", flush=True)
+        return 2
+    cfg = StepBenchConfig.from_dict({**(CPU_SMOKE if cpu else {}), **(overrides or {}),
+                                     "device": "cuda" if cuda else "cpu"})
+    n = nproc or (min(4, torch.cuda.device_count()) if cuda else 2)
+    cfg.validate(n)
+    out = out or REPORTS / "bench_step.json"
+    html = html or out.with_suffix(".html")
+    if cfg.trace_dir == "":
+        cfg = replace(cfg, trace_dir=str(out.parent / f"{out.stem}_traces"))
+    where = torch.cuda.get_device_name(0) if cuda else "CPU (gloo)"
+    print(f"bench step: {n} x {where}, model {cfg.model}, {cfg.dtype}, arms {', '.join(cfg.arms)}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_json = {**cfg.to_dict(), "arms": list(cfg.arms)}
+        res = launch("bench-step", n, Path(tmp) / "step.json", cfg_json, stream=_progress)
+    summary = summarize(res, cfg)
+    rows = [{"arm": k, **v} for k, v in summary["arms"].items()]
+    print(table(rows, COLUMNS))
+    brows = [{"arm": k, **v["breakdown"], "compute_imbalance_ms": v["compute_imbalance_ms"]}
+             for k, v in summary["arms"].items() if v["breakdown"]]
+    if brows:
+        print(f"breakdown of one step (ms, mean over ranks and {cfg.profile_iters} profiled steps):")
+        print(table(brows, BREAKDOWN_COLUMNS))
+    for k, v in summary["arms"].items():
+        if v["breakdown_error"]:
+            print(f"  {k}: no breakdown: {v['breakdown_error']}")
+    cks = checks(summary, "cuda" if cuda else "cpu")
+    for c in cks:
+        verdict = "n/a (targets apply to 4 GPUs)" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")
+        print(f"  [{verdict}] {c['target']}: {c['value']:.3f}")
+    path = write_report("step", {**cfg.to_dict(), "gpus": n}, summary, out=out, checks=cks)
+    from harness.io import atomic_write_text
+    from harness.report.step_report import render
+
+    atomic_write_text(html, render(summary, cfg, cks, n))
+    print(f"wrote {path}\nwrote {html}")
+    return 0 if all(c["pass"] is not False for c in cks) else 1

@@ -1,0 +1,116 @@
+"""Where a training step's time goes, from a ``torch.profiler`` Chrome trace.
+
+``breakdown(trace, window)`` splits the wall time of one step (the ``window`` [start, end) in the
+trace's microseconds, e.g. a ``record_function`` annotation around the step) into:
+
+- ``attention``: attention kernels (flash / fmha / sdpa);
+- ``linear``: GEMM kernels (projections, MLP, logits);
+- ``other``: every other compute kernel or copy (norms, activations, RoPE, index/gather, optimizer);
+- ``communication``: collective kernels (NCCL) *not overlapped* by compute. NCCL kernels start
+  when launched and spin until their peers arrive, so this includes the wait for slower ranks;
+- ``idle``: no kernel running at all (host-bound launch gaps, host synchronisation).
+
+Each instant of the window counts once, for the highest-priority category running then
+(attention > linear > other > communication), so the five parts add up to the wall time.
+
+On a CPU-only run (gloo, no kernels) the host operator events are classified the same way
+(``aten::mm`` and friends -> linear, attention ops -> attention, gloo / c10d -> communication, any
+other operator -> other); enclosing operators count only where no finer category is active.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+CATEGORIES = ("attention", "linear", "other", "communication")
+PARTS = CATEGORIES + ("idle",)
+
+_COMM_DEVICE = ("nccl",)
+_COMM_HOST = ("gloo", "c10d::", "record_param_comms", "nccl")
+_ATTN = ("flash", "fmha", "attention", "attn", "sdpa")
+_GEMM = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul",
+         "aten::linear", "aten::_scaled_mm")
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def classify(name: str, source: str = "device") -> str:
+    """Category of a kernel (``source="device"``) or host operator (``"host"``) name."""
+    n = name.lower()
+    if any(k in n for k in (_COMM_DEVICE if source == "device" else _COMM_HOST)):
+        return "communication"
+    if any(k in n for k in _ATTN):
+        return "attention"
+    if any(k in n for k in _GEMM):
+        return "linear"
+    return "other"
+
+
+def load_trace(path: str | Path) -> dict:
+    p = Path(path)
+    raw = p.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    return json.loads(raw)
+
+
+def events(trace: dict) -> list[dict]:
+    ev = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    return [e for e in ev if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e]
+
+
+def annotations(trace: dict, name: str) -> list[tuple[float, float]]:
+    """[start, end) of every host annotation called ``name`` (``torch.profiler.record_function``)."""
+    return sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events(trace)
+                  if e.get("name") == name and e.get("cat") in ("user_annotation", "cpu_op", None))
+
+
+def breakdown(trace: dict, window: tuple[float, float]) -> dict:
+    """Milliseconds per part (``PARTS``) of ``window``, plus ``wall`` and ``source`` (``device``
+    when the trace has kernels in the window, else ``host``)."""
+    t0, t1 = window
+    if t1 <= t0:
+        raise ValueError(f"empty window {window}")
+    evs = events(trace)
+    device = [e for e in evs if e.get("cat") in _DEVICE_CATS]
+    source = "device" if any(float(e["ts"]) < t1 and float(e["ts"]) + float(e["dur"]) > t0 for e in device) else "host"
+    if source == "host":
+        chosen = [e for e in evs if e.get("cat") == "cpu_op"]
+    else:
+        chosen = device
+    rank = {c: i for i, c in enumerate(CATEGORIES)}
+    points = []
+    for e in chosen:
+        a, b = max(t0, float(e["ts"])), min(t1, float(e["ts"]) + float(e["dur"]))
+        if b > a:
+            c = rank[classify(str(e.get("name", "")), source)]
+            points.append((a, 1, c))
+            points.append((b, -1, c))
+    points.sort(key=lambda p: (p[0], p[1]))
+    active = [0] * len(CATEGORIES)
+    spent = [0.0] * len(CATEGORIES)
+    busy, last = 0.0, t0
+    for t, delta, c in points:
+        if t > last:
+            top = next((i for i, n in enumerate(active) if n), None)
+            if top is not None:
+                spent[top] += t - last
+                busy += t - last
+            last = t
+        active[c] += delta
+    out = {c: spent[i] / 1e3 for i, c in enumerate(CATEGORIES)}
+    out["idle"] = max(0.0, (t1 - t0) - busy) / 1e3
+    out["wall"] = (t1 - t0) / 1e3
+    out["source"] = source
+    return out
+
+
+def mean_breakdown(parts: list[dict]) -> dict:
+    """Element-wise mean of ``breakdown`` results (same source)."""
+    if not parts:
+        return {}
+    keys = PARTS + ("wall",)
+    out = {k: sum(p[k] for p in parts) / len(parts) for k in keys}
+    out["source"] = parts[0]["source"]
+    return out

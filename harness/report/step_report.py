@@ -1,0 +1,116 @@
+"""HTML report of ``dcp-harness bench step`` (``reports/bench_step.html``)."""
+
+from __future__ import annotations
+
+from harness.report.html import esc, figure_png, page, table
+
+PART_COLORS = {"attention": "#4c72b0", "linear": "#55a868", "other": "#8172b2", "communication": "#c44e52",
+               "idle": "#cccccc"}
+
+
+def _fmt(v, f):
+    return "-" if v is None else format(v, f)
+
+
+def _step_plot(summary: dict):
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8))
+    labels = list(summary["arms"])
+    for label in labels:
+        ax1.plot(summary["arms"][label]["step_ms"], marker=".", lw=1, label=label)
+    ax1.set_xlabel("measured step")
+    ax1.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax1.set_ylabel("step time (ms, slowest rank)")
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=7)
+    tm = [summary["arms"][k]["trimmed_mean_ms"] for k in labels]
+    bars = ax2.bar(range(len(labels)), tm, color="#4c72b0")
+    for bar, k in zip(bars, labels):
+        s = summary["arms"][k]["speedup_vs_static"]
+        ax2.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), "" if s is None else f"{s:.2f}x",
+                 ha="center", va="bottom", fontsize=8)
+    ax2.set_xticks(range(len(labels)))
+    ax2.set_xticklabels(labels, fontsize=8)
+    ax2.set_ylabel("10%-trimmed mean step (ms)")
+    ax2.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def _breakdown_plot(summary: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(k, v) for k, v in summary["arms"].items() if v["breakdown"]]
+    fig, ax = plt.subplots(figsize=(9, 0.6 + 0.55 * max(1, len(rows))))
+    for i, (label, v) in enumerate(rows):
+        left = 0.0
+        for part, color in PART_COLORS.items():
+            w = v["breakdown"][part]
+            ax.barh(i, w, left=left, color=color, label=part if i == 0 else None)
+            left += w
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([k for k, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms of one profiled step (mean over ranks)")
+    ax.legend(fontsize=7, ncol=5, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
+def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
+    arms = summary["arms"]
+    rows = [[k, _fmt(v["trimmed_mean_ms"], ".1f"), _fmt(v["median_ms"], ".1f"), _fmt(v["mean_ms"], ".1f"),
+             _fmt(v["speedup_vs_static"], ".3f"), _fmt(v["predicted_speedup_vs_static"], ".3f"),
+             _fmt(v["tokens_per_s_per_gpu"], ".0f"), _fmt(v["tflops_per_gpu"], ".3g"), _fmt(v["mfu"], ".3f"),
+             f"{100 * v['padding_fraction']:.1f}%", _fmt(v["microbatches"], ".1f"),
+             ", ".join(f"{s}:{n}" for s, n in v["cp_histogram"].items()), _fmt(v["plan_ms_median"], ".2f"),
+             _fmt(v["peak_memory_gb"], ".1f")] for k, v in arms.items()]
+    header = ["arm", "trimmed mean ms", "median ms", "mean ms", "speedup vs static", "predicted speedup",
+              "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "padding", "micro-batches", "sequences per CP size",
+              "plan ms", "peak mem GiB"]
+    brows = [[k, _fmt(v["breakdown"]["wall"], ".1f")] + [_fmt(v["breakdown"][p], ".1f") for p in PART_COLORS]
+             + [_fmt(v["compute_imbalance_ms"], ".1f"), v["breakdown"]["source"]]
+             for k, v in arms.items() if v["breakdown"]]
+    missing = [f"{k}: {v['breakdown_error']}" for k, v in arms.items() if v["breakdown_error"]]
+    verdicts = [[c["target"], f"{c['value']:.3f}",
+                 "n/a (targets apply to 4 GPUs)" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")]
+                for c in checks]
+    ok = all(c["pass"] is not False for c in checks)
+    applicable = any(c["pass"] is not None for c in checks)
+    verdict = ("PASS" if ok else "FAIL") if applicable else "NO TARGETS APPLY"
+    gb = summary["global_batch"]
+    body = "".join([
+        "<h1>dcp-harness bench step: dynamic CP vs static CP</h1>",
+        f'<p><span class="verdict {("pass" if ok else "fail") if applicable else "na"}">{verdict}</span></p>',
+        f'<p class="meta">{gpus} x {esc(summary["device_name"])}, torch {esc(summary["torch"])}; model '
+        f'{esc(cfg.model)} ({summary["parameters"] / 1e6:.3g}M parameters), {esc(cfg.dtype)}; lengths '
+        f'{esc(cfg.lengths)}; max_seqlen_per_rank {cfg.max_seqlen_per_rank}; global batch <= {cfg.microbatches} x '
+        f'{gpus} x {cfg.max_seqlen_per_rank} tokens (mean {gb["tokens_mean"]:.0f} tokens in '
+        f'{gb["sequences_mean"]:.1f} sequences, longest {gb["longest"]}, {gb["clipped"]} clipped); {cfg.warmup} '
+        f'warm-up + {cfg.iters} measured steps per arm on identical global batches; peak for MFU: '
+        f'{_fmt(summary["peak_tflops"], ".0f")} TFLOP/s per GPU.</p>',
+        table(verdicts, ["target", "value", "verdict"], left=1) if verdicts else "",
+        "<h2>Step time</h2>",
+        table(rows, header, left=1),
+        "<p class=\"small\">Step time: schedule, reroute, every micro-batch's forward and backward, gradient "
+        "all-reduce, clipping and AdamW, between device synchronisations; the slowest rank's. Speedup: static "
+        "(thd:dp-balanced) trimmed mean / the arm's. Predicted: the same ratio under the step-time model "
+        "the balanced scheduler optimises (harness.plan.bounds.simulate).</p>",
+        figure_png(_step_plot(summary)),
+        "<h2>Where the time goes</h2>",
+        ("<p>Kernel time of profiled steps, each instant counted once (attention &gt; linear &gt; other "
+         "&gt; communication): communication is NCCL time not hidden behind compute, including waits for "
+         "slower ranks; idle is time with no kernel running (launch-bound gaps, host work); imbalance is "
+         "the slowest rank's compute time minus the mean rank's.</p>"
+         + table(brows, ["arm", "wall ms"] + list(PART_COLORS) + ["imbalance ms", "source"], left=1)
+         + figure_png(_breakdown_plot(summary))) if brows else "<p>No breakdown was measured.</p>",
+        "".join(f'<p class="small">no breakdown for {esc(m)}</p>' for m in missing),
+    ])
+    return page("dcp-harness bench step", body)

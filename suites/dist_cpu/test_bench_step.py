@@ -1,0 +1,175 @@
+"""``dcp-harness bench step``: its statistics, workload, FLOP count, time breakdown and config errors,
+and the whole job on a real gloo world (tiny model) through the CLI, JSON and HTML included.
+The GPU measurement itself is ``dcp-harness bench step`` on a GPU node (targets live there)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness.bench import step
+from harness.bench.trace import PARTS, breakdown, classify
+from harness.dist.launch import run_on_ranks
+from harness.plan import CostModel
+
+pytestmark = pytest.mark.dist_cpu
+
+TINY = {**step.CPU_SMOKE, "warmup": 1, "iters": 2, "profile_iters": 1}
+
+
+def test_trimmed_mean_drops_the_tails():
+    xs = [10.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 900.0]  # 10% of 10 = one value each side
+    assert step.trimmed_mean(xs, 0.1) == pytest.approx((1 + 2 + 3 + 4 + 5 + 6 + 7 + 8 + 10 - 1) / 8)
+    assert step.trimmed_mean(xs, 0.0) == pytest.approx(sum(xs) / 10)
+    assert step.trimmed_mean([3.0, 1.0], 0.4) == 2.0  # floor(0.8) = 0 trimmed
+
+
+@pytest.mark.parametrize("text, fix", [("dcp", "layout:scheduler"), ("bshd:balanced", r"thd \(static CP\) or dcp"),
+                                       ("thd:balanced", "thd:dp-balanced"), ("dcp:fastest", "choose from"),
+                                       ("dcp:balanced:tight", "local or domain")])
+def test_bad_arms_are_named_with_the_fix(text, fix):
+    with pytest.raises(step.BenchConfigError, match=fix):
+        step.parse_arm(text)
+
+
+@pytest.mark.parametrize("over, world, msg", [({"arms": ("dcp:balanced", "dcp:balanced")}, 2, "without repeats"),
+                                              ({}, 3, "not a power of two"),
+                                              ({"static_cp": 8}, 4, "static_cp=8"),
+                                              ({"profile_iters": 5, "iters": 2}, 2, "profile_iters=5"),
+                                              ({"model": "gpt-9"}, 2, "unknown model"),
+                                              ({"trim": 0.5}, 2, "trim")])
+def test_bad_config_is_refused_before_any_process_starts(over, world, msg):
+    with pytest.raises(step.BenchConfigError, match=msg):
+        step.StepBenchConfig.from_dict({**TINY, **over}).validate(world)
+
+
+def test_global_batches_are_deterministic_bounded_and_clipped_to_the_domain():
+    cfg = step.StepBenchConfig()  # Megatron's workload
+    a, clipped = step.global_batch_lengths(cfg, 2, 0)
+    assert (a, clipped) == step.global_batch_lengths(cfg, 2, 0)
+    assert a != step.global_batch_lengths(cfg, 2, 1)[0]
+    assert sum(a) <= 8 * 2 * 2048 and max(a) <= 2 * 2048 and min(a) >= 128
+    # over many batches the 8192-token tail must be clipped on 2 GPUs (4096 tokens) and not on 4
+    assert sum(step.global_batch_lengths(cfg, 2, i)[1] for i in range(40)) > 0
+    assert sum(step.global_batch_lengths(cfg, 4, i)[1] for i in range(40)) == 0
+
+
+def test_model_flops_count_every_matmul_once_with_causal_attention():
+    cfg = step.StepBenchConfig()
+    cost = step.model_cost(cfg, comm=False)
+    L, h, f, V, layers = 1000, 2048, 8192, 32000, 12
+    per_layer = 2 * L * h * 3 * h + 2 * L * h * h + 2 * L * h * f * 2 + 2 * L * L * h  # qkv, proj, gelu MLP, causal attn
+    assert step.model_flops([L], cost) == pytest.approx(3 * (layers * per_layer + 2 * L * h * V))
+    assert isinstance(cost, CostModel) and cost.cp_comm == 0.0
+    assert step.model_cost(cfg).cp_comm > 0.0
+
+
+def _ev(name, ts, dur, cat="kernel"):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat}
+
+
+def test_breakdown_counts_each_instant_once_by_priority():
+    trace = {"traceEvents": [
+        _ev("dcp_harness_step", 0, 100, "user_annotation"),
+        _ev("sm90_xmma_gemm_bf16", 10, 20),                 # linear 10-30
+        _ev("pytorch_flash::flash_fwd_kernel<cutlass>", 25, 15),  # attention 25-40 (wins 25-30)
+        _ev("ncclDevKernel_AllGather_RING_LL", 35, 25),     # comm 35-60, exposed 40-60
+        _ev("vectorized_elementwise_kernel", 70, 10),       # other 70-80
+        _ev("Memcpy HtoD", 95, 20, "gpu_memcpy"),           # other, clipped to 95-100
+        _ev("aten::mm", 0, 100, "cpu_op"),                  # host ops are ignored when kernels exist
+    ]}
+    b = breakdown(trace, (0.0, 100.0))
+    assert b["source"] == "device"
+    assert b["linear"] == pytest.approx(15e-3) and b["attention"] == pytest.approx(15e-3)
+    assert b["communication"] == pytest.approx(20e-3) and b["other"] == pytest.approx(15e-3)
+    assert b["idle"] == pytest.approx(35e-3)
+    assert sum(b[p] for p in PARTS) == pytest.approx(b["wall"]) == pytest.approx(0.1)
+
+
+def test_breakdown_falls_back_to_host_operators_without_kernels():
+    trace = {"traceEvents": [
+        _ev("autograd::engine::evaluate_function: MmBackward0", 0, 50, "cpu_op"),  # encloses an mm
+        _ev("aten::mm", 10, 30, "cpu_op"),
+        _ev("c10d::allgather_", 60, 10, "cpu_op"),
+    ]}
+    b = breakdown(trace, (0.0, 80.0))
+    assert b["source"] == "host"
+    assert b["linear"] == pytest.approx(30e-3) and b["other"] == pytest.approx(20e-3)
+    assert b["communication"] == pytest.approx(10e-3) and b["idle"] == pytest.approx(20e-3)
+
+
+def test_kernel_names_are_classified():
+    assert classify("ncclDevKernel_ReduceScatter_Sum_f32") == "communication"
+    assert classify("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<cutlass::bfloat16_t>") == "attention"
+    assert classify("nvjet_tst_192x192_64x3_2x1_v_bz_coopB_TNT") == "linear"
+    assert classify("void at::native::index_elementwise_kernel<128, 4>") == "other"
+    assert classify("c10d::allgather_", "host") == "communication"
+
+
+def test_gradients_accumulate_in_place_into_the_flat_buffer():
+    """The benchmark's one-all-reduce design relies on autograd accumulating into .grad views."""
+    lin = torch.nn.Linear(4, 3)
+    params = list(lin.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    off = 0
+    for p in params:
+        p.grad = flat[off:off + p.numel()].view_as(p)
+        off += p.numel()
+    x = torch.randn(5, 4)
+    lin(x).sum().backward()
+    lin(x).sum().backward()
+    ref = torch.nn.Linear(4, 3)
+    ref.load_state_dict(lin.state_dict())
+    (2 * ref(x).sum()).backward()
+    assert torch.allclose(flat, torch.cat([ref.weight.grad.reshape(-1), ref.bias.grad]))
+
+
+def _measure(rank, world, cfg):
+    return step.measure(rank, world, cfg)
+
+
+def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
+    ranks = run_on_ranks(_measure, world_size=2, tmp_path=tmp_path, args=({**TINY, "device": "cpu"},), timeout_s=240)
+    cfg = step.StepBenchConfig.from_dict(TINY)
+    s = step.summarize({"world": 2, "ranks": ranks}, cfg)
+    assert list(s["arms"]) == list(cfg.arms)
+    real = sum(sum(b["lengths"]) for b in ranks[0]["batches"])
+    for label, a in s["arms"].items():
+        assert len(a["step_ms"]) == cfg.iters and min(a["step_ms"]) > 0
+        assert a["trimmed_mean_ms"] > 0 and a["tokens_per_s_per_gpu"] > 0
+        assert sum(ranks[0]["arms"][label]["processed_tokens"]) >= real  # padding only adds tokens
+        assert a["breakdown"] and a["breakdown"]["source"] == "host", a["breakdown_error"]
+        assert sum(a["breakdown"][p] for p in PARTS) == pytest.approx(a["breakdown"]["wall"], rel=1e-6)
+    assert s["arms"]["thd:dp-balanced"]["speedup_vs_static"] == 1.0
+    # the static baseline shards every sequence over both ranks; dynamic CP runs most at cp 1
+    assert set(s["arms"]["thd:dp-balanced"]["cp_histogram"]) == {"2"}
+    assert "1" in s["arms"]["dcp:balanced"]["cp_histogram"]
+
+
+def test_cli_smoke_writes_json_and_html(tmp_path, capsys):
+    from harness.cli import main
+
+    out = tmp_path / "bench_step.json"
+    code = main(["bench", "step", "--cpu", "--iters", "2", "--warmup", "0", "--profile-iters", "1", "--out", str(out)])
+    assert code == 0  # targets do not apply on CPU: nothing can fail
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "step" and set(doc["results"]["arms"]) == {"thd:dp-balanced", "dcp:balanced",
+                                                                          "dcp:megatron-dev"}
+    assert all(c["pass"] is None for c in doc["checks"])
+    html = out.with_suffix(".html").read_text()
+    assert "dynamic CP vs static CP" in html and "Where the time goes" in html and "data:image/png" in html
+    assert list((tmp_path / "bench_step_traces").glob("trace_*_rank0.json.gz"))
+    printed = capsys.readouterr().out
+    assert "USDT:" not in printed and "trimmed ms" in printed
+
+
+def test_cli_refuses_gpu_run_without_gpus_and_bad_arms(capsys):
+    from harness.cli import main
+
+    if not torch.cuda.is_available():
+        assert main(["bench", "step"]) == 2
+        assert "--cpu" in capsys.readouterr().out
+    assert main(["bench", "step", "--cpu", "--arms", "thd:balanced"]) == 2
+    assert "thd:dp-balanced" in capsys.readouterr().err

@@ -1,0 +1,31 @@
+"""``bench step`` on GPUs (``pytest -m gpu suites/gpu``): the NCCL + bf16 path of the step benchmark
+runs end to end on 2 GPUs with the benchmark model, every arm yields times and a kernel breakdown.
+The measurement and its targets are ``dcp-harness bench step`` (a benchmark, not a test)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+
+
+def test_bench_step_runs_on_two_gpus(tmp_path):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    from harness.bench import step
+    from harness.bench.trace import PARTS
+    from harness.dist.entry import launch
+
+    over = {"warmup": 1, "iters": 2, "profile_iters": 1, "microbatches": 2}
+    res = launch("bench-step", 2, tmp_path / "step.json", over)
+    s = step.summarize(res, step.StepBenchConfig.from_dict(over))
+    for label, a in s["arms"].items():
+        b = a["breakdown"]
+        print(label, f"{a['trimmed_mean_ms']:.1f} ms", f"MFU {a['mfu']:.3f}", {p: round(b[p], 2) for p in PARTS})
+        assert b and b["source"] == "device", a["breakdown_error"]
+        assert b["linear"] > 0 and b["attention"] > 0
+        assert sum(b[p] for p in PARTS) == pytest.approx(b["wall"], rel=1e-6)
+        assert 0 < a["mfu"] < 1 and a["peak_memory_gb"] > 1
+    assert s["arms"]["thd:dp-balanced"]["breakdown"]["communication"] > 0  # static CP 2 exchanges K/V
