@@ -16,6 +16,12 @@ Arms (``layout:scheduler[:padding]``):
 - ``dcp:<scheduler>``: dynamic CP with any ``harness.plan.ALGORITHMS`` scheduler (``balanced``,
   ``megatron-dev``, ...); padding ``local`` (``2 x local_cp_size``, default) or ``domain``.
 
+Before the arms (``calibrate``, default on), the job times one forward + backward of a few
+micro-batch shapes per CP size and fits the scheduler's cost model to them in seconds (quadratic,
+linear, K/V-exchange and per-micro-batch terms; ``calibrate_cost``): ``balanced`` then optimises this
+machine's measured costs, and the step-time model's prediction is in milliseconds, next to the
+measurement. ``megatron-*`` schedulers ignore the cost model (as upstream).
+
 One step = schedule + reroute + every micro-batch's forward/backward with CP attention in its
 block's process group + gradient all-reduce over the DP x CP group (a flat fp32 buffer the
 gradients accumulate into) + clipping + AdamW. Each arm starts from the same weights and runs
@@ -96,6 +102,10 @@ class StepBenchConfig:
     per layer for a 32K-token pack at cp 2 and 4, at ~400 TFLOP/s of useful compute)."""
     per_microbatch_flops: float = 0.0
     """Cost model: fixed FLOP-equivalents per micro-batch a rank runs (launch overhead)."""
+    calibrate: bool = True
+    """Fit the scheduler's cost model to measured micro-batch times on this machine first
+    (``calibrate_cost``); otherwise use the FLOP model with ``cp_comm_flops_per_byte``."""
+    calibration_reps: int = 3
     profile_iters: int = 2
     """Extra profiled steps per arm for the breakdown (0 = no breakdown)."""
     peak_tflops: float = 0.0
@@ -123,7 +133,7 @@ class StepBenchConfig:
         self.arm_list()
         if world < 1 or world & (world - 1):
             raise BenchConfigError(f"world size {world} is not a power of two; use 1, 2, 4 or 8 processes")
-        for name in ("max_seqlen_per_rank", "microbatches", "iters"):
+        for name in ("max_seqlen_per_rank", "microbatches", "iters", "calibration_reps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise BenchConfigError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         for name in ("warmup", "profile_iters", "static_cp"):
@@ -250,10 +260,8 @@ def _layout_cfg(ctx: _Ctx, arm: Arm):
 
 def _step(ctx: _Ctx, arm: Arm, lengths: list[int], local: dict, opt) -> dict:
     """One training step; returns host-side figures (no device synchronisation inside)."""
-    import torch
     import torch.distributed as dist
 
-    from harness.dist.cp_attention import CPAttentionPlan, cp_attention
     from harness.dist.layouts import plan
     from harness.dist.reroute import build_microbatches, reroute
 
@@ -264,18 +272,11 @@ def _step(ctx: _Ctx, arm: Arm, lengths: list[int], local: dict, opt) -> dict:
     owners = {g: g % n for g in range(len(lengths))}
     samples = reroute(local, owners, sched, me, group=ctx.everyone)
     mbs = build_microbatches(samples, sched, me, padding=padding, fixed_length=fixed)
-    plans = [CPAttentionPlan.build(mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, ctx.device) for mb in mbs]
     total = float(sum(lengths))
-    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=ctx.cfg.dtype == "bfloat16")
-    local_tokens = 0
-    for mb, aplan in zip(mbs, plans):
-        group = ctx.groups.for_block(mb.block_start, mb.local_cp_size)
-        attention = lambda q, k, v, p=aplan, g=group: cp_attention(q, k, v, p, g)  # noqa: E731
-        with autocast:
-            ce, _ = ctx.model.token_losses(mb.data["tokens"], mb.data["labels"], mb.data["loss_mask"],
-                                           mb.data["position_ids"], attention)
-        (ce / total).backward()
-        local_tokens += mb.data["tokens"].numel()
+    runners = [_microbatch_runner(ctx, mb, total) for mb in mbs]  # every plan built before the first forward
+    for run in runners:
+        run()
+    local_tokens = sum(mb.data["tokens"].numel() for mb in mbs)
     dist.all_reduce(ctx.flat, group=ctx.everyone)
     ctx.flat.mul_((1.0 / (ctx.flat.norm() + 1e-6)).clamp(max=1.0))  # clip the global norm at 1.0
     opt.step()
@@ -382,6 +383,127 @@ def _schedule_figures(sched, cost: CostModel) -> dict:
                                        cost=cost)}
 
 
+CALIBRATION_TERMS = ("quadratic", "linear", "constant", "cp_comm", "per_microbatch")
+
+
+def calibration_shapes(world: int, mslpr: int) -> list[tuple[int, list[int]]]:
+    """(block size, sequence lengths) of the micro-batches timed by ``calibrate_cost``: per CP size
+    a full and a half block of one sequence, and full blocks of 8 and 32 equal short ones, so the
+    quadratic, linear, per-sequence, exchange and fixed terms separate."""
+    out = []
+    s = 1
+    while s <= world:
+        cap = s * mslpr
+        out += [(s, [cap]), (s, [cap // 2]), (s, [cap // 8] * 8), (s, [max(1, cap // 32)] * 32)]
+        s *= 2
+    return out
+
+
+def calibration_features(size: int, lengths: list[int]) -> list[float]:
+    """Per-rank regressors of one block, in ``CALIBRATION_TERMS`` order (``CostModel.seq_cost``)."""
+    return [sum(L * L for L in lengths) / size, sum(lengths) / size, len(lengths) / size,
+            sum(lengths) * (size - 1) / size if size > 1 else 0.0, 1.0]
+
+
+def fit_cost(rows: list[list[float]], times: list[float]) -> tuple[dict, float]:
+    """Non-negative least squares in relative error (rows weighted by 1/t): the exact solution over
+    every subset of terms whose unconstrained fit is non-negative. Returns (coefficients by term,
+    worst relative error)."""
+    import itertools
+
+    import numpy as np
+
+    X, t = np.asarray(rows, dtype=np.float64), np.asarray(times, dtype=np.float64)
+    if X.ndim != 2 or len(t) != X.shape[0] or (t <= 0).any():
+        raise ValueError("fit_cost needs one positive time per row of regressors")
+    W = X / t[:, None]
+    best = None
+    k = X.shape[1]
+    for r in range(1, k + 1):
+        for cols in itertools.combinations(range(k), r):
+            coef, *_ = np.linalg.lstsq(W[:, cols], np.ones(len(t)), rcond=None)
+            if (coef < 0).any():
+                continue
+            full = np.zeros(k)
+            full[list(cols)] = coef
+            err = float(np.max(np.abs(X @ full - t) / t))
+            if best is None or err < best[1] - 1e-12:
+                best = (full, err)
+    coef, err = best
+    return dict(zip(CALIBRATION_TERMS, coef.tolist())), err
+
+
+def calibrate_cost(ctx: _Ctx) -> dict:
+    """Time one forward + backward of each ``calibration_shapes`` micro-batch (every block of the
+    world runs it; the slowest rank counts; median of ``calibration_reps``), fit ``CostModel``
+    coefficients in seconds on rank 0 and broadcast them (every rank schedules with the same model)."""
+    import torch
+    import torch.distributed as dist
+
+    from harness.dist.reroute import build_microbatches, sample_for
+    from harness.plan.layout import Block, Schedule
+
+    cfg, dev, n, me = ctx.cfg, ctx.device, ctx.world, ctx.rank
+    shapes = calibration_shapes(n, cfg.max_seqlen_per_rank)
+    times = []
+    for size, lengths in shapes:
+        k = len(lengths)
+        gids = list(range(n // size * k))
+        blocks = [Block(b * size, size, tuple(gids[b * k:(b + 1) * k])) for b in range(n // size)]
+        sched = Schedule.from_blocks([blocks], lengths=[(g, lengths[g % k]) for g in gids], n_ranks=n,
+                                     max_seqlen_per_rank=cfg.max_seqlen_per_rank, algorithm="calibration")
+        mine = next(b for b in blocks if b.start <= me < b.start + size)
+        samples = {g: sample_for(g, lengths[g % k], vocab=ctx.model.c.vocab, device=dev) for g in mine.gids}
+        (mb,) = build_microbatches(samples, sched, me)
+        run = _microbatch_runner(ctx, mb, float(sum(lengths)))
+        reps = []
+        for r in range(cfg.calibration_reps + 1):
+            dist.barrier(group=ctx.everyone)
+            _sync(dev)
+            t0 = time.perf_counter()
+            run()
+            _sync(dev)
+            if r:
+                reps.append(time.perf_counter() - t0)
+        times.append(statistics.median(reps))
+    with torch.no_grad():
+        ctx.flat.zero_()
+    t = torch.tensor(times, dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.everyone)
+    rows = [calibration_features(size, lengths) for size, lengths in shapes]
+    coef = torch.zeros(len(CALIBRATION_TERMS) + 1, dtype=torch.float64, device=dev)
+    if me == 0:
+        fitted, err = fit_cost(rows, t.tolist())
+        coef[:-1] = torch.tensor([fitted[k] for k in CALIBRATION_TERMS], dtype=torch.float64)
+        coef[-1] = err
+    dist.broadcast(coef, src=0, group=ctx.everyone)
+    c = coef.tolist()
+    model = CostModel(**{k: max(0.0, v) for k, v in zip(CALIBRATION_TERMS, c)}, name=f"calibrated {cfg.model}")
+    return {"cost": model, "shapes": [{"cp": s, "lengths": L, "seconds": x,
+                                       "predicted": sum(a * b for a, b in zip(calibration_features(s, L), c))}
+                                      for (s, L), x in zip(shapes, t.tolist())],
+            "max_rel_error": c[-1]}
+
+
+def _microbatch_runner(ctx: _Ctx, mb, total: float):
+    """A closure running one micro-batch's forward and backward (gradients land in ``ctx.flat``)."""
+    import torch
+
+    from harness.dist.cp_attention import CPAttentionPlan, cp_attention
+
+    aplan = CPAttentionPlan.build(mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, ctx.device)
+    group = ctx.groups.for_block(mb.block_start, mb.local_cp_size)
+    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=ctx.cfg.dtype == "bfloat16")
+
+    def run() -> None:
+        with autocast:
+            ce, _ = ctx.model.token_losses(mb.data["tokens"], mb.data["labels"], mb.data["loss_mask"],
+                                           mb.data["position_ids"], lambda q, k, v: cp_attention(q, k, v, aplan, group))
+        (ce / total).backward()
+
+    return run
+
+
 def measure(rank: int, world: int, cfg_dict: dict) -> dict:
     """The ``bench-step`` torchrun job: every arm on every rank (see module doc)."""
     import torch
@@ -410,6 +532,15 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
         ctx.batches.append((lengths, clipped, _local_samples(lengths, i, rank, world, mcfg.vocab, cfg.seed, device)))
     if cfg.trace_dir and rank == 0:
         Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
+    calibration = None
+    if cfg.calibrate:
+        calibration = calibrate_cost(ctx)
+        ctx.cost = calibration["cost"]
+        if rank == 0:
+            c = ctx.cost
+            print(f"bench step: calibrated cost (s): ({c.quadratic:.3e} L^2 + {c.linear:.3e} L + {c.constant:.3e}) / cp "
+                  f"per sequence, K/V exchange {c.cp_comm:.3e} per token, {1e3 * c.per_microbatch:.2f} ms per "
+                  f"micro-batch; worst fit error {100 * calibration['max_rel_error']:.1f}%", flush=True)
     arms = {}
     for arm in cfg.arm_list():
         if rank == 0:
@@ -425,6 +556,8 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
         out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         out["parameters"] = sum(p.numel() for p in params)
         out["torch"] = torch.__version__
+        out["cost_model"] = ctx.cost.to_dict()
+        out["calibration"] = None if calibration is None else {k: v for k, v in calibration.items() if k != "cost"}
     return out
 
 
@@ -464,6 +597,8 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
             "microbatches": statistics.fmean(f["microbatches"] for f in a["schedules"]),
             "cp_histogram": _sum_hist(f["cp_histogram"] for f in a["schedules"]),
             "predicted": statistics.fmean(f["predicted"] for f in a["schedules"]),
+            "predicted_ms": (1e3 * statistics.fmean(f["predicted"] for f in a["schedules"])
+                             if r0.get("calibration") else None),
             "lower_bound": statistics.fmean(f["lower_bound"] for f in a["schedules"]),
             "plan_ms_median": statistics.median(a["plan_ms"]),
             "peak_memory_gb": max((r["arms"][label]["peak_memory_gb"] or 0.0) for r in ranks) or None,
@@ -478,6 +613,7 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
         a["speedup_vs_static"] = base["trimmed_mean_ms"] / a["trimmed_mean_ms"] if base else None
         a["predicted_speedup_vs_static"] = base["predicted"] / a["predicted"] if base and a["predicted"] else None
     return {"arms": arms, "world": world, "device_name": r0["device_name"], "peak_tflops": peak,
+            "cost_model": r0.get("cost_model"), "calibration": r0.get("calibration"),
             "parameters": r0["parameters"], "torch": r0["torch"],
             "global_batch": {"sequences_mean": statistics.fmean(len(b["lengths"]) for b in r0["batches"]),
                              "tokens_mean": statistics.fmean(tokens), "longest": max(max(b["lengths"]) for b in r0["batches"]),
@@ -511,7 +647,7 @@ def checks(summary: dict, device_type: str) -> list[dict]:
 
 COLUMNS = [("arm", "arm", "s"), ("trimmed_mean_ms", "trimmed ms", ".1f"), ("median_ms", "median ms", ".1f"),
            ("mean_ms", "mean ms", ".1f"), ("speedup_vs_static", "speedup", ".3f"),
-           ("predicted_speedup_vs_static", "predicted", ".3f"), ("tokens_per_s_per_gpu", "tok/s/GPU", ".0f"),
+           ("predicted_speedup_vs_static", "predicted", ".3f"), ("predicted_ms", "model ms", ".1f"), ("tokens_per_s_per_gpu", "tok/s/GPU", ".0f"),
            ("tflops_per_gpu", "TFLOP/s/GPU", ".3g"), ("mfu", "MFU", ".3f"), ("padding_fraction", "padding", ".3f"),
            ("microbatches", "micro-batches", ".1f"), ("plan_ms_median", "plan ms", ".2f")]
 BREAKDOWN_COLUMNS = [("arm", "arm", "s"), ("wall", "wall ms", ".1f"), ("attention", "attention", ".1f"),
@@ -519,7 +655,7 @@ BREAKDOWN_COLUMNS = [("arm", "arm", "s"), ("wall", "wall ms", ".1f"), ("attentio
                      ("idle", "idle", ".1f"), ("compute_imbalance_ms", "imbalance", ".1f")]
 
 CPU_SMOKE = {"model": "tiny-gpt", "lengths": "lognormal:mean=96,sigma=1.2,min=8,max=512", "max_seqlen_per_rank": 128,
-             "warmup": 1, "iters": 3, "profile_iters": 1, "dtype": "float32"}
+             "warmup": 1, "iters": 3, "profile_iters": 1, "dtype": "float32", "calibration_reps": 1}
 """``--cpu``: a smoke configuration on gloo (checks the pipeline end to end; no targets)."""
 
 

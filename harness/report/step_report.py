@@ -64,6 +64,22 @@ def _breakdown_plot(summary: dict):
     return fig
 
 
+def _calibration(summary: dict) -> str:
+    cal, c = summary.get("calibration"), summary.get("cost_model") or {}
+    head = "<h2>The scheduler's cost model</h2>"
+    if not cal:
+        return head + (f"<p>FLOP model {esc(c.get('name', ''))} (not calibrated on this machine): "
+                       f"{esc(c)}</p>" if c else "<p>not recorded</p>")
+    rows = [[s["cp"], len(s["lengths"]), s["lengths"][0], f"{1e3 * s['seconds']:.2f}", f"{1e3 * s['predicted']:.2f}",
+             f"{100 * (s['predicted'] / s['seconds'] - 1):+.1f}%"] for s in cal["shapes"]]
+    return (head + f"<p>Fitted to one forward + backward of each micro-batch shape below (slowest rank, "
+            f"median); per rank, in seconds: ({c['quadratic']:.3e} L&sup2; + {c['linear']:.3e} L + "
+            f"{c['constant']:.3e}) / cp per sequence, + {c['cp_comm']:.3e} L (cp-1)/cp for the K/V exchange, "
+            f"+ {1e3 * c['per_microbatch']:.2f} ms per micro-batch. Worst fit error "
+            f"{100 * cal['max_rel_error']:.1f}%.</p>"
+            + table(rows, ["cp", "sequences", "length", "measured ms", "model ms", "error"], left=0))
+
+
 def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
     arms = summary["arms"]
     rows = [[k, _fmt(v["trimmed_mean_ms"], ".1f"), _fmt(v["median_ms"], ".1f"), _fmt(v["mean_ms"], ".1f"),
@@ -112,5 +128,6 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
          + table(brows, ["arm", "wall ms"] + list(PART_COLORS) + ["imbalance ms", "source"], left=1)
          + figure_png(_breakdown_plot(summary))) if brows else "<p>No breakdown was measured.</p>",
         "".join(f'<p class="small">no breakdown for {esc(m)}</p>' for m in missing),
+        _calibration(summary),
     ])
     return page("dcp-harness bench step", body)

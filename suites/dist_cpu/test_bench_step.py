@@ -66,6 +66,32 @@ def test_model_flops_count_every_matmul_once_with_causal_attention():
     assert step.model_cost(cfg).cp_comm > 0.0
 
 
+def test_calibration_fit_recovers_a_known_cost_model():
+    shapes = step.calibration_shapes(4, 2048)
+    assert {s for s, _ in shapes} == {1, 2, 4} and all(sum(L) <= s * 2048 for s, L in shapes)
+    truth = {"quadratic": 2e-12, "linear": 3e-6, "constant": 4e-5, "cp_comm": 1e-6, "per_microbatch": 2e-3}
+    rows = [step.calibration_features(s, L) for s, L in shapes]
+    times = [sum(truth[k] * x for k, x in zip(step.CALIBRATION_TERMS, r)) for r in rows]
+    fitted, err = step.fit_cost(rows, times)
+    assert err < 1e-9
+    assert all(fitted[k] == pytest.approx(v, rel=1e-6) for k, v in truth.items())
+    # the fitted model is the scheduler's: CostModel.seq_cost reproduces a block's time
+    model = CostModel(**fitted)
+    s, L = shapes[5]
+    assert sum(model.seq_cost(x, s) for x in L) + model.per_microbatch == pytest.approx(times[5], rel=1e-6)
+
+
+def test_calibration_fit_never_returns_negative_terms():
+    shapes = step.calibration_shapes(2, 1024)
+    rows = [step.calibration_features(s, L) for s, L in shapes]
+    # times that an unconstrained fit would explain with a negative per-sequence term
+    times = [1e-6 * r[1] - 2e-6 * r[2] + 1e-3 for r in rows]
+    fitted, err = step.fit_cost(rows, times)
+    assert min(fitted.values()) >= 0.0 and err < 0.5
+    with pytest.raises(ValueError, match="positive time"):
+        step.fit_cost(rows, [0.0] * len(rows))
+
+
 def _ev(name, ts, dur, cat="kernel"):
     return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat}
 
@@ -143,6 +169,10 @@ def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
         assert a["breakdown"] and a["breakdown"]["source"] == "host", a["breakdown_error"]
         assert sum(a["breakdown"][p] for p in PARTS) == pytest.approx(a["breakdown"]["wall"], rel=1e-6)
     assert s["arms"]["thd:dp-balanced"]["speedup_vs_static"] == 1.0
+    # the scheduler's cost model was fitted on this world, identically on every rank
+    assert s["cost_model"]["name"].startswith("calibrated")
+    assert len(s["calibration"]["shapes"]) == len(step.calibration_shapes(2, cfg.max_seqlen_per_rank))
+    assert all(a["predicted_ms"] is not None and a["predicted_ms"] > 0 for a in s["arms"].values())
     # the static baseline shards every sequence over both ranks; dynamic CP runs most at cp 1
     assert set(s["arms"]["thd:dp-balanced"]["cp_histogram"]) == {"2"}
     assert "1" in s["arms"]["dcp:balanced"]["cp_histogram"]
@@ -160,6 +190,7 @@ def test_cli_smoke_writes_json_and_html(tmp_path, capsys):
     assert all(c["pass"] is None for c in doc["checks"])
     html = out.with_suffix(".html").read_text()
     assert "dynamic CP vs static CP" in html and "Where the time goes" in html and "data:image/png" in html
+    assert "cost model" in html and "measured ms" in html
     assert list((tmp_path / "bench_step_traces").glob("trace_*_rank0.json.gz"))
     printed = capsys.readouterr().out
     assert "USDT:" not in printed and "trimmed ms" in printed
