@@ -35,9 +35,9 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
 
     from harness.dist.collectives import gather_chunk_keys
     from harness.dist.cp_attention import CPAttentionPlan, cp_attention
-    from harness.runtime.attention import chunk_attention
     from harness.dist.groups import DynamicGroups, ParallelLayout
     from harness.plan.thd import pack, padding_divisor, zigzag_index_array
+    from harness.runtime.attention import chunk_attention
 
     cfg = {**DEFAULT, **cfg}
     device = torch.device("cuda", torch.cuda.current_device())

@@ -152,7 +152,7 @@ class StepBenchConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "StepBenchConfig":
+    def from_dict(cls, d: dict) -> StepBenchConfig:
         d = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         if "arms" in d:
             d["arms"] = tuple(d["arms"])
@@ -609,7 +609,7 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
                                      if r["arms"][label]["breakdown_error"]), None),
         }
     base = arms.get(TARGETS["baseline"])
-    for label, a in arms.items():
+    for a in arms.values():
         a["speedup_vs_static"] = base["trimmed_mean_ms"] / a["trimmed_mean_ms"] if base else None
         a["predicted_speedup_vs_static"] = base["predicted"] / a["predicted"] if base and a["predicted"] else None
     return {"arms": arms, "world": world, "device_name": r0["device_name"], "peak_tflops": peak,

@@ -21,7 +21,6 @@ from harness.plan.lengths import check_domain, check_fits, normalize_lengths
 from harness.plan.megatron_dev import schedule_dev
 from harness.plan.megatron_pr2000 import schedule_pr2000
 
-
 # name -> (function(pairs, n_ranks, mslpr, min_cp, vpp, cost) -> blocks per micro-batch, summary)
 ALGORITHMS: dict[str, tuple[Callable, str]] = {
     "balanced": (schedule_balanced, "ours: lane-balanced, lockstep CP blocks, cost-model aware (default)"),

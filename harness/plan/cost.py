@@ -81,12 +81,12 @@ class CostModel:
                 raise PlanInputError(f"CostModel.{field} must be a finite number >= 0, got {v!r}")
 
     @classmethod
-    def megatron(cls) -> "CostModel":
+    def megatron(cls) -> CostModel:
         """Upstream's scheduler estimate ``L**2 / cp`` (no linear term, no communication)."""
         return cls(quadratic=1.0, name="megatron L^2/cp")
 
     @classmethod
-    def affine_quadratic(cls, a: float, b: float, c: float = 0.0, **kw) -> "CostModel":
+    def affine_quadratic(cls, a: float, b: float, c: float = 0.0, **kw) -> CostModel:
         """``(a*L**2 + b*L + c) / cp`` (plus optional ``cp_comm`` / ``per_microbatch``)."""
         return cls(quadratic=a, linear=b, constant=c, **{"name": "affine-quadratic", **kw})
 
@@ -106,7 +106,7 @@ class CostModel:
         dtype_bytes: int = 2,
         per_microbatch_flops: float = 0.0,
         name: str | None = None,
-    ) -> "CostModel":
+    ) -> CostModel:
         """Training FLOPs (forward + backward = 3x forward) of a GPT-style decoder, per sequence.
 
         Attention scores and values cost ``4 * L**2 * hidden`` forward per layer (half when causal);

@@ -78,12 +78,12 @@ class Schedule:
     cost: CostModel = field(default_factory=CostModel.megatron)
 
     @classmethod
-    def from_blocks(cls, layout, *, lengths, **kw) -> "Schedule":
+    def from_blocks(cls, layout, *, lengths, **kw) -> Schedule:
         pairs = normalize_lengths(lengths)
         return cls(tuple(tuple(mb) for mb in layout), dict(pairs), **kw)
 
     @classmethod
-    def from_microbatches(cls, microbatches: list[list[list[int]]], *, lengths, **kw) -> "Schedule":
+    def from_microbatches(cls, microbatches: list[list[list[int]]], *, lengths, **kw) -> Schedule:
         return cls.from_blocks([blocks_from_slots(mb) for mb in microbatches], lengths=lengths, **kw)
 
     # -- Megatron's view ------------------------------------------------------------------------
@@ -136,7 +136,7 @@ class Schedule:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Schedule":
+    def from_dict(cls, d: dict[str, Any]) -> Schedule:
         layout = [[Block(b["start"], b["size"], tuple(b["gids"])) for b in mb] for mb in d["microbatches"]]
         return cls.from_blocks(
             layout, lengths=[tuple(p) for p in d["lengths"]], n_ranks=d["n_ranks"],

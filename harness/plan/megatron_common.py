@@ -97,7 +97,7 @@ def _split(blocks: Blocks, n_ranks: int) -> tuple[Blocks, Blocks] | None:
     sizes = [s for s, _ in blocks]
     assert all(a >= b for a, b in zip(sizes, sizes[1:])), f"block sizes increase: {sizes}"
     pos = 0
-    for k, s in enumerate(sizes):
+    for k, s in enumerate(sizes):  # noqa: B007 - k is used after the loop (upstream: no break -> last index)
         if pos >= n_ranks // 2:
             break
         pos += s

@@ -49,7 +49,7 @@ def _breakdown_plot(summary: dict):
 
     rows = [(k, v) for k, v in summary["arms"].items() if v["breakdown"]]
     fig, ax = plt.subplots(figsize=(9, 0.6 + 0.55 * max(1, len(rows))))
-    for i, (label, v) in enumerate(rows):
+    for i, (_, v) in enumerate(rows):
         left = 0.0
         for part, color in PART_COLORS.items():
             w = v["breakdown"][part]

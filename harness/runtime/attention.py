@@ -42,7 +42,7 @@ class DeviceChunks:
     max_k: int
 
     @classmethod
-    def build(cls, plan: ChunkPlan, device) -> "DeviceChunks":
+    def build(cls, plan: ChunkPlan, device) -> DeviceChunks:
         as_i32 = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int32), device=device)  # noqa: E731
         index = plan.key_index()
         identity = bool((index == np.arange(index.size)).all())

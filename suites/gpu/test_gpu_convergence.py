@@ -17,9 +17,8 @@ def test_layouts_agree_in_bf16(nproc, model, tmp_path):
     if not torch.cuda.is_available() or torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} CUDA GPUs")
     from harness import converge
-    from harness.dist.train import TrainConfig
-
     from harness.corpus import CorpusConfig
+    from harness.dist.train import TrainConfig
 
     # MoE: top-k routing turns last-bit bf16 differences into discrete flips; 128 sequences per batch
     # (~25K tokens) average them like a real batch would, 32 (~6K) do not

@@ -53,23 +53,29 @@ def expect(out, match, num_prompts=2, step_wise=True):
 
 
 def test_missing_fields():
-    out = make(); del out["is_last_step"]
+    out = make()
+    del out["is_last_step"]
     expect(out, r"`is_last_step` is missing")
-    out = make(); out["trajectory_ids"] = None
+    out = make()
+    out["trajectory_ids"] = None
     expect(out, r"`trajectory_ids` is missing")
 
 
 def test_length_mismatches_fire_the_generic_check_first():
-    out = make(); out["is_last_step"] = out["is_last_step"][:-1]
+    out = make()
+    out["is_last_step"] = out["is_last_step"][:-1]
     expect(out, "is_last_step length must be equal to response_ids length, got 4 and 5")
-    out = make(); out["trajectory_ids"] = out["trajectory_ids"][:-1]
+    out = make()
+    out["trajectory_ids"] = out["trajectory_ids"][:-1]
     expect(out, "trajectory_ids length must be equal to response_ids length, got 4 and 5")
 
 
 def test_last_element_and_all_false():
-    out = make(); out["is_last_step"][-1] = False
+    out = make()
+    out["is_last_step"][-1] = False
     expect(out, r"is_last_step\[-1\] must be True")
-    out = make((3,)); out["is_last_step"] = [False] * 3
+    out = make((3,))
+    out["is_last_step"] = [False] * 3
     expect(out, r"is_last_step\[-1\] must be True", num_prompts=1)
 
 
@@ -82,21 +88,26 @@ def test_interleaved_steps_are_non_contiguous():
 
 
 def test_boundaries_both_directions():
-    out = make((2, 2)); out["is_last_step"][1] = False
+    out = make((2, 2))
+    out["is_last_step"][1] = False
     expect(out, r"Trajectory boundary at index 1 \('0_0' -> '1_0'\) but is_last_step\[1\] is False")
-    out = make((3,)); out["is_last_step"] = [True, True, True]
+    out = make((3,))
+    out["is_last_step"] = [True, True, True]
     expect(out, r"is_last_step\[0\] is True but trajectory '0_0' continues", num_prompts=1)
-    out = make((3,)); out["is_last_step"] = [np.bool_(True), np.bool_(False), np.bool_(True)]
+    out = make((3,))
+    out["is_last_step"] = [np.bool_(True), np.bool_(False), np.bool_(True)]
     expect(out, r"is_last_step\[0\] is True but trajectory", num_prompts=1)  # upstream's `is True` missed this
 
 
 def test_flags_of_the_wrong_kind_are_errors():
-    out = make(); out["is_last_step"][0] = 2
+    out = make()
+    out["is_last_step"][0] = 2
     expect(out, r"is_last_step\[0\] must be a boolean .* got 2")
 
 
 def test_plain_strings_as_trajectory_ids_and_single_sample():
-    out = make((1,)); out["trajectory_ids"] = ["only"]
+    out = make((1,))
+    out["trajectory_ids"] = ["only"]
     validate_generator_output(1, out, step_wise=True)
 
 
@@ -106,18 +117,24 @@ def test_num_prompts_is_only_checked_without_step_wise():
 
 
 def test_per_sample_lengths_and_reward_kinds(caplog):
-    out = make(); out["loss_masks"][3] = [1]
+    out = make()
+    out["loss_masks"][3] = [1]
     expect(out, "loss masks must have the same length, for sample 3 got 3 and 1")
-    out = make(); out["rewards"][1] = [1.0]
+    out = make()
+    out["rewards"][1] = [1.0]
     expect(out, "Token rewards must match the response length, for sample 1 got 1 and 3")
-    out = make(); out["rewards"][0] = 1.0
+    out = make()
+    out["rewards"][0] = 1.0
     expect(out, r"all per-token lists \(List\[List\[float\]\]\) or all scalars")
-    out = make(); out["rollout_logprobs"] = [[0.0] * 3] * 4 + [[0.0]]
+    out = make()
+    out["rollout_logprobs"] = [[0.0] * 3] * 4 + [[0.0]]
     expect(out, "Rollout logprobs must match the response length, for sample 4 got 1 and 3")
     expect({"response_ids": []}, "No outputs generated")
-    out = make(); out["prompt_token_ids"] = out["prompt_token_ids"][:4]
+    out = make()
+    out["prompt_token_ids"] = out["prompt_token_ids"][:4]
     expect(out, r"Mismatch between responses \(5\) and prompt_token_ids \(4\)")
-    out = make(); out["loss_masks"] = [[0, 0, 0]] * 5
+    out = make()
+    out["loss_masks"] = [[0, 0, 0]] * 5
     with caplog.at_level(logging.WARNING, logger="harness.stepwise"):
         validate_generator_output(2, out, step_wise=True)
     assert "All outputs are loss masked" in caplog.text

@@ -8,12 +8,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from harness.plan.errors import PlanInputError
 from harness.plan.replay import (
-    ReplayConfigError, align_routes, narrow_dtype, packed_routes, thd_routes, unpacked_routes,
+    ReplayConfigError,
+    align_routes,
+    narrow_dtype,
+    packed_routes,
+    thd_routes,
+    unpacked_routes,
     validate_replay_config,
 )
 from harness.plan.thd import pack, zigzag_gather
-from harness.plan.errors import PlanInputError
 
 A6_MASK = np.array([[1] * 5 + [0] * 4, [1] * 9, [1] * 3 + [0] * 6])
 

@@ -8,7 +8,15 @@ import random
 
 import pytest
 
-from harness.plan import ALGORITHMS, BatchTooSmallError, CostModel, check_schedule, gpt_benchmark_cost, schedule, simulate
+from harness.plan import (
+    ALGORITHMS,
+    BatchTooSmallError,
+    CostModel,
+    check_schedule,
+    gpt_benchmark_cost,
+    schedule,
+    simulate,
+)
 
 pytestmark = pytest.mark.nightly
 

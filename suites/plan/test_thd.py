@@ -9,8 +9,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness.plan.thd import (
-    ThdError, pack, padding_divisor, whole_chunks, zigzag_chunks, zigzag_gather, zigzag_index_array,
-    zigzag_indices, zigzag_permutation,
+    ThdError,
+    pack,
+    padding_divisor,
+    whole_chunks,
+    zigzag_chunks,
+    zigzag_gather,
+    zigzag_index_array,
+    zigzag_indices,
+    zigzag_permutation,
 )
 
 SPEC_EXAMPLES = [  # spec section 4 (checked against TE's own test and its kernel formula)

@@ -30,3 +30,19 @@ def test_ci_runs_exactly_the_readme_test_command():
 def test_cpu_extra_pins_torch():
     text = (ROOT / "pyproject.toml").read_text()
     assert 'cpu = ["torch==2.13.0"]' in text and '"megatron-core==0.16.1"' in text
+
+
+def test_the_code_passes_the_project_lint_rules():
+    """``ruff check`` with ``[tool.ruff]`` of pyproject.toml (the test extra pins ruff)."""
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+
+    exe = shutil.which("ruff") or (Path(sys.executable).parent / "ruff")
+    if not Path(exe).exists():
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    r = subprocess.run([str(exe), "check", "--no-cache", "harness", "suites", "conftest.py"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 
 from harness.plan.thd import pack, zigzag_chunks, zigzag_index_array
 from harness.runtime.attention import (
-    BACKENDS, DeviceChunks, backend_available, chunk_attention, resolve_backend, thd_attention,
+    BACKENDS,
+    DeviceChunks,
+    backend_available,
+    chunk_attention,
+    resolve_backend,
+    thd_attention,
 )
 
 
