@@ -157,6 +157,10 @@ def parser() -> argparse.ArgumentParser:
     bst.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     bst.add_argument("--cp-comm-flops-per-byte", type=float, default=None,
                      help="balanced scheduler's price of K/V exchange (default 2000)")
+    bst.add_argument("--cost-model", type=Path, default=None,
+                     help="fixed scheduler cost model: a bench_step.json (its results.cost_model) or a JSON dict of "
+                          "CostModel fields; skips calibration so schedules repeat exactly across runs")
+    bst.add_argument("--no-calibrate", action="store_true", help="use the FLOP cost model instead of calibrating")
     bst.add_argument("--static-cp", type=int, default=None, help="CP size of the thd baseline (default: world)")
     bst.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_step.json)")
     bst.add_argument("--html", type=Path, default=None, help="HTML path (default: the JSON path with .html)")
@@ -203,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                 keys = ("model", "lengths", "max_seqlen_per_rank", "microbatches", "warmup", "iters", "profile_iters",
                         "dtype", "cp_comm_flops_per_byte", "static_cp")
                 over = {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
+                if a.no_calibrate:
+                    over["calibrate"] = False
+                if a.cost_model:
+                    over["cost_model"] = step.load_cost_model(a.cost_model)
                 if a.arms:
                     over["arms"] = tuple(x.strip() for x in a.arms.split(",") if x.strip())
                 return step.main(nproc=a.nproc, out=a.out, html=a.html, cpu=a.cpu, overrides=over)

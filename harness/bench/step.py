@@ -105,6 +105,9 @@ class StepBenchConfig:
     calibrate: bool = True
     """Fit the scheduler's cost model to measured micro-batch times on this machine first
     (``calibrate_cost``); otherwise use the FLOP model with ``cp_comm_flops_per_byte``."""
+    cost_model: dict | None = None
+    """A fixed cost model (``CostModel`` fields, e.g. ``results.cost_model`` of an earlier
+    ``bench_step.json``): no calibration, and schedules identical from run to run."""
     calibration_reps: int = 3
     profile_iters: int = 2
     """Extra profiled steps per arm for the breakdown (0 = no breakdown)."""
@@ -131,6 +134,8 @@ class StepBenchConfig:
             raise BenchConfigError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
         parse_spec(self.lengths)
         self.arm_list()
+        if self.cost_model is not None:
+            cost_model_from(self.cost_model)
         if world < 1 or world & (world - 1):
             raise BenchConfigError(f"world size {world} is not a power of two; use 1, 2, 4 or 8 processes")
         for name in ("max_seqlen_per_rank", "microbatches", "iters", "calibration_reps"):
@@ -433,6 +438,35 @@ def fit_cost(rows: list[list[float]], times: list[float]) -> tuple[dict, float]:
     return dict(zip(CALIBRATION_TERMS, coef.tolist())), err
 
 
+def cost_model_from(d: dict) -> CostModel:
+    """A ``CostModel`` from a dict of its fields (unknown keys are an error naming them)."""
+    fields = set(CostModel.__dataclass_fields__)
+    bad = sorted(set(d) - fields)
+    if bad:
+        raise BenchConfigError(f"cost model has unknown fields {bad}; use {sorted(fields)}")
+    return CostModel(**d)
+
+
+def load_cost_model(path) -> dict:
+    """The cost-model dict in ``path``: a ``bench_step.json`` or a plain JSON object of fields."""
+    import json
+
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise BenchConfigError(f"cannot read a cost model from {str(p)!r}: {e}") from None
+    d = doc.get("results", {}).get("cost_model", doc) if isinstance(doc, dict) else None
+    if not isinstance(d, dict):
+        raise BenchConfigError(f"{str(p)!r} holds no cost model (a JSON object of CostModel fields)")
+    cost_model_from(d)
+    return d
+
+
+def _round3(x: float) -> float:
+    return float(f"{x:.3g}")
+
+
 def calibrate_cost(ctx: _Ctx) -> dict:
     """Time one forward + backward of each ``calibration_shapes`` micro-batch (every block of the
     world runs it; the slowest rank counts; median of ``calibration_reps``), fit ``CostModel``
@@ -478,7 +512,8 @@ def calibrate_cost(ctx: _Ctx) -> dict:
         coef[-1] = err
     dist.broadcast(coef, src=0, group=ctx.everyone)
     c = coef.tolist()
-    model = CostModel(**{k: max(0.0, v) for k, v in zip(CALIBRATION_TERMS, c)}, name=f"calibrated {cfg.model}")
+    # three significant digits: run-to-run timing jitter below that does not change the schedules
+    model = CostModel(**{k: _round3(max(0.0, v)) for k, v in zip(CALIBRATION_TERMS, c)}, name=f"calibrated {cfg.model}")
     return {"cost": model, "shapes": [{"cp": s, "lengths": L, "seconds": x,
                                        "predicted": sum(a * b for a, b in zip(calibration_features(s, L), c))}
                                       for (s, L), x in zip(shapes, t.tolist())],
@@ -533,7 +568,9 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
     if cfg.trace_dir and rank == 0:
         Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
     calibration = None
-    if cfg.calibrate:
+    if cfg.cost_model:
+        ctx.cost = cost_model_from(cfg.cost_model)
+    elif cfg.calibrate:
         calibration = calibrate_cost(ctx)
         ctx.cost = calibration["cost"]
         if rank == 0:

@@ -194,6 +194,32 @@ def test_cli_smoke_writes_json_and_html(tmp_path, capsys):
     assert list((tmp_path / "bench_step_traces").glob("trace_*_rank0.json.gz"))
     printed = capsys.readouterr().out
     assert "USDT:" not in printed and "trimmed ms" in printed
+    # pinning the calibrated model: no calibration, the same model, the same schedules
+    again = tmp_path / "again.json"
+    assert main(["bench", "step", "--cpu", "--iters", "2", "--warmup", "0", "--profile-iters", "0",
+                 "--cost-model", str(out), "--out", str(again)]) == 0
+    doc2 = json.loads(again.read_text())
+    assert doc2["results"]["calibration"] is None
+    assert doc2["results"]["cost_model"] == doc["results"]["cost_model"]
+    for arm, a in doc["results"]["arms"].items():
+        b = doc2["results"]["arms"][arm]
+        assert (a["microbatches"], a["cp_histogram"], a["predicted"]) == (b["microbatches"], b["cp_histogram"],
+                                                                         b["predicted"])
+
+
+def test_cost_model_files_are_checked(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"quadratic": 1.0, "latency": 2.0}')
+    with pytest.raises(step.BenchConfigError, match="unknown fields"):
+        step.load_cost_model(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(step.BenchConfigError, match="no cost model"):
+        step.load_cost_model(bad)
+    with pytest.raises(step.BenchConfigError, match="cannot read"):
+        step.load_cost_model(tmp_path / "missing.json")
+    good = tmp_path / "good.json"
+    good.write_text('{"quadratic": 1e-12, "linear": 3e-6, "name": "mine"}')
+    assert step.cost_model_from(step.load_cost_model(good)).linear == 3e-6
 
 
 def test_cli_refuses_gpu_run_without_gpus_and_bad_arms(capsys):
