@@ -23,7 +23,8 @@ borrows the cheapest unassigned sequence (upper phases) or one from the leaf wit
 (leaf phase). When even that fails (small batches), the leaves are made coarser, down to a single
 node of N positions. With ``vpp_group`` the leaf phase's count is chosen so that the total is a
 multiple of it. Among the feasible candidates (``theta`` in ``THETAS``) the least predicted step time
-wins; the prediction equals ``harness.plan.bounds.simulate_step_time`` (a suite checks this).
+wins; the prediction equals ``harness.plan.bounds.simulate_step_time`` (``plan_balanced`` returns it;
+``suites/plan/test_invariants.py`` checks the equality for several cost models).
 Deterministic: sequences are ordered by (cost, gid) and ties go to the lowest node index.
 
 >>> from harness.plan.api import schedule
@@ -214,6 +215,12 @@ class _Builder:
 def schedule_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
                       vpp_group: int | None = None, cost: CostModel | None = None) -> list[Blocks]:
     """Our scheduler; inputs assumed validated (see ``harness.plan.api.schedule``)."""
+    return plan_balanced(pairs, n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group, cost)[0]
+
+
+def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
+                  vpp_group: int | None = None, cost: CostModel | None = None) -> tuple[list[Blocks], float]:
+    """(micro-batches, predicted step time under ``cost``) of the best candidate."""
     cost = cost or CostModel.megatron()
     items = [_Item(g, L, cp_min(L, max_seqlen_per_rank, min_cp_size), cost) for g, L in pairs]
     builder = _Builder(items, n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group, cost)
@@ -233,7 +240,7 @@ def schedule_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size
             if best is None or time < best[1]:
                 best = (rows, time)
         if best is not None:
-            return best[0]
+            return best
         leaf *= 2
     tokens = sum(L for _, L in pairs)
     least = -(-tokens // (n_ranks * max_seqlen_per_rank))
