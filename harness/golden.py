@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.io import atomic_write_json
+from harness.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 GOLDEN_DIR = ROOT / "golden"
 FORMAT = 1
 

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from harness.paths import ROOT
 from harness.plan.errors import PlanInputError
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = ROOT / "fixtures"
 WIKIPEDIA_SAMPLE = FIXTURES / "lengths" / "wikipedia_sample.txt.gz"
 
 _PARAMS = {
