@@ -363,6 +363,12 @@ def _run_arm(ctx: _Ctx, arm: Arm) -> dict:
             parts.append(_profiled_step(ctx, arm, lengths, local, opt, keep))
         except Exception as e:  # the breakdown is diagnostic: report why it is missing, keep the timings
             error = f"{type(e).__name__}: {e}"
+        # every rank stops profiling together (a rank that leaves alone would desynchronise the collectives)
+        ok = torch.tensor([0.0 if error else 1.0], dtype=torch.float64, device=dev)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctx.everyone)
+        if ok.item() == 0.0:
+            error = error or "another rank's profiled step failed"
+            parts = []
             break
     out = {"rank": ctx.rank, "times_s": times, "step_s": slowest.tolist(), "processed_tokens": tok.tolist(),
            "plan_ms": plan_ms, "breakdown": parts, "breakdown_error": error,

@@ -230,3 +230,23 @@ def test_cli_refuses_gpu_run_without_gpus_and_bad_arms(capsys):
         assert "--cpu" in capsys.readouterr().out
     assert main(["bench", "step", "--cpu", "--arms", "thd:balanced"]) == 2
     assert "thd:dp-balanced" in capsys.readouterr().err
+
+
+def _measure_with_broken_trace_on_rank_1(rank, world, cfg):
+    if rank == 1:  # the trace of rank 1 cannot be parsed: rank 0 must not profile on alone
+        import harness.bench.trace as trace
+
+        trace.load_trace = lambda path: (_ for _ in ()).throw(ValueError("corrupt trace"))
+    return step.measure(rank, world, cfg)
+
+
+def test_a_failing_breakdown_on_one_rank_stops_profiling_everywhere_and_keeps_the_timings(tmp_path):
+    cfg = {**TINY, "profile_iters": 2, "arms": ("thd:dp-balanced", "dcp:balanced"), "device": "cpu"}
+    ranks = run_on_ranks(_measure_with_broken_trace_on_rank_1, world_size=2, tmp_path=tmp_path, args=(cfg,),
+                         timeout_s=240)
+    for r in ranks:
+        for a in r["arms"].values():
+            assert a["breakdown"] == [] and a["breakdown_error"]
+            assert len(a["step_s"]) == TINY["iters"]
+    assert "corrupt trace" in ranks[1]["arms"]["dcp:balanced"]["breakdown_error"]
+    assert "another rank" in ranks[0]["arms"]["dcp:balanced"]["breakdown_error"]
