@@ -612,6 +612,8 @@ TARGETS = {"speedup_vs_static": 1.4, "world": 4, "ours": "dcp:balanced", "upstre
 
 def summarize(result: dict, cfg: StepBenchConfig) -> dict:
     """Per-arm statistics from the job's JSON (rank 0 holds the slowest-rank times)."""
+    from harness.bench.trace import mean_breakdown
+
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
     r0, world = ranks[0], result["world"]
     cost = model_cost(cfg, comm=False)
@@ -624,8 +626,6 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
         tm = trimmed_mean(s, cfg.trim)
         per_iter_tflops = [f / t / world / 1e12 for f, t in zip(flops, s)]
         parts = [p for r in ranks for p in r["arms"][label]["breakdown"]]
-        from harness.bench.trace import mean_breakdown
-
         per_rank = [mean_breakdown(r["arms"][label]["breakdown"]) for r in ranks if r["arms"][label]["breakdown"]]
         compute = [sum(p[k] for k in ("attention", "linear", "other")) for p in per_rank]
         arms[label] = {
@@ -723,6 +723,9 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
     cfg = StepBenchConfig.from_dict({**(CPU_SMOKE if cpu else {}), **(overrides or {}),
                                      "device": "cuda" if cuda else "cpu"})
     n = nproc or (min(4, torch.cuda.device_count()) if cuda else 2)
+    if cuda and n > torch.cuda.device_count():
+        raise BenchConfigError(f"--nproc {n} needs {n} GPUs but {torch.cuda.device_count()} are visible; "
+                               f"use --nproc <= {torch.cuda.device_count()}")
     cfg.validate(n)
     out = out or REPORTS / "bench_step.json"
     html = html or out.with_suffix(".html")

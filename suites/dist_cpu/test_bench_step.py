@@ -21,7 +21,7 @@ TINY = {**step.CPU_SMOKE, "warmup": 1, "iters": 2, "profile_iters": 1}
 
 def test_trimmed_mean_drops_the_tails():
     xs = [10.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 900.0]  # 10% of 10 = one value each side
-    assert step.trimmed_mean(xs, 0.1) == pytest.approx((1 + 2 + 3 + 4 + 5 + 6 + 7 + 8 + 10 - 1) / 8)
+    assert step.trimmed_mean(xs, 0.1) == pytest.approx((2 + 3 + 4 + 5 + 6 + 7 + 8 + 10) / 8)
     assert step.trimmed_mean(xs, 0.0) == pytest.approx(sum(xs) / 10)
     assert step.trimmed_mean([3.0, 1.0], 0.4) == 2.0  # floor(0.8) = 0 trimmed
 
@@ -230,6 +230,8 @@ def test_cli_refuses_gpu_run_without_gpus_and_bad_arms(capsys):
         assert "--cpu" in capsys.readouterr().out
     assert main(["bench", "step", "--cpu", "--arms", "thd:balanced"]) == 2
     assert "thd:dp-balanced" in capsys.readouterr().err
+    assert main(["bench", "step", "--cpu", "--nproc", "3"]) == 2  # dynamic groups need a power of two
+    assert "world size 3" in capsys.readouterr().err
 
 
 def _measure_with_broken_trace_on_rank_1(rank, world, cfg):
