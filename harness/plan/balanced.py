@@ -25,6 +25,11 @@ node of N positions. With ``vpp_group`` the leaf phase's count is chosen so that
 multiple of it. Among the feasible candidates (``theta`` in ``THETAS``) the least predicted step time
 wins; the prediction equals ``harness.plan.bounds.simulate_step_time`` (``plan_balanced`` returns it;
 ``suites/plan/test_invariants.py`` checks the equality for several cost models).
+When the cost model charges per micro-batch (``per_microbatch > 0``, e.g. a cost model calibrated on
+GPUs, where a launch-bound micro-batch costs ~40 ms whatever its tokens), two things change: LPT
+charges each sequence its share of a micro-batch (its tokens over a slot's), and densely packed
+rows (``_dense``: fewest micro-batches, blocks may wait) compete with the phased plans on predicted
+step time. Without that term, nothing changes.
 Deterministic: sequences are ordered by (cost, gid) and ties go to the lowest node index.
 
 >>> from harness.plan.api import schedule
@@ -154,10 +159,14 @@ class _Builder:
         own = [0.0] * nodes
         heap = [(base[j], j) for j in range(nodes)]
         heapq.heapify(heap)
-        for c, it in sorted(((it.cost(size), it) for it in native), key=lambda t: (-t[0], t[1].gid)):
+        # LPT key: the sequence's cost plus its share of the per-micro-batch cost (the fraction of a
+        # slot its tokens fill); without it, a model whose cost is mostly per micro-batch gives every
+        # sequence ~0 and LPT piles them all onto node 0 (twice the micro-batches: measured on H200s)
+        share = self.cost.per_microbatch / (size * self.mslpr)
+        for c, it in sorted(((it.cost(size) + share * it.L, it) for it in native), key=lambda t: (-t[0], t[1].gid)):
             load, j = heapq.heappop(heap)
             per_node[j].append(it)
-            own[j] += c
+            own[j] += it.cost(size)
             heapq.heappush(heap, (load + c, j))
             self.taken.add(it.gid)
         packs = [_pack(x, size * self.mslpr) for x in per_node]
@@ -212,6 +221,84 @@ class _Builder:
             raise _Infeasible("no phase can be split further")
 
 
+class _Row:
+    __slots__ = ("blocks", "free")
+
+    def __init__(self):
+        self.blocks: list[list] = []  # [start, size, room, items]
+        self.free = 0  # first rank without a block (blocks are created in non-increasing size order)
+
+
+def _dense(items: list[_Item], n: int, mslpr: int, leaf: int, cost: CostModel,
+           spread: bool = False) -> tuple[list[Blocks], float]:
+    """Fewest micro-batches: sequences at their ``cp_min``, decreasing (CP size, then length), into
+    the first block of their size with room, else a new block at a row's first free ranks, else the
+    room left in a wider block, else a new row. ``spread``: start from the least possible number of
+    rows (tokens / (n x mslpr)), put a new block in the row with the most free ranks and a sequence
+    in the fullest block that holds it (best fit), which packs batches that fill ~99% of the rows.
+    Rows are then completed (every rank needs a non-empty block): a ``leaf``-sized block takes a
+    sequence from the block with the most (of any row), else the row's last block widens, else the
+    row becomes one block of all ``n`` ranks. Returns (rows, simulated step time); blocks may wait
+    for stragglers here, and the prediction counts it (``simulate``'s arithmetic)."""
+    rows: list[_Row] = [_Row() for _ in range(-(-sum(it.L for it in items) // (n * mslpr)) if spread else 0)]
+    open_blocks: dict[int, list] = {}
+
+    def fit(blocks):
+        ok = (b for b in blocks if b[2] >= it.L)
+        return min(ok, key=lambda b: b[2], default=None) if spread else next(ok, None)
+
+    for it in sorted(items, key=lambda x: (-x.cp, -x.L, x.gid)):
+        s = it.cp
+        blk = fit(open_blocks.get(s, ()))
+        row = None
+        if blk is None:
+            fits = [r for r in rows if n - r.free >= s]
+            row = (min(fits, key=lambda r: r.free, default=None) if spread else next(iter(fits), None))
+        if blk is None and row is None:  # room left in a wider block beats a new micro-batch
+            blk = fit(b for w in sorted(open_blocks) if w > s for b in open_blocks[w])
+        if blk is None:
+            if row is None:
+                row = _Row()
+                rows.append(row)
+            blk = [row.free, s, s * mslpr, []]
+            row.blocks.append(blk)
+            row.free += s
+            open_blocks.setdefault(s, []).append(blk)
+        blk[3].append(it)
+        blk[2] -= it.L
+    for row in rows:
+        while row.free < n:
+            donor = None
+            if n - row.free >= leaf:
+                cands = [b for r in rows for b in r.blocks if len(b[3]) > 1 and any(x.cp <= leaf for x in b[3])]
+                donor = max(cands, key=lambda b: len(b[3]), default=None)
+            if donor is not None:
+                it = min((x for x in donor[3] if x.cp <= leaf), key=lambda x: (x.L, x.gid))
+                donor[3].remove(it)
+                donor[2] += it.L
+                row.blocks.append([row.free, leaf, leaf * mslpr - it.L, [it]])
+                row.free += leaf
+                continue
+            last = row.blocks[-1]
+            prev = row.blocks[-2][1] if len(row.blocks) > 1 else n
+            if last[0] % (2 * last[1]) == 0 and last[0] + 2 * last[1] <= n and prev >= 2 * last[1]:
+                row.free += last[1]
+                last[2] += last[1] * mslpr
+                last[1] *= 2
+                continue
+            everything = [x for b in row.blocks for x in b[3]]
+            row.blocks = [[0, n, n * mslpr - sum(x.L for x in everything), everything]]
+            row.free = n
+    free = [0.0] * n
+    out: list[Blocks] = []
+    for row in rows:
+        out.append([(size, [x.gid for x in its]) for _, size, _, its in row.blocks])
+        for start, size, _, its in row.blocks:
+            t = max(free[start:start + size]) + sum(x.cost(size) for x in its) + cost.per_microbatch
+            free[start:start + size] = [t] * size
+    return out, max(free, default=0.0)
+
+
 def schedule_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
                       vpp_group: int | None = None, cost: CostModel | None = None) -> list[Blocks]:
     """Our scheduler; inputs assumed validated (see ``harness.plan.api.schedule``)."""
@@ -224,6 +311,12 @@ def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
     cost = cost or CostModel.megatron()
     items = [_Item(g, L, cp_min(L, max_seqlen_per_rank, min_cp_size), cost) for g, L in pairs]
     builder = _Builder(items, n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group, cost)
+    dense = None
+    if cost.per_microbatch > 0:  # micro-batches cost: the fewest of them compete too
+        for spread in (False, True):
+            rows, time = _dense(items, n_ranks, max_seqlen_per_rank, min_cp_size, cost, spread)
+            if (not vpp_group or len(rows) % vpp_group == 0) and (dense is None or time < dense[1]):
+                dense = (rows, time)
     leaf, why = min_cp_size, ""
     while leaf <= n_ranks:
         best, seen = None, set()
@@ -240,8 +333,10 @@ def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
             if best is None or time < best[1]:
                 best = (rows, time)
         if best is not None:
-            return best
+            return best if dense is None or best[1] <= dense[1] else dense
         leaf *= 2
+    if dense is not None:
+        return dense
     tokens = sum(L for _, L in pairs)
     least = -(-tokens // (n_ranks * max_seqlen_per_rank))
     raise VPPAlignmentError(

@@ -19,6 +19,7 @@ Backends (``BACKENDS``):
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 from dataclasses import dataclass
@@ -121,7 +122,12 @@ BACKENDS = {"sdpa": _sdpa, "varlen": _varlen, "flash_attn": _flash_attn, "te": _
 
 
 def backend_available(name: str, device: torch.device | str) -> bool:
-    device = torch.device(device)
+    return _available(name, str(torch.device(device).type))
+
+
+@functools.cache
+def _available(name: str, device_type: str) -> bool:
+    device = torch.device(device_type)
     if name == "sdpa":
         return True
     if device.type != "cuda" or not torch.cuda.is_available():

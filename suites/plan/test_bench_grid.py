@@ -27,3 +27,30 @@ def test_balanced_beats_megatron_on_the_grid(dist, n_ranks, num):
     assert q["balanced"] < q["megatron-dev"] and q["balanced"] < q["megatron-pr2000"], q
     if dist == "lognormal-1024" and num >= 32 * n_ranks:
         assert q["balanced"] <= 1.05, q
+
+
+# The cost model `dcp-harness bench step` calibrated on 4 x H200 (2026-11-21): a micro-batch of the
+# 12-layer GPT costs ~50 ms whatever its tokens (launch-bound), plus the K/V exchange per token.
+LAUNCH_BOUND = __import__("harness.plan", fromlist=["CostModel"]).CostModel(
+    quadratic=0.0, linear=0.0, constant=0.0, cp_comm=1.98e-6, per_microbatch=0.0501, name="H200 launch-bound")
+
+
+@pytest.mark.parametrize("n_ranks", [2, 4])
+def test_balanced_packs_micro_batches_when_they_cost(n_ranks):
+    """Under a per-micro-batch-dominated cost (measured on GPUs), ``balanced`` must not spend more
+    micro-batches or predicted time than ``megatron-dev`` on the step benchmark's global batches.
+    Before the fix its LPT saw every sequence as ~free, piled them on one node and ran 18.1
+    micro-batches where megatron-dev ran 8.5 (0.50x the speed on 4 H200s)."""
+    from harness.bench.step import StepBenchConfig, global_batch_lengths
+    from harness.plan import simulate
+
+    cfg, got = StepBenchConfig(), {"balanced": [], "megatron-dev": []}
+    for i in range(10, 40):
+        lengths, _ = global_batch_lengths(cfg, n_ranks, i)
+        for algorithm, out in got.items():
+            s = schedule(lengths, n_ranks=n_ranks, max_seqlen_per_rank=2048, algorithm=algorithm, cost=LAUNCH_BOUND)
+            assert not check_schedule(s)
+            out.append((s.num_microbatches, simulate(s, LAUNCH_BOUND).step_time))
+    mb = {a: sum(x[0] for x in v) for a, v in got.items()}
+    t = {a: sum(x[1] for x in v) for a, v in got.items()}
+    assert mb["balanced"] <= mb["megatron-dev"] and t["balanced"] <= t["megatron-dev"], (mb, t)

@@ -102,8 +102,9 @@ def test_deterministic_and_never_below_the_lower_bound(algorithm, impl, batch):
 
 @given(batch=batches(), seed=__import__("hypothesis").strategies.randoms(use_true_random=False))
 def test_balanced_is_order_free_and_never_waits(batch, seed):
-    """Ours only: the input order does not matter (gids break ties), and no CP block ever waits for
-    a straggler, so the step time is the busiest rank's sum of blocks."""
+    """Ours only: the input order does not matter (gids break ties), and with no per-micro-batch
+    cost no CP block ever waits for a straggler (phased plans), so the step time is the busiest
+    rank's sum of blocks. (With one, densely packed rows may win, and they may wait.)"""
     shuffled = list(batch.lengths)
     seed.shuffle(shuffled)
     for cost in COSTS:
@@ -115,7 +116,8 @@ def test_balanced_is_order_free_and_never_waits(batch, seed):
             return
         assert schedule(shuffled, cost=cost, **batch.kwargs()).microbatches == a.microbatches
         sim = simulate(a)
-        assert max(sim.waiting, default=0.0) <= 1e-9 * max(sim.step_time, 1.0)
+        if cost.per_microbatch == 0:
+            assert max(sim.waiting, default=0.0) <= 1e-9 * max(sim.step_time, 1.0)
 
 
 PER_MB_HEAVY = CostModel.from_model_shape(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
