@@ -641,7 +641,7 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
             "cp_histogram": _sum_hist(f["cp_histogram"] for f in a["schedules"]),
             "predicted": statistics.fmean(f["predicted"] for f in a["schedules"]),
             "predicted_ms": (1e3 * statistics.fmean(f["predicted"] for f in a["schedules"])
-                             if r0.get("calibration") else None),
+                             if _in_seconds(r0) else None),
             "lower_bound": statistics.fmean(f["lower_bound"] for f in a["schedules"]),
             "plan_ms_median": statistics.median(a["plan_ms"]),
             "peak_memory_gb": max((r["arms"][label]["peak_memory_gb"] or 0.0) for r in ranks) or None,
@@ -661,6 +661,11 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
             "global_batch": {"sequences_mean": statistics.fmean(len(b["lengths"]) for b in r0["batches"]),
                              "tokens_mean": statistics.fmean(tokens), "longest": max(max(b["lengths"]) for b in r0["batches"]),
                              "clipped": sum(b["clipped"] for b in r0["batches"])}}
+
+
+def _in_seconds(r0: dict) -> bool:
+    """The cost model is in seconds: calibrated in this run, or a pinned calibrated one (``--cost-model``)."""
+    return bool(r0.get("calibration")) or str((r0.get("cost_model") or {}).get("name", "")).startswith("calibrated")
 
 
 def _sum_hist(hists) -> dict:

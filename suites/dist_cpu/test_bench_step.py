@@ -205,6 +205,7 @@ def test_cli_smoke_writes_json_and_html(tmp_path, capsys):
         b = doc2["results"]["arms"][arm]
         assert (a["microbatches"], a["cp_histogram"], a["predicted"]) == (b["microbatches"], b["cp_histogram"],
                                                                          b["predicted"])
+        assert b["predicted_ms"] == pytest.approx(a["predicted_ms"])  # a pinned calibrated model is in seconds
 
 
 def test_cost_model_files_are_checked(tmp_path):
