@@ -3,7 +3,9 @@
 Megatron's Dynamic-CP benchmark (``examples/dynamic_context_parallel``; ``peers.md`` 1.1) run with
 this project's runtime: a GPT of 12 layers, hidden 2048, FFN 8192 (GeLU), 16 heads, vocabulary 32000
 (``gpt-12l-h2048``); sequence lengths lognormal(mean 1024, sigma 1.5) clipped to [128, 8192];
-``max_seqlen_per_rank`` 2048; bf16 autocast with fp32 weights, gradients and AdamW.
+``max_seqlen_per_rank`` 2048; bf16 autocast with fp32 weights, gradients and AdamW. On CUDA the
+dense blocks' per-token segments and the loss head run through ``torch.compile`` (``compile``):
+eager, the model is launch-bound on an H200.
 
 Global batch ``i`` (the same for every arm): lengths drawn with seed ``seed + i`` until the next one
 would pass ``microbatches x N x max_seqlen_per_rank`` tokens (8 full micro-batches of the DP x CP
@@ -119,6 +121,11 @@ class StepBenchConfig:
     """Fraction trimmed from each end for the trimmed mean."""
     trace_dir: str = ""
     """Where rank 0 keeps one gzipped Chrome trace per arm ('' = none)."""
+    compile: str = "auto"
+    """``torch.compile`` backend for the dense blocks' per-token segments and the loss head
+    (``TinyLM.compile_blocks``; attention and its collectives stay eager): ``auto`` = ``inductor`` on
+    CUDA and eager on CPU, ``off`` = eager, or a backend name (``inductor``, ``aot_eager``). The
+    eager model is launch-bound on an H200 (one micro-batch enqueues ~1000 kernels)."""
     device: str = "cpu"
 
     def arm_list(self) -> list[Arm]:
@@ -154,6 +161,14 @@ class StepBenchConfig:
             raise BenchConfigError(f"trim must be in [0, 0.5), got {self.trim}")
         if self.dtype not in ("float32", "bfloat16"):
             raise BenchConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.compile not in COMPILE_CHOICES:
+            raise BenchConfigError(f"compile must be one of {', '.join(COMPILE_CHOICES)}, got {self.compile!r}")
+
+    def compile_backend(self) -> str | None:
+        """The resolved ``compile``: a ``torch.compile`` backend name, or None for eager."""
+        if self.compile == "auto":
+            return "inductor" if self.device == "cuda" else None
+        return None if self.compile == "off" else self.compile
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -164,6 +179,9 @@ class StepBenchConfig:
         if "arms" in d:
             d["arms"] = tuple(d["arms"])
         return cls(**d)
+
+
+COMPILE_CHOICES = ("auto", "off", "inductor", "aot_eager")
 
 
 # ---------------------------------------------------------------- workload and model figures
@@ -588,7 +606,7 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     mcfg = replace(MODELS[cfg.model], seed=cfg.seed)
-    model = TinyLM(mcfg, device=device)
+    model = TinyLM(mcfg, device=device).compile_blocks(cfg.compile_backend())
     params = [p for p in model.parameters()]
     flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
     offset = 0
@@ -626,6 +644,7 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
         out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         out["parameters"] = sum(p.numel() for p in params)
         out["torch"] = torch.__version__
+        out["compile"] = cfg.compile_backend()
         out["cost_model"] = ctx.cost.to_dict()
         out["calibration"] = None if calibration is None else {k: v for k, v in calibration.items() if k != "cost"}
     return out
@@ -684,7 +703,7 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
         a["predicted_speedup_vs_static"] = base["predicted"] / a["predicted"] if base and a["predicted"] else None
     return {"arms": arms, "world": world, "device_name": r0["device_name"], "peak_tflops": peak,
             "cost_model": r0.get("cost_model"), "calibration": r0.get("calibration"),
-            "parameters": r0["parameters"], "torch": r0["torch"],
+            "parameters": r0["parameters"], "torch": r0["torch"], "compile": r0.get("compile"),
             "global_batch": {"sequences_mean": statistics.fmean(len(b["lengths"]) for b in r0["batches"]),
                              "tokens_mean": statistics.fmean(tokens), "longest": max(max(b["lengths"]) for b in r0["batches"]),
                              "clipped": sum(b["clipped"] for b in r0["batches"])}}
@@ -764,7 +783,9 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
     if cfg.trace_dir == "":
         cfg = replace(cfg, trace_dir=str(out.parent / f"{out.stem}_traces"))
     where = torch.cuda.get_device_name(0) if cuda else "CPU (gloo)"
-    print(f"bench step: {n} x {where}, model {cfg.model}, {cfg.dtype}, arms {', '.join(cfg.arms)}", flush=True)
+    print(f"bench step: {n} x {where}, model {cfg.model}, {cfg.dtype}, "
+          f"blocks {'compiled (' + cfg.compile_backend() + ')' if cfg.compile_backend() else 'eager'}, "
+          f"arms {', '.join(cfg.arms)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         cfg_json = {**cfg.to_dict(), "arms": list(cfg.arms)}
         res = launch("bench-step", n, Path(tmp) / "step.json", cfg_json, stream=_progress)

@@ -173,6 +173,59 @@ class MoE(nn.Module):
         return out, z
 
 
+# ---------------------------------------------------------------- compiled block segments
+# A dense block is attention plus two per-token segments: (norm, QKV projection, RoPE) before it and
+# (output projection, residual, norm, MLP, residual) after it. ``TinyLM.compile_blocks`` runs those
+# segments through ``torch.compile`` (attention and its collectives stay eager between them), which
+# fuses the elementwise work and cuts the host's kernel launches per layer. The functions take the
+# weights as arguments, so one compiled graph serves every layer. Same maths as ``Block.forward``;
+# only the rounding of fused bf16 elementwise chains differs (Inductor computes them in fp32).
+
+
+def _rotate(x_THD, cos, sin):
+    d = x_THD.shape[-1] // 2
+    return x_THD * cos + torch.cat([x_THD[..., d:], x_THD[..., :d]], dim=-1) * sin
+
+
+def _attn_inputs(x_TE, norm_w, qkv_w, cos, sin, eps: float, heads: int, kv_heads: int):
+    D = cos.shape[-1]
+    h = F.rms_norm(x_TE, (x_TE.shape[-1],), norm_w, eps)
+    q, k, v = F.linear(h, qkv_w).split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
+    q = q.view(-1, heads, D)
+    return _rotate(q, cos.to(q.dtype), sin.to(q.dtype)), _rotate(k.view(-1, kv_heads, D), cos.to(q.dtype),
+                                                                   sin.to(q.dtype)), v.view(-1, kv_heads, D)
+
+
+def _gelu_out(x_TE, o_THD, proj_w, norm_w, up_w, down_w, eps: float):
+    x_TE = x_TE + F.linear(o_THD.reshape(x_TE.shape[0], -1), proj_w)
+    h = F.rms_norm(x_TE, (x_TE.shape[-1],), norm_w, eps)
+    return x_TE + F.linear(F.gelu(F.linear(h, up_w), approximate="tanh"), down_w)
+
+
+def _swiglu_out(x_TE, o_THD, proj_w, norm_w, gate_up_w, down_w, eps: float):
+    x_TE = x_TE + F.linear(o_THD.reshape(x_TE.shape[0], -1), proj_w)
+    g, u = F.linear(F.rms_norm(x_TE, (x_TE.shape[-1],), norm_w, eps), gate_up_w).chunk(2, dim=-1)
+    return x_TE + F.linear(F.silu(g) * u, down_w)
+
+
+def _head_losses(h_TE, norm_w, head_w, labels_T, real_T, eps: float):
+    logits = F.linear(F.rms_norm(h_TE, (h_TE.shape[-1],), norm_w, eps), head_w).float()
+    return (F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none") * real_T).sum()
+
+
+_SEGMENTS = {"attn_inputs": _attn_inputs, "gelu": _gelu_out, "swiglu": _swiglu_out, "head": _head_losses}
+_compiled_segments: dict = {}
+
+
+def compiled_segment(name: str, backend: str):
+    """The ``torch.compile`` of segment ``name`` (one per process and backend; shapes that vary,
+    e.g. the token count, become dynamic after their first change)."""
+    key = (name, backend)
+    if key not in _compiled_segments:
+        _compiled_segments[key] = torch.compile(_SEGMENTS[name], backend=backend)
+    return _compiled_segments[key]
+
+
 class Block(nn.Module):
     def __init__(self, c: ModelConfig, moe: bool, layer: int = 0):
         super().__init__()
@@ -182,11 +235,14 @@ class Block(nn.Module):
         self.qkv = nn.Linear(c.hidden, (c.heads + 2 * c.kv_heads) * D, bias=False)
         self.proj = nn.Linear(c.heads * D, c.hidden, bias=False)
         self.mlp = MoE(c, layer) if moe else dense_mlp(c)
+        self.compiled: str | None = None  # a torch.compile backend (``TinyLM.compile_blocks``) or eager
 
     def forward(self, x_TE, pos_T, real_T, attention: Attention, routing=None):
         """``pos_T``: global position ids, or a ``Rotary`` of them (shared by the layers)."""
         c, D = self.c, self.c.hidden // self.c.heads
         rot = pos_T if isinstance(pos_T, Rotary) else Rotary(pos_T, D, c.rope_base)
+        if self.compiled and not isinstance(self.mlp, MoE):
+            return self._compiled_forward(x_TE, rot, attention)
         q, k, v = self.qkv(self.norm1(x_TE)).split([c.heads * D, c.kv_heads * D, c.kv_heads * D], dim=-1)
         q = rot(q.view(-1, c.heads, D))
         k = rot(k.view(-1, c.kv_heads, D))
@@ -196,6 +252,19 @@ class Block(nn.Module):
             h, z = self.mlp(self.norm2(x_TE), real_T, routing)
             return x_TE + h, z
         return x_TE + self.mlp(self.norm2(x_TE)), x_TE.new_zeros((), dtype=torch.float32)
+
+    def _compiled_forward(self, x_TE, rot: Rotary, attention: Attention):
+        c, be = self.c, self.compiled
+        q, k, v = compiled_segment("attn_inputs", be)(x_TE, self.norm1.weight, self.qkv.weight, rot.cos, rot.sin,
+                                                      self.norm1.eps, c.heads, c.kv_heads)
+        o = attention(q, k, v)
+        if isinstance(self.mlp, SwiGLU):
+            w1, name = self.mlp.gate_up.weight, "swiglu"
+        else:
+            w1, name = self.mlp.up.weight, "gelu"
+        x_TE = compiled_segment(name, be)(x_TE, o, self.proj.weight, self.norm2.weight, w1, self.mlp.down.weight,
+                                          self.norm2.eps)
+        return x_TE, x_TE.new_zeros((), dtype=torch.float32)
 
 
 class TinyLM(nn.Module):
@@ -235,8 +304,25 @@ class TinyLM(nn.Module):
             aux = aux + a
         return x, aux
 
+    def compile_blocks(self, backend: str | None = "inductor") -> TinyLM:
+        """Run the dense blocks' per-token segments and the loss head through ``torch.compile``
+        (``backend``; ``None`` = eager again). Attention, its collectives and MoE blocks stay eager.
+        Meant for the GPU step benchmark, where the eager model is launch-bound (one micro-batch of
+        2048 tokens enqueues ~1000 kernels); the convergence layouts and goldens run eager."""
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(f"backend must be a torch.compile backend name or None, got {backend!r}")
+        self.compiled = backend
+        for b in self.blocks:
+            b.compiled = backend
+        return self
+
+    compiled: str | None = None
+
     def loss_from_hidden(self, h, labels_T, real_T):
         """Sum of masked next-token cross-entropies from the last block's hidden states."""
+        if self.compiled:
+            return compiled_segment("head", self.compiled)(h, self.norm.weight, self.head.weight, labels_T, real_T,
+                                                           self.norm.eps)
         logits = self.head(self.norm(h)).float()
         ce = F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none")
         return (ce * real_T).sum()

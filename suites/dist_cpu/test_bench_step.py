@@ -5,6 +5,7 @@ The GPU measurement itself is ``dcp-harness bench step`` on a GPU node (targets 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -39,10 +40,18 @@ def test_bad_arms_are_named_with_the_fix(text, fix):
                                               ({"static_cp": 8}, 4, "static_cp=8"),
                                               ({"profile_iters": 5, "iters": 2}, 2, "profile_iters=5"),
                                               ({"model": "gpt-9"}, 2, "unknown model"),
-                                              ({"trim": 0.5}, 2, "trim")])
+                                              ({"trim": 0.5}, 2, "trim"),
+                                              ({"compile": "max"}, 2, "compile must be one of")])
 def test_bad_config_is_refused_before_any_process_starts(over, world, msg):
     with pytest.raises(step.BenchConfigError, match=msg):
         step.StepBenchConfig.from_dict({**TINY, **over}).validate(world)
+
+
+def test_compile_resolves_per_device():
+    cfg = step.StepBenchConfig.from_dict(TINY)
+    assert replace(cfg, device="cuda").compile_backend() == "inductor" and cfg.compile_backend() is None
+    assert replace(cfg, device="cuda", compile="off").compile_backend() is None
+    assert replace(cfg, compile="aot_eager").compile_backend() == "aot_eager"
 
 
 def test_global_batches_are_deterministic_bounded_and_clipped_to_the_domain():
@@ -157,9 +166,13 @@ def _measure(rank, world, cfg):
 
 
 def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
-    ranks = run_on_ranks(_measure, world_size=2, tmp_path=tmp_path, args=({**TINY, "device": "cpu"},), timeout_s=240)
-    cfg = step.StepBenchConfig.from_dict(TINY)
+    """Every arm, with the blocks' segments compiled (``aot_eager``: the compiled path between CP
+    collectives; the eager path runs in the CLI smoke test and the convergence suites)."""
+    over = {**TINY, "compile": "aot_eager"}
+    ranks = run_on_ranks(_measure, world_size=2, tmp_path=tmp_path, args=({**over, "device": "cpu"},), timeout_s=240)
+    cfg = step.StepBenchConfig.from_dict(over)
     s = step.summarize({"world": 2, "ranks": ranks}, cfg)
+    assert s["compile"] == "aot_eager"
     assert list(s["arms"]) == list(cfg.arms)
     real = sum(sum(b["lengths"]) for b in ranks[0]["batches"])
     for label, a in s["arms"].items():
