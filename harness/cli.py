@@ -162,8 +162,11 @@ def parser() -> argparse.ArgumentParser:
                           "CostModel fields; skips calibration so schedules repeat exactly across runs")
     bst.add_argument("--no-calibrate", action="store_true", help="use the FLOP cost model instead of calibrating")
     bst.add_argument("--static-cp", type=int, default=None, help="CP size of the thd baseline (default: world)")
-    bst.add_argument("--compile", default=None, choices=["auto", "off", "inductor", "aot_eager"],
-                     help="torch.compile the blocks' per-token segments (default auto: inductor on CUDA, eager on CPU)")
+    bst.add_argument("--compile", default=None, choices=["auto", "off", "inductor", "aot_eager", "reduce-overhead"],
+                     help="torch.compile the blocks' per-token segments (default auto: inductor on CUDA, eager on CPU; "
+                          "reduce-overhead: + CUDA graphs, with --token-bucket)")
+    bst.add_argument("--token-bucket", type=int, default=None,
+                     help="pad each rank's micro-batch to a multiple of this many tokens (default 0 = off)")
     bst.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_step.json)")
     bst.add_argument("--html", type=Path, default=None, help="HTML path (default: the JSON path with .html)")
     bp = bsub.add_parser("padding", help="step-wise RL batches: two-segment vs unified padding, builder speed")
@@ -207,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 from harness.bench import step
 
                 keys = ("model", "lengths", "max_seqlen_per_rank", "microbatches", "warmup", "iters", "profile_iters",
-                        "dtype", "cp_comm_flops_per_byte", "static_cp", "compile")
+                        "dtype", "cp_comm_flops_per_byte", "static_cp", "compile", "token_bucket")
                 over = {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
                 if a.no_calibrate:
                     over["calibrate"] = False

@@ -124,8 +124,12 @@ class StepBenchConfig:
     compile: str = "auto"
     """``torch.compile`` backend for the dense blocks' per-token segments and the loss head
     (``TinyLM.compile_blocks``; attention and its collectives stay eager): ``auto`` = ``inductor`` on
-    CUDA and eager on CPU, ``off`` = eager, or a backend name (``inductor``, ``aot_eager``). The
+    CUDA and eager on CPU, ``off`` = eager, a backend name (``inductor``, ``aot_eager``), or
+    ``reduce-overhead`` (inductor, each segment replayed as a CUDA graph; set ``token_bucket``). The
     eager model is launch-bound on an H200 (one micro-batch enqueues ~1000 kernels)."""
+    token_bucket: int = 0
+    """Pad every rank's micro-batch to a multiple of this many tokens (0 = off; even): the padding
+    is counted, and with ``reduce-overhead`` the graphs are recorded once per multiple."""
     device: str = "cpu"
 
     def arm_list(self) -> list[Arm]:
@@ -163,12 +167,26 @@ class StepBenchConfig:
             raise BenchConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.compile not in COMPILE_CHOICES:
             raise BenchConfigError(f"compile must be one of {', '.join(COMPILE_CHOICES)}, got {self.compile!r}")
+        if self.compile == "reduce-overhead" and self.device != "cuda":
+            raise BenchConfigError("compile=reduce-overhead records CUDA graphs; it needs CUDA (use inductor or off)")
+        if not isinstance(self.token_bucket, int) or self.token_bucket < 0 or self.token_bucket % 2:
+            raise BenchConfigError(f"token_bucket must be 0 (off) or an even int, got {self.token_bucket!r}")
 
     def compile_backend(self) -> str | None:
         """The resolved ``compile``: a ``torch.compile`` backend name, or None for eager."""
         if self.compile == "auto":
             return "inductor" if self.device == "cuda" else None
+        if self.compile == "reduce-overhead":
+            return "inductor"
         return None if self.compile == "off" else self.compile
+
+    def compile_mode(self) -> str | None:
+        return "reduce-overhead" if self.compile == "reduce-overhead" else None
+
+    def compile_label(self) -> str | None:
+        """What the report says: None (eager), a backend, or ``inductor/reduce-overhead``."""
+        be, mode = self.compile_backend(), self.compile_mode()
+        return f"{be}/{mode}" if be and mode else be
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -181,7 +199,7 @@ class StepBenchConfig:
         return cls(**d)
 
 
-COMPILE_CHOICES = ("auto", "off", "inductor", "aot_eager")
+COMPILE_CHOICES = ("auto", "off", "inductor", "aot_eager", "reduce-overhead")
 
 
 # ---------------------------------------------------------------- workload and model figures
@@ -296,7 +314,8 @@ def _step(ctx: _Ctx, arm: Arm, lengths: list[int], local: dict, opt) -> dict:
     me, n = ctx.rank, ctx.world
     owners = {g: g % n for g in range(len(lengths))}
     samples = reroute(local, owners, sched, me, group=ctx.everyone)
-    mbs = build_microbatches(samples, sched, me, padding=padding, fixed_length=fixed)
+    mbs = build_microbatches(samples, sched, me, padding=padding, fixed_length=fixed,
+                             token_multiple=ctx.cfg.token_bucket)
     total = float(sum(lengths))
     runners = [_microbatch_runner(ctx, mb, total) for mb in mbs]  # every plan built before the first forward
     for run in runners:
@@ -542,7 +561,7 @@ def calibrate_cost(ctx: _Ctx) -> dict:
                                      max_seqlen_per_rank=cfg.max_seqlen_per_rank, algorithm="calibration")
         mine = next(b for b in blocks if b.start <= me < b.start + size)
         samples = {g: sample_for(g, lengths[g % k], vocab=ctx.model.c.vocab, device=dev) for g in mine.gids}
-        (mb,) = build_microbatches(samples, sched, me)
+        (mb,) = build_microbatches(samples, sched, me, token_multiple=cfg.token_bucket)
         run = _microbatch_runner(ctx, mb, float(sum(lengths)))
         reps = []
         for r in range(cfg.calibration_reps + 1):
@@ -606,7 +625,7 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     mcfg = replace(MODELS[cfg.model], seed=cfg.seed)
-    model = TinyLM(mcfg, device=device).compile_blocks(cfg.compile_backend())
+    model = TinyLM(mcfg, device=device).compile_blocks(cfg.compile_backend(), cfg.compile_mode())
     params = [p for p in model.parameters()]
     flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
     offset = 0
@@ -644,7 +663,7 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
         out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         out["parameters"] = sum(p.numel() for p in params)
         out["torch"] = torch.__version__
-        out["compile"] = cfg.compile_backend()
+        out["compile"] = cfg.compile_label()
         out["cost_model"] = ctx.cost.to_dict()
         out["calibration"] = None if calibration is None else {k: v for k, v in calibration.items() if k != "cost"}
     return out
@@ -784,7 +803,8 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
         cfg = replace(cfg, trace_dir=str(out.parent / f"{out.stem}_traces"))
     where = torch.cuda.get_device_name(0) if cuda else "CPU (gloo)"
     print(f"bench step: {n} x {where}, model {cfg.model}, {cfg.dtype}, "
-          f"blocks {'compiled (' + cfg.compile_backend() + ')' if cfg.compile_backend() else 'eager'}, "
+          f"blocks {'compiled (' + cfg.compile_label() + ')' if cfg.compile_label() else 'eager'}"
+          f"{f', token bucket {cfg.token_bucket}' if cfg.token_bucket else ''}, "
           f"arms {', '.join(cfg.arms)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         cfg_json = {**cfg.to_dict(), "arms": list(cfg.arms)}

@@ -102,11 +102,16 @@ class ThdMicroBatch:
 
 def build_microbatches(samples: Mapping[int, Mapping[str, torch.Tensor]], schedule: Schedule, position: int, *,
                        padding: str = "local", fixed_length: int = 0, tp_size: int = 1,
-                       sequence_parallel: bool = False) -> list[ThdMicroBatch]:
+                       sequence_parallel: bool = False, token_multiple: int = 0) -> list[ThdMicroBatch]:
     """``padding``: ``local`` (2 x local_cp_size), ``domain`` (2 x N) or ``fixed`` (every sequence
-    padded to ``fixed_length``: the bshd layout)."""
+    padded to ``fixed_length``: the bshd layout). ``token_multiple`` (0 = off; even, or 1): the last
+    sequence's padding grows until every rank's slice holds a multiple of that many tokens, so the
+    per-rank token counts take few values (CUDA graphs are recorded per shape); the padding is
+    masked out of the loss and attends only within its sequence, after its real tokens."""
     if padding not in ("local", "domain", "fixed"):
         raise RerouteError(f"padding must be 'local', 'domain' or 'fixed', got {padding!r}")
+    if not isinstance(token_multiple, int) or token_multiple < 0 or (token_multiple > 1 and token_multiple % 2):
+        raise RerouteError(f"token_multiple must be 0 (off), 1 or an even int, got {token_multiple!r}")
     out = []
     for m, mb in enumerate(schedule.layout):
         (b,) = [b for b in mb if b.start <= position < b.start + b.size]
@@ -122,6 +127,11 @@ def build_microbatches(samples: Mapping[int, Mapping[str, torch.Tensor]], schedu
                 if padding == "local" else padding_divisor(n_ranks=schedule.n_ranks, tp_size=tp_size,
                                                           sequence_parallel=sequence_parallel)
             p = pack(lengths, div)
+            if token_multiple > 1 and p.cu_seqlens_padded[-1] % (token_multiple * b.size):
+                # even multiples of b.size keep the last sequence a multiple of 2 x cp (zig-zag)
+                grow = -p.cu_seqlens_padded[-1] % (token_multiple * b.size)
+                cup = p.cu_seqlens_padded[:-1] + [p.cu_seqlens_padded[-1] + grow]
+                p = type(p)(p.cu_seqlens, cup, max(p.max_seqlen, cup[-1] - cup[-2]))
         full = {k: torch.cat([_padded(samples[g], k, p.cu_seqlens_padded[i + 1] - p.cu_seqlens_padded[i])
                               for i, g in enumerate(b.gids)]) for k in SAMPLE_KEYS}
         idx = torch.as_tensor(zigzag_index_array(p.cu_seqlens_padded, b.size, position - b.start),

@@ -107,7 +107,8 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
         f'<p><span class="verdict {("pass" if ok else "fail") if applicable else "na"}">{verdict}</span></p>',
         f'<p class="meta">{gpus} x {esc(summary["device_name"])}, torch {esc(summary["torch"])}; model '
         f'{esc(cfg.model)} ({summary["parameters"] / 1e6:.3g}M parameters), {esc(cfg.dtype)}, blocks '
-        f'{"compiled (" + esc(summary["compile"]) + ")" if summary.get("compile") else "eager"}; lengths '
+        f'{"compiled (" + esc(summary["compile"]) + ")" if summary.get("compile") else "eager"}'
+        f'{f", micro-batches padded to multiples of {cfg.token_bucket} tokens per rank" if cfg.token_bucket else ""}; lengths '
         f'{esc(cfg.lengths)}; max_seqlen_per_rank {cfg.max_seqlen_per_rank}; global batch <= {cfg.microbatches} x '
         f'{gpus} x {cfg.max_seqlen_per_rank} tokens (mean {gb["tokens_mean"]:.0f} tokens in '
         f'{gb["sequences_mean"]:.1f} sequences, longest {gb["longest"]}, {gb["clipped"]} clipped); {cfg.warmup} '

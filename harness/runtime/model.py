@@ -213,16 +213,18 @@ def _head_losses(h_TE, norm_w, head_w, labels_T, real_T, eps: float):
     return (F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none") * real_T).sum()
 
 
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 _SEGMENTS = {"attn_inputs": _attn_inputs, "gelu": _gelu_out, "swiglu": _swiglu_out, "head": _head_losses}
 _compiled_segments: dict = {}
 
 
-def compiled_segment(name: str, backend: str):
-    """The ``torch.compile`` of segment ``name`` (one per process and backend; shapes that vary,
-    e.g. the token count, become dynamic after their first change)."""
-    key = (name, backend)
+def compiled_segment(name: str, backend: str, mode: str | None = None):
+    """The ``torch.compile`` of segment ``name`` (one per process, backend and mode; shapes that
+    vary, e.g. the token count, become dynamic after their first change). ``mode="reduce-overhead"``
+    replays each call as a CUDA graph, recorded once per token count."""
+    key = (name, backend, mode)
     if key not in _compiled_segments:
-        _compiled_segments[key] = torch.compile(_SEGMENTS[name], backend=backend)
+        _compiled_segments[key] = torch.compile(_SEGMENTS[name], backend=backend, mode=mode)
     return _compiled_segments[key]
 
 
@@ -236,6 +238,7 @@ class Block(nn.Module):
         self.proj = nn.Linear(c.heads * D, c.hidden, bias=False)
         self.mlp = MoE(c, layer) if moe else dense_mlp(c)
         self.compiled: str | None = None  # a torch.compile backend (``TinyLM.compile_blocks``) or eager
+        self.compile_mode: str | None = None
 
     def forward(self, x_TE, pos_T, real_T, attention: Attention, routing=None):
         """``pos_T``: global position ids, or a ``Rotary`` of them (shared by the layers)."""
@@ -254,15 +257,15 @@ class Block(nn.Module):
         return x_TE + self.mlp(self.norm2(x_TE)), x_TE.new_zeros((), dtype=torch.float32)
 
     def _compiled_forward(self, x_TE, rot: Rotary, attention: Attention):
-        c, be = self.c, self.compiled
-        q, k, v = compiled_segment("attn_inputs", be)(x_TE, self.norm1.weight, self.qkv.weight, rot.cos, rot.sin,
+        c, be, mode = self.c, self.compiled, self.compile_mode
+        q, k, v = compiled_segment("attn_inputs", be, mode)(x_TE, self.norm1.weight, self.qkv.weight, rot.cos, rot.sin,
                                                       self.norm1.eps, c.heads, c.kv_heads)
         o = attention(q, k, v)
         if isinstance(self.mlp, SwiGLU):
             w1, name = self.mlp.gate_up.weight, "swiglu"
         else:
             w1, name = self.mlp.up.weight, "gelu"
-        x_TE = compiled_segment(name, be)(x_TE, o, self.proj.weight, self.norm2.weight, w1, self.mlp.down.weight,
+        x_TE = compiled_segment(name, be, mode)(x_TE, o, self.proj.weight, self.norm2.weight, w1, self.mlp.down.weight,
                                           self.norm2.eps)
         return x_TE, x_TE.new_zeros((), dtype=torch.float32)
 
@@ -304,24 +307,33 @@ class TinyLM(nn.Module):
             aux = aux + a
         return x, aux
 
-    def compile_blocks(self, backend: str | None = "inductor") -> TinyLM:
+    def compile_blocks(self, backend: str | None = "inductor", mode: str | None = None) -> TinyLM:
         """Run the dense blocks' per-token segments and the loss head through ``torch.compile``
         (``backend``; ``None`` = eager again). Attention, its collectives and MoE blocks stay eager.
         Meant for the GPU step benchmark, where the eager model is launch-bound (one micro-batch of
-        2048 tokens enqueues ~1000 kernels); the convergence layouts and goldens run eager."""
+        2048 tokens enqueues ~1000 kernels); the convergence layouts and goldens run eager.
+        ``mode="reduce-overhead"`` (CUDA): each segment call replays a CUDA graph recorded per token
+        count (pad micro-batches to few counts: ``build_microbatches(token_multiple=...)``); the
+        parameters are marked static so the graphs read them in place (swap weights with ``copy_``)."""
         if backend is not None and not isinstance(backend, str):
             raise TypeError(f"backend must be a torch.compile backend name or None, got {backend!r}")
-        self.compiled = backend
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"mode must be one of {COMPILE_MODES}, got {mode!r}")
+        if mode == "reduce-overhead":
+            for p in self.parameters():
+                torch._dynamo.mark_static_address(p, guard=False)
+        self.compiled, self.compile_mode = backend, (mode if backend else None)
         for b in self.blocks:
-            b.compiled = backend
+            b.compiled, b.compile_mode = self.compiled, self.compile_mode
         return self
 
     compiled: str | None = None
+    compile_mode: str | None = None
 
     def loss_from_hidden(self, h, labels_T, real_T):
         """Sum of masked next-token cross-entropies from the last block's hidden states."""
         if self.compiled:
-            return compiled_segment("head", self.compiled)(h, self.norm.weight, self.head.weight, labels_T, real_T,
+            return compiled_segment("head", self.compiled, self.compile_mode)(h, self.norm.weight, self.head.weight, labels_T, real_T,
                                                            self.norm.eps)
         logits = self.head(self.norm(h)).float()
         ce = F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none")
@@ -336,6 +348,8 @@ class TinyLM(nn.Module):
     def token_losses(self, tokens_T, labels_T, mask_T, pos_T, attention: Attention, routing=None):
         """(sum of masked next-token cross-entropies over the local tokens, aux loss); ``mask_T``
         marks the real tokens (padding has mask 0). ``routing``: a ``harness.runtime.replay.Routing``."""
+        if self.compile_mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # one micro-batch = one generation of the graphs
         real = mask_T.to(torch.float32)
         x, aux = self.run_layers(self.embed(tokens_T), pos_T, real, attention, routing=routing)
         return self.loss_from_hidden(x, labels_T, real), aux

@@ -41,7 +41,9 @@ def test_bad_arms_are_named_with_the_fix(text, fix):
                                               ({"profile_iters": 5, "iters": 2}, 2, "profile_iters=5"),
                                               ({"model": "gpt-9"}, 2, "unknown model"),
                                               ({"trim": 0.5}, 2, "trim"),
-                                              ({"compile": "max"}, 2, "compile must be one of")])
+                                              ({"compile": "max"}, 2, "compile must be one of"),
+                                              ({"compile": "reduce-overhead"}, 2, "needs CUDA"),
+                                              ({"token_bucket": 7}, 2, "token_bucket")])
 def test_bad_config_is_refused_before_any_process_starts(over, world, msg):
     with pytest.raises(step.BenchConfigError, match=msg):
         step.StepBenchConfig.from_dict({**TINY, **over}).validate(world)
@@ -52,6 +54,9 @@ def test_compile_resolves_per_device():
     assert replace(cfg, device="cuda").compile_backend() == "inductor" and cfg.compile_backend() is None
     assert replace(cfg, device="cuda", compile="off").compile_backend() is None
     assert replace(cfg, compile="aot_eager").compile_backend() == "aot_eager"
+    graphs = replace(cfg, device="cuda", compile="reduce-overhead")
+    assert (graphs.compile_backend(), graphs.compile_mode(), graphs.compile_label()) == \
+        ("inductor", "reduce-overhead", "inductor/reduce-overhead")
 
 
 def test_global_batches_are_deterministic_bounded_and_clipped_to_the_domain():
@@ -167,12 +172,14 @@ def _measure(rank, world, cfg):
 
 def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
     """Every arm, with the blocks' segments compiled (``aot_eager``: the compiled path between CP
-    collectives; the eager path runs in the CLI smoke test and the convergence suites)."""
-    over = {**TINY, "compile": "aot_eager"}
+    collectives; the eager path runs in the CLI smoke test and the convergence suites) and the
+    micro-batches padded to multiples of 16 tokens per rank."""
+    over = {**TINY, "compile": "aot_eager", "token_bucket": 16}
     ranks = run_on_ranks(_measure, world_size=2, tmp_path=tmp_path, args=({**over, "device": "cpu"},), timeout_s=240)
     cfg = step.StepBenchConfig.from_dict(over)
     s = step.summarize({"world": 2, "ranks": ranks}, cfg)
     assert s["compile"] == "aot_eager"
+    assert all(t % 16 == 0 for a in ranks[0]["arms"].values() for t in a["processed_tokens"])  # bucketed
     assert list(s["arms"]) == list(cfg.arms)
     real = sum(sum(b["lengths"]) for b in ranks[0]["batches"])
     for label, a in s["arms"].items():
