@@ -28,8 +28,9 @@ wins; the prediction equals ``harness.plan.bounds.simulate_step_time`` (``plan_b
 When the cost model charges per micro-batch (``per_microbatch > 0``, e.g. a cost model calibrated on
 GPUs, where a launch-bound micro-batch costs ~40 ms whatever its tokens), two things change: LPT
 charges each sequence its share of a micro-batch (its tokens over a slot's), and densely packed
-rows (``_dense``: fewest micro-batches, blocks may wait) compete with the phased plans on predicted
-step time. Without that term, nothing changes.
+rows (``_dense``: fewest micro-batches, blocks may wait; ``_tight``: exactly the least possible
+number of rows, ``ceil(tokens / (N x max_seqlen_per_rank))``, by minimum-bin-slack subset sums)
+compete with the phased plans on predicted step time. Without that term, nothing changes.
 Deterministic: sequences are ordered by (cost, gid) and ties go to the lowest node index.
 
 >>> from harness.plan.api import schedule
@@ -289,14 +290,96 @@ def _dense(items: list[_Item], n: int, mslpr: int, leaf: int, cost: CostModel,
             everything = [x for b in row.blocks for x in b[3]]
             row.blocks = [[0, n, n * mslpr - sum(x.L for x in everything), everything]]
             row.free = n
+    return _rows_out([row.blocks for row in rows], n, cost)
+
+
+def _rows_out(rows: list[list[list]], n: int, cost: CostModel) -> tuple[list[Blocks], float]:
+    """Rows of ``[start, size, room, items]`` blocks -> (``Blocks`` rows, simulated step time: a
+    block starts when its slowest rank is free; ``simulate``'s arithmetic)."""
     free = [0.0] * n
     out: list[Blocks] = []
-    for row in rows:
-        out.append([(size, [x.gid for x in its]) for _, size, _, its in row.blocks])
-        for start, size, _, its in row.blocks:
+    for blocks in rows:
+        out.append([(size, [x.gid for x in its]) for _, size, _, its in blocks])
+        for start, size, _, its in blocks:
             t = max(free[start:start + size]) + sum(x.cost(size) for x in its) + cost.per_microbatch
             free[start:start + size] = [t] * size
     return out, max(free, default=0.0)
+
+
+def _fullest_subset(sizes: list[int], cap: int) -> list[int]:
+    """Indices of a subset of ``sizes`` with the largest sum <= ``cap`` (exact subset sum on a
+    bitset: bit t of ``reach[i]`` = some subset of the first i sizes sums to t); among equal sums,
+    the one the backward walk finds first (deterministic)."""
+    mask = (1 << (cap + 1)) - 1
+    reach = [1]
+    for w in sizes:
+        reach.append((reach[-1] | (reach[-1] << w)) & mask)
+    t = reach[-1].bit_length() - 1
+    picked = []
+    for i in range(len(sizes) - 1, -1, -1):
+        if not (reach[i] >> t) & 1:  # t not reachable without item i: take it
+            picked.append(i)
+            t -= sizes[i]
+    return picked
+
+
+def _tight(items: list[_Item], n: int, mslpr: int, leaf: int, cost: CostModel) -> tuple[list[Blocks], float] | None:
+    """The least possible number of rows, ``ceil(tokens / (n x mslpr))``, when a minimum-bin-slack
+    fill reaches it (``_dense``'s greedy often needs one row more when a batch fills ~98% of its
+    rows, and on a launch-bound GPU a row costs ~10% of the step). Sequences wider than ``leaf``
+    get blocks of their ``cp_min`` (first fit decreasing among equal sizes, packed into the rows
+    by decreasing size, so every block is buddy aligned); the free ranks become ``leaf`` blocks;
+    then bin after bin (in the first of ``BIN_ORDERS`` that works) takes the subset of the remaining
+    sequences that fills it most (exact subset sum). None when every order leaves a sequence over or
+    a block empty; the caller's other candidates then stand."""
+    rows_n = -(-sum(it.L for it in items) // (n * mslpr))
+    wide = sorted((it for it in items if it.cp > leaf), key=lambda x: (-x.cp, -x.L, x.gid))
+    short = sorted((it for it in items if it.cp <= leaf), key=lambda x: (-x.L, x.gid))
+    blocks: list[list] = []  # [start, size, room, items]; start set when placed in a row
+    for it in wide:
+        blk = next((b for b in blocks if b[1] == it.cp and b[2] >= it.L), None)
+        if blk is None:
+            blk = [0, it.cp, it.cp * mslpr, []]
+            blocks.append(blk)
+        blk[3].append(it)
+        blk[2] -= it.L
+    rows: list[list[list]] = [[] for _ in range(rows_n)]
+    free = [0] * rows_n
+    for blk in blocks:  # non-increasing sizes: the first row with room keeps every start aligned
+        r = next((r for r in range(rows_n) if n - free[r] >= blk[1]), None)
+        if r is None:
+            return None
+        blk[0] = free[r]
+        free[r] += blk[1]
+        rows[r].append(blk)
+    for r in range(rows_n):
+        while n - free[r] >= leaf:
+            blk = [free[r], leaf, leaf * mslpr, []]
+            rows[r].append(blk)
+            free[r] += leaf
+        if free[r] != n:
+            return None
+    all_bins = [b for row in rows for b in row]
+    fixed = [(b, list(b[3]), b[2]) for b in all_bins]
+    for order in BIN_ORDERS:  # the first order that places every sequence
+        for b, its, room in fixed:
+            b[3], b[2] = list(its), room
+        left = list(short)
+        for b in sorted(all_bins, key=order):
+            if not left:
+                break
+            for i in sorted(_fullest_subset([it.L for it in left], b[2]), reverse=True):
+                it = left.pop(i)
+                b[3].append(it)
+                b[2] -= it.L
+        if not left and all(b[3] for b in all_bins):
+            return _rows_out(rows, n, cost)
+    return None
+
+
+BIN_ORDERS = (lambda b: (-b[1], -b[2], b[0]),  # CP blocks' room first, largest first
+              lambda b: (b[1], -b[2], b[0]),  # single-rank slots first, the blocks' room last
+              lambda b: (b[2], b[0]))  # smallest room first
 
 
 def schedule_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
@@ -313,8 +396,12 @@ def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
     builder = _Builder(items, n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group, cost)
     dense = None
     if cost.per_microbatch > 0:  # micro-batches cost: the fewest of them compete too
-        for spread in (False, True):
-            rows, time = _dense(items, n_ranks, max_seqlen_per_rank, min_cp_size, cost, spread)
+        cands = [_dense(items, n_ranks, max_seqlen_per_rank, min_cp_size, cost, spread) for spread in (False, True)]
+        cands.append(_tight(items, n_ranks, max_seqlen_per_rank, min_cp_size, cost))
+        for cand in cands:
+            if cand is None:
+                continue
+            rows, time = cand
             if (not vpp_group or len(rows) % vpp_group == 0) and (dense is None or time < dense[1]):
                 dense = (rows, time)
     leaf, why = min_cp_size, ""
