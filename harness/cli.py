@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from harness import __version__
+from harness.bench.step import COMPILE_CHOICES
 from harness.golden import GoldenError
 from harness.plan import ALGORITHMS, CostModel, PlanInputError, check_schedule, gpt_benchmark_cost
 
@@ -162,7 +163,7 @@ def parser() -> argparse.ArgumentParser:
                           "CostModel fields; skips calibration so schedules repeat exactly across runs")
     bst.add_argument("--no-calibrate", action="store_true", help="use the FLOP cost model instead of calibrating")
     bst.add_argument("--static-cp", type=int, default=None, help="CP size of the thd baseline (default: world)")
-    bst.add_argument("--compile", default=None, choices=["auto", "off", "inductor", "aot_eager", "reduce-overhead"],
+    bst.add_argument("--compile", default=None, choices=COMPILE_CHOICES,
                      help="torch.compile the blocks' per-token segments (default auto: inductor on CUDA, eager on CPU; "
                           "reduce-overhead: + CUDA graphs, with --token-bucket)")
     bst.add_argument("--token-bucket", type=int, default=None,

@@ -112,9 +112,13 @@ class Rotary:
         return self._cast[dtype]
 
     def __call__(self, x_THD: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.tables(x_THD.dtype)
-        d = x_THD.shape[-1] // 2
-        return x_THD * cos + torch.cat([x_THD[..., d:], x_THD[..., :d]], dim=-1) * sin
+        return _rotate(x_THD, *self.tables(x_THD.dtype))
+
+
+def _rotate(x_THD, cos, sin):
+    """``x * cos + rotate_half(x) * sin`` with ``Rotary``'s tables (sin carries the half's sign)."""
+    d = x_THD.shape[-1] // 2
+    return x_THD * cos + torch.cat([x_THD[..., d:], x_THD[..., :d]], dim=-1) * sin
 
 
 def rope(x_THD: torch.Tensor, pos_T: torch.Tensor, base: float) -> torch.Tensor:
@@ -182,18 +186,12 @@ class MoE(nn.Module):
 # only the rounding of fused bf16 elementwise chains differs (Inductor computes them in fp32).
 
 
-def _rotate(x_THD, cos, sin):
-    d = x_THD.shape[-1] // 2
-    return x_THD * cos + torch.cat([x_THD[..., d:], x_THD[..., :d]], dim=-1) * sin
-
-
 def _attn_inputs(x_TE, norm_w, qkv_w, cos, sin, eps: float, heads: int, kv_heads: int):
     D = cos.shape[-1]
     h = F.rms_norm(x_TE, (x_TE.shape[-1],), norm_w, eps)
     q, k, v = F.linear(h, qkv_w).split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
-    q = q.view(-1, heads, D)
-    return _rotate(q, cos.to(q.dtype), sin.to(q.dtype)), _rotate(k.view(-1, kv_heads, D), cos.to(q.dtype),
-                                                                   sin.to(q.dtype)), v.view(-1, kv_heads, D)
+    cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # as ``Rotary.tables``: fp32 tables cast to the activations' dtype
+    return _rotate(q.view(-1, heads, D), cos, sin), _rotate(k.view(-1, kv_heads, D), cos, sin), v.view(-1, kv_heads, D)
 
 
 def _gelu_out(x_TE, o_THD, proj_w, norm_w, up_w, down_w, eps: float):
@@ -258,15 +256,15 @@ class Block(nn.Module):
 
     def _compiled_forward(self, x_TE, rot: Rotary, attention: Attention):
         c, be, mode = self.c, self.compiled, self.compile_mode
-        q, k, v = compiled_segment("attn_inputs", be, mode)(x_TE, self.norm1.weight, self.qkv.weight, rot.cos, rot.sin,
-                                                      self.norm1.eps, c.heads, c.kv_heads)
+        q, k, v = compiled_segment("attn_inputs", be, mode)(x_TE, self.norm1.weight, self.qkv.weight, rot.cos,
+                                                            rot.sin, self.norm1.eps, c.heads, c.kv_heads)
         o = attention(q, k, v)
         if isinstance(self.mlp, SwiGLU):
             w1, name = self.mlp.gate_up.weight, "swiglu"
         else:
             w1, name = self.mlp.up.weight, "gelu"
-        x_TE = compiled_segment(name, be, mode)(x_TE, o, self.proj.weight, self.norm2.weight, w1, self.mlp.down.weight,
-                                          self.norm2.eps)
+        x_TE = compiled_segment(name, be, mode)(x_TE, o, self.proj.weight, self.norm2.weight, w1,
+                                                self.mlp.down.weight, self.norm2.eps)
         return x_TE, x_TE.new_zeros((), dtype=torch.float32)
 
 
@@ -319,7 +317,7 @@ class TinyLM(nn.Module):
             raise TypeError(f"backend must be a torch.compile backend name or None, got {backend!r}")
         if mode not in COMPILE_MODES:
             raise ValueError(f"mode must be one of {COMPILE_MODES}, got {mode!r}")
-        if mode == "reduce-overhead":
+        if backend and mode == "reduce-overhead":
             for p in self.parameters():
                 torch._dynamo.mark_static_address(p, guard=False)
         self.compiled, self.compile_mode = backend, (mode if backend else None)
@@ -333,8 +331,8 @@ class TinyLM(nn.Module):
     def loss_from_hidden(self, h, labels_T, real_T):
         """Sum of masked next-token cross-entropies from the last block's hidden states."""
         if self.compiled:
-            return compiled_segment("head", self.compiled, self.compile_mode)(h, self.norm.weight, self.head.weight, labels_T, real_T,
-                                                           self.norm.eps)
+            head = compiled_segment("head", self.compiled, self.compile_mode)
+            return head(h, self.norm.weight, self.head.weight, labels_T, real_T, self.norm.eps)
         logits = self.head(self.norm(h)).float()
         ce = F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none")
         return (ce * real_T).sum()

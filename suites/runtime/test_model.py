@@ -100,8 +100,14 @@ def _losses_and_grads(model, lengths, seed=0):
 def _compiled_matches_eager(backend, mlp, tol):
     from dataclasses import replace
 
+    from torch._dynamo.utils import counters
+
+    from harness.runtime import model as model_module
+
     m = TinyLM(replace(MODELS["tiny-gpt"], mlp=mlp))
     eager = [_losses_and_grads(m, L, seed) for seed, L in enumerate(([7, 30, 64], [5, 3], [128]))]
+    torch._dynamo.reset()  # fresh compilations, so the counter below sees this test's graphs
+    model_module._compiled_segments.clear()
     m.compile_blocks(backend)
     try:  # three token counts: the compiled segments re-specialise (then go dynamic) and stay right
         for seed, L in enumerate(([7, 30, 64], [5, 3], [128])):
@@ -110,6 +116,8 @@ def _compiled_matches_eager(backend, mlp, tol):
             assert ce.item() == pytest.approx(ce0.item(), rel=tol)
             for n, g in grads.items():
                 assert torch.allclose(g, grads0[n], rtol=tol, atol=tol * grads0[n].abs().max().item()), n
+        # the compiled path really ran: three graphs (attention inputs, MLP + residuals, loss head)
+        assert counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])
     finally:
         m.compile_blocks(None)
     ce, grads = _losses_and_grads(m, [7, 30, 64], 0)
