@@ -155,6 +155,11 @@ def parser() -> argparse.ArgumentParser:
     bst.add_argument("--warmup", type=int, default=None)
     bst.add_argument("--iters", type=int, default=None)
     bst.add_argument("--profile-iters", type=int, default=None, help="profiled steps per arm for the breakdown (2)")
+    bst.add_argument("--runs", type=int, default=None,
+                     help="independent repetitions (each re-calibrates and reruns every arm); targets are judged on "
+                          "the median ratio over runs (default 3 on GPUs, 1 with --cpu)")
+    bst.add_argument("--gc", choices=["manual", "auto"], default=None,
+                     help="Python GC: manual (default; collect between steps, outside the timed window) or auto")
     bst.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     bst.add_argument("--cp-comm-flops-per-byte", type=float, default=None,
                      help="balanced scheduler's price of K/V exchange (default 2000)")
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                 from harness.bench import step
 
                 keys = ("model", "lengths", "max_seqlen_per_rank", "microbatches", "warmup", "iters", "profile_iters",
-                        "dtype", "cp_comm_flops_per_byte", "static_cp", "compile", "token_bucket")
+                        "dtype", "cp_comm_flops_per_byte", "static_cp", "compile", "token_bucket", "runs", "gc")
                 over = {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
                 if a.no_calibrate:
                     over["calibrate"] = False

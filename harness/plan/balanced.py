@@ -329,9 +329,11 @@ def _tight(items: list[_Item], n: int, mslpr: int, leaf: int, cost: CostModel) -
     rows, and on a launch-bound GPU a row costs ~10% of the step). Sequences wider than ``leaf``
     get blocks of their ``cp_min`` (first fit decreasing among equal sizes, packed into the rows
     by decreasing size, so every block is buddy aligned); the free ranks become ``leaf`` blocks;
-    then bin after bin (in the first of ``BIN_ORDERS`` that works) takes the subset of the remaining
-    sequences that fills it most (exact subset sum). None when every order leaves a sequence over or
-    a block empty; the caller's other candidates then stand."""
+    then bin after bin (in each of ``BIN_ORDERS``) takes the subset of the remaining sequences that
+    fills it most (exact subset sum); of the orders that place every sequence and leave no block
+    empty, the least predicted step time wins (ties: the first). The orders differ in where short
+    sequences land: a CP block's room (they then exchange K/V) or single-rank slots. None when every
+    order fails; the caller's other candidates then stand."""
     rows_n = -(-sum(it.L for it in items) // (n * mslpr))
     wide = sorted((it for it in items if it.cp > leaf), key=lambda x: (-x.cp, -x.L, x.gid))
     short = sorted((it for it in items if it.cp <= leaf), key=lambda x: (-x.L, x.gid))
@@ -361,7 +363,8 @@ def _tight(items: list[_Item], n: int, mslpr: int, leaf: int, cost: CostModel) -
             return None
     all_bins = [b for row in rows for b in row]
     fixed = [(b, list(b[3]), b[2]) for b in all_bins]
-    for order in BIN_ORDERS:  # the first order that places every sequence
+    best = None
+    for order in BIN_ORDERS:  # every order that places every sequence; the least predicted time wins
         for b, its, room in fixed:
             b[3], b[2] = list(its), room
         left = list(short)
@@ -373,8 +376,10 @@ def _tight(items: list[_Item], n: int, mslpr: int, leaf: int, cost: CostModel) -
                 b[3].append(it)
                 b[2] -= it.L
         if not left and all(b[3] for b in all_bins):
-            return _rows_out(rows, n, cost)
-    return None
+            cand = _rows_out(rows, n, cost)
+            if best is None or cand[1] < best[1]:
+                best = cand
+    return best
 
 
 TIGHT_MAX_WORK = 40_000
