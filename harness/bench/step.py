@@ -20,7 +20,7 @@ Arms (``layout:scheduler[:padding]``):
 
 Before the arms (``calibrate``, default on), the job times one forward + backward of a few
 micro-batch shapes per CP size and fits the scheduler's cost model to them in seconds (quadratic,
-linear, K/V-exchange and per-micro-batch terms; ``calibrate_cost``): ``balanced`` then optimises this
+linear, K/V-exchange, per-micro-batch and per-CP-block terms; ``calibrate_cost``): ``balanced`` then optimises this
 machine's measured costs, and the step-time model's prediction is in milliseconds, next to the
 measurement. ``megatron-*`` schedulers ignore the cost model (as upstream).
 
@@ -482,7 +482,7 @@ def _schedule_figures(sched, cost: CostModel) -> dict:
                                        cost=cost)}
 
 
-CALIBRATION_TERMS = ("quadratic", "linear", "constant", "cp_comm", "per_microbatch")
+CALIBRATION_TERMS = ("quadratic", "linear", "constant", "cp_comm", "per_microbatch", "cp_block")
 
 
 def calibration_shapes(world: int, mslpr: int) -> list[tuple[int, list[int]]]:
@@ -501,7 +501,7 @@ def calibration_shapes(world: int, mslpr: int) -> list[tuple[int, list[int]]]:
 def calibration_features(size: int, lengths: list[int]) -> list[float]:
     """Per-rank regressors of one block, in ``CALIBRATION_TERMS`` order (``CostModel.seq_cost``)."""
     return [sum(L * L for L in lengths) / size, sum(lengths) / size, len(lengths) / size,
-            sum(lengths) * (size - 1) / size if size > 1 else 0.0, 1.0]
+            sum(lengths) * (size - 1) / size if size > 1 else 0.0, 1.0, 1.0 if size > 1 else 0.0]
 
 
 def fit_cost(rows: list[list[float]], times: list[float]) -> tuple[dict, float]:
@@ -697,7 +697,7 @@ def _one_run(ctx: _Ctx, arm_list: list[Arm], run: int) -> dict:
             c = ctx.cost
             print(f"bench step: run {run + 1}/{cfg.runs}: calibrated cost (s): ({c.quadratic:.3e} L^2 + "
                   f"{c.linear:.3e} L + {c.constant:.3e}) / cp per sequence, K/V exchange {c.cp_comm:.3e} per token, "
-                  f"{1e3 * c.per_microbatch:.2f} ms per micro-batch; worst fit error "
+                  f"{1e3 * c.per_microbatch:.2f} ms per micro-batch + {1e3 * c.cp_block:.2f} ms per CP block; worst fit error "
                   f"{100 * calibration['max_rel_error']:.1f}%", flush=True)
     if rank == 0:
         print(f"bench step: run {run + 1}/{cfg.runs}: arms {', '.join(a.label for a in arm_list)} interleaved "

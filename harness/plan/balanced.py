@@ -151,7 +151,7 @@ class _Builder:
             self._align_upper(phases)
         rows = [[(size, [it.gid for it in packs[r]]) for packs in node_packs]
                 for size, node_packs in phases for r in range(len(node_packs[0]))]
-        return rows, max(base) + self.cost.per_microbatch * len(rows)
+        return rows, max(base) + sum(self.cost.block_overhead(row[0][0]) for row in rows)
 
     def _phase(self, native, size: int, base: list[float], last: bool, rows_before: int):
         """LPT of ``native`` onto the nodes of one depth, then an equal pack count per node."""
@@ -163,7 +163,7 @@ class _Builder:
         # LPT key: the sequence's cost plus its share of the per-micro-batch cost (the fraction of a
         # slot its tokens fill); without it, a model whose cost is mostly per micro-batch gives every
         # sequence ~0 and LPT piles them all onto node 0 (twice the micro-batches: measured on H200s)
-        share = self.cost.per_microbatch / (size * self.mslpr)
+        share = self.cost.block_overhead(size) / (size * self.mslpr)
         for c, it in sorted(((it.cost(size) + share * it.L, it) for it in native), key=lambda t: (-t[0], t[1].gid)):
             load, j = heapq.heappop(heap)
             per_node[j].append(it)
@@ -301,7 +301,7 @@ def _rows_out(rows: list[list[list]], n: int, cost: CostModel) -> tuple[list[Blo
     for blocks in rows:
         out.append([(size, [x.gid for x in its]) for _, size, _, its in blocks])
         for start, size, _, its in blocks:
-            t = max(free[start:start + size]) + sum(x.cost(size) for x in its) + cost.per_microbatch
+            t = max(free[start:start + size]) + sum(x.cost(size) for x in its) + cost.block_overhead(size)
             free[start:start + size] = [t] * size
     return out, max(free, default=0.0)
 
@@ -404,7 +404,7 @@ def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
     items = [_Item(g, L, cp_min(L, max_seqlen_per_rank, min_cp_size), cost) for g, L in pairs]
     builder = _Builder(items, n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group, cost)
     dense = None
-    if cost.per_microbatch > 0:  # micro-batches cost: the fewest of them compete too
+    if cost.per_microbatch > 0 or cost.cp_block > 0:  # micro-batches cost: the fewest of them compete too
         cands = [_dense(items, n_ranks, max_seqlen_per_rank, min_cp_size, cost, spread) for spread in (False, True)]
         if len(items) * n_ranks <= TIGHT_MAX_WORK:
             cands.append(_tight(items, n_ranks, max_seqlen_per_rank, min_cp_size, cost))

@@ -1,17 +1,22 @@
 """Step-time model of a schedule: a simulated step time, a lower bound, and quality = ratio.
 
 Simulation: every rank runs its micro-batches in order; a CP block starts when all of its ranks are
-free and keeps them busy for ``sum(cost.seq_cost(L, size)) + cost.per_microbatch``. Blocks of one
+free and keeps them busy for ``sum(cost.seq_cost(L, size)) + cost.block_overhead(size)``. Blocks of one
 micro-batch on disjoint ranks run concurrently; nothing else synchronises ranks (as in training
 without pipeline parallelism, until the gradient all-reduce that ends the step).
 
 Lower bound: every rank must run one block per micro-batch and the ranks together must supply each
 sequence's rank-time ``s * seq_cost(L, s)``, smallest at ``s = cp_min(L)``, so
 
-    step >= (sum_i s_i * seq_cost(L_i, cp_min_i) + N * per_microbatch * mb_min) / N,
+    step >= (sum_i s_i * seq_cost(L_i, cp_min_i) + N * per_microbatch * mb_min
+             + cp_block * sum(L_i : cp_min_i > 1) / max_seqlen_per_rank) / N,
     mb_min = ceil(sum(L) / (N * max_seqlen_per_rank)), rounded up to a multiple of vpp_group,
 
-and ``step >= min_s seq_cost(L, s) + per_microbatch`` for the costliest sequence.
+(a rank of a CP block holds at most ``max_seqlen_per_rank`` tokens, so the tokens of sequences that
+need CP occupy at least that many rank-blocks of size > 1, each charged ``cp_block``),
+
+and ``step >= min_s seq_cost(L, s) + per_microbatch (+ cp_block when cp_min > 1)`` for the costliest
+sequence.
 
 >>> from harness.plan.api import schedule
 >>> s = schedule([4096, 1024, 1024], n_ranks=2, max_seqlen_per_rank=2048, algorithm="megatron-dev")
@@ -67,17 +72,20 @@ def lower_bound(lengths, *, n_ranks: int, max_seqlen_per_rank: int, cost: CostMo
     pairs = normalize_lengths(lengths)
     if not pairs:
         return 0.0
-    area, single, tokens = 0.0, 0.0, 0
+    area, single, tokens, wide = 0.0, 0.0, 0, 0
     for _, L in pairs:
         s0 = cp_min(L, max_seqlen_per_rank, min_cp_size)
+        wide += L if s0 > 1 else 0
         area += c.seq_area(L, s0)  # cp_comm >= 0 makes s * seq_cost(L, s) non-decreasing in s
         sizes = [s0 << k for k in range((n_ranks // s0).bit_length())]
-        single = max(single, min(c.seq_cost(L, s) for s in sizes))
+        single = max(single, min(c.seq_cost(L, s) for s in sizes) + (c.cp_block if s0 > 1 else 0.0))
         tokens += L
     mb_min = -(-tokens // (n_ranks * max_seqlen_per_rank))
     if vpp_group and vpp_group > 1:
         mb_min = -(-mb_min // vpp_group) * vpp_group
-    return max(area / n_ranks + c.per_microbatch * mb_min, single + c.per_microbatch)
+    # rank-blocks of CP blocks: tokens that need one (cp_min > 1) fill at most mslpr per rank-block
+    cp_blocks = wide / max_seqlen_per_rank / n_ranks
+    return max(area / n_ranks + c.per_microbatch * mb_min + c.cp_block * cp_blocks, single + c.per_microbatch)
 
 
 def quality(schedule: Schedule, cost: CostModel | None = None) -> float:

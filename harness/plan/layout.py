@@ -110,7 +110,7 @@ class Schedule:
 
     def block_cost(self, block: Block, cost: CostModel | None = None) -> float:
         c = cost or self.cost
-        return sum(c.seq_cost(self.lengths[g], block.size) for g in block.gids) + c.per_microbatch
+        return sum(c.seq_cost(self.lengths[g], block.size) for g in block.gids) + c.block_overhead(block.size)
 
     def load(self, m: int, cost: CostModel | None = None) -> list[float]:
         """Estimated per-rank load of micro-batch ``m`` under ``cost`` (default: the schedule's)."""

@@ -75,7 +75,8 @@ def _calibration(summary: dict) -> str:
     return (head + f"<p>Fitted to one forward + backward of each micro-batch shape below (slowest rank, "
             f"median); per rank, in seconds: ({c['quadratic']:.3e} L&sup2; + {c['linear']:.3e} L + "
             f"{c['constant']:.3e}) / cp per sequence, + {c['cp_comm']:.3e} L (cp-1)/cp for the K/V exchange, "
-            f"+ {1e3 * c['per_microbatch']:.2f} ms per micro-batch. Worst fit error "
+            f"+ {1e3 * c['per_microbatch']:.2f} ms per micro-batch, + {1e3 * c.get('cp_block', 0.0):.2f} ms per "
+            f"block of more than one rank (its CP collectives). Worst fit error "
             f"{100 * cal['max_rel_error']:.1f}%.</p>"
             + table(rows, ["cp", "sequences", "length", "measured ms", "model ms", "error"], left=0))
 

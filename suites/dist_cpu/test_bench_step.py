@@ -85,16 +85,18 @@ def test_model_flops_count_every_matmul_once_with_causal_attention():
 def test_calibration_fit_recovers_a_known_cost_model():
     shapes = step.calibration_shapes(4, 2048)
     assert {s for s, _ in shapes} == {1, 2, 4} and all(sum(L) <= s * 2048 for s, L in shapes)
-    truth = {"quadratic": 2e-12, "linear": 3e-6, "constant": 4e-5, "cp_comm": 1e-6, "per_microbatch": 2e-3}
+    truth = {"quadratic": 2e-12, "linear": 3e-6, "constant": 4e-5, "cp_comm": 1e-6, "per_microbatch": 2e-3,
+             "cp_block": 5e-3}
     rows = [step.calibration_features(s, L) for s, L in shapes]
     times = [sum(truth[k] * x for k, x in zip(step.CALIBRATION_TERMS, r)) for r in rows]
     fitted, err = step.fit_cost(rows, times)
     assert err < 1e-9
     assert all(fitted[k] == pytest.approx(v, rel=1e-6) for k, v in truth.items())
-    # the fitted model is the scheduler's: CostModel.seq_cost reproduces a block's time
+    # the fitted model is the scheduler's: seq_cost + block_overhead reproduce a block's time
     model = CostModel(**fitted)
-    s, L = shapes[5]
-    assert sum(model.seq_cost(x, s) for x in L) + model.per_microbatch == pytest.approx(times[5], rel=1e-6)
+    for k in (1, 5, 9):
+        s, L = shapes[k]
+        assert sum(model.seq_cost(x, s) for x in L) + model.block_overhead(s) == pytest.approx(times[k], rel=1e-6)
 
 
 def test_calibration_fit_never_returns_negative_terms():

@@ -80,6 +80,20 @@ def test_lower_bound_terms():
     assert lower_bound([], n_ranks=4, max_seqlen_per_rank=100) == 0.0
 
 
+def test_a_fixed_cost_per_cp_block_is_simulated_and_bounded():
+    """``cp_block`` is charged once per block of more than one rank, by the simulator and the bound:
+    the 200-token sequence needs a CP-2 block (100 + 5 + 7), the others run at cp 1 (100 + 5)."""
+    c = CostModel(quadratic=0.0, linear=1.0, per_microbatch=5.0, cp_block=7.0)
+    assert (c.block_overhead(1), c.block_overhead(2), c.block_overhead(8)) == (5.0, 12.0, 12.0)
+    s = _sched([[Block(0, 2, (0,))], [Block(0, 1, (1,)), Block(1, 1, (2,))]], [(0, 200), (1, 100), (2, 100)], 2)
+    assert simulate(s, c).step_time == 112 + 105
+    # area 400 / 2 + 5 x 2 micro-batches + 7 x (200 CP tokens / 100 per rank-block / 2 ranks) = 217: tight
+    assert lower_bound([200, 100, 100], n_ranks=2, max_seqlen_per_rank=100, cost=c) == 217
+    assert lower_bound([200], n_ranks=2, max_seqlen_per_rank=100, cost=c) == 112  # the sequence alone
+    with pytest.raises(PlanInputError, match="cp_block"):
+        CostModel(cp_block=-1.0)
+
+
 def test_quality_is_one_for_a_perfect_schedule():
     s = _sched([[Block(0, 1, (0,)), Block(1, 1, (1,))]], [(0, 50), (1, 50)], 2)
     assert quality(s) == 1.0
