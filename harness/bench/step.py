@@ -378,7 +378,7 @@ def _profiled_step(ctx: _Ctx, arm: Arm, lengths, local, opt, keep_trace: Path | 
     return breakdown(trace, windows[-1])
 
 
-def _run_arms(ctx: _Ctx, arms: list[Arm]) -> dict:
+def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
     """Every arm's timed steps, interleaved: step ``i`` runs each arm once, the arm order rotating
     with ``i``, so drift of the machine over the run (clocks, host jitter, profiler residue) hits
     every arm alike. (Arms run one after the other measured up to 27% slower in third place than
@@ -442,7 +442,8 @@ def _run_arms(ctx: _Ctx, arms: list[Arm]) -> dict:
         parts, error = [], None
         for j in range(cfg.profile_iters):
             lengths, _, local = ctx.batches[cfg.warmup + j]
-            kept = (Path(cfg.trace_dir) / f"trace_{arm.label.replace(':', '_')}_rank0.json.gz"
+            suffix = f"_run{run + 1}" if cfg.runs > 1 else ""
+            kept = (Path(cfg.trace_dir) / f"trace_{arm.label.replace(':', '_')}_rank0{suffix}.json.gz"
                     if cfg.trace_dir and ctx.rank == 0 and j == 0 else None)
             if cfg.gc == "manual":
                 gc.collect(1)
@@ -703,7 +704,7 @@ def _one_run(ctx: _Ctx, arm_list: list[Arm], run: int) -> dict:
         print(f"bench step: run {run + 1}/{cfg.runs}: arms {', '.join(a.label for a in arm_list)} interleaved "
               f"({cfg.warmup} warm-up + {cfg.iters} measured steps each), then {cfg.profile_iters} profiled steps "
               f"per arm", flush=True)
-    out = {"arms": _run_arms(ctx, arm_list)}
+    out = {"arms": _run_arms(ctx, arm_list, run)}
     if rank == 0:
         out["cost_model"] = ctx.cost.to_dict()
         out["calibration"] = None if calibration is None else {k: v for k, v in calibration.items() if k != "cost"}
@@ -853,7 +854,8 @@ def runs_rows(summary: dict) -> list[dict]:
     for k, run in enumerate(summary["runs"]):
         c = run.get("cost_model") or {}
         row = {"run": f"{k + 1}{' *' if k == summary['representative_run'] else ''}",
-               "per_mb_ms": 1e3 * c["per_microbatch"] if run.get("calibration") else None}
+               "per_mb_ms": 1e3 * c["per_microbatch"] if run.get("calibration") else None,
+               "cp_block_ms": 1e3 * c.get("cp_block", 0.0) if run.get("calibration") else None}
         row.update({label: a["trimmed_mean_ms"] for label, a in run["arms"].items()})
         row.update({name: r["per_run"][k] for name, r in summary["ratios"].items()})
         out.append(row)
@@ -861,7 +863,8 @@ def runs_rows(summary: dict) -> list[dict]:
 
 
 def run_columns(summary: dict) -> list[tuple[str, str, str]]:
-    return ([("run", "run", "s"), ("per_mb_ms", "calibrated ms/micro-batch", ".1f")]
+    return ([("run", "run", "s"), ("per_mb_ms", "calibrated ms/micro-batch", ".1f"),
+             ("cp_block_ms", "+ ms/CP block", ".1f")]
             + [(label, label, ".1f") for label in summary["arms"]]
             + [("speedup_vs_static", "speedup vs static", ".3f"), ("ours_vs_upstream", "vs upstream", ".3f")])
 

@@ -178,7 +178,7 @@ def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
     """Every arm, twice (two runs, each calibrated afresh), with the blocks' segments compiled
     (``aot_eager``: the compiled path between CP collectives; the eager path runs in the CLI smoke
     test and the convergence suites) and the micro-batches padded to multiples of 16 tokens per rank."""
-    over = {**TINY, "compile": "aot_eager", "token_bucket": 16, "runs": 2}
+    over = {**TINY, "compile": "aot_eager", "token_bucket": 16, "runs": 2, "trace_dir": str(tmp_path / "traces")}
     ranks = run_on_ranks(_measure, world_size=2, tmp_path=tmp_path, args=({**over, "device": "cpu"},), timeout_s=240)
     cfg = step.StepBenchConfig.from_dict(over)
     s = step.summarize({"world": 2, "ranks": ranks}, cfg)
@@ -205,6 +205,9 @@ def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
     speedups = [run["arms"]["dcp:balanced"]["speedup_vs_static"] for run in s["runs"]]
     assert s["ratios"]["speedup_vs_static"]["per_run"] == pytest.approx(speedups)
     assert s["ratios"]["speedup_vs_static"]["median"] == pytest.approx(sum(speedups) / 2)
+    assert "cp_block" in s["runs"][0]["cost_model"]
+    kept = sorted(p.name for p in (tmp_path / "traces").iterdir())  # rank 0 keeps one trace per arm and run
+    assert kept == sorted(f"trace_{a.replace(':', '_')}_rank0_run{k}.json.gz" for a in cfg.arms for k in (1, 2))
     # the static baseline shards every sequence over both ranks; dynamic CP runs most at cp 1
     assert set(s["arms"]["thd:dp-balanced"]["cp_histogram"]) == {"2"}
     assert "1" in s["arms"]["dcp:balanced"]["cp_histogram"]
