@@ -848,8 +848,10 @@ BREAKDOWN_COLUMNS = [("arm", "arm", "s"), ("wall", "wall ms", ".1f"), ("attentio
                      ("linear", "linear", ".1f"), ("other", "other", ".1f"), ("communication", "comm (exposed)", ".1f"),
                      ("idle", "idle", ".1f"), ("compute_imbalance_ms", "imbalance", ".1f")]
 
+
 def runs_rows(summary: dict) -> list[dict]:
-    """One row per run: its calibrated per-micro-batch cost, each arm's trimmed mean, the ratios."""
+    """One row per run: its calibrated per-micro-batch and per-CP-block costs, each arm's trimmed
+    mean, the ratios."""
     out = []
     for k, run in enumerate(summary["runs"]):
         c = run.get("cost_model") or {}

@@ -160,8 +160,8 @@ class _Builder:
         own = [0.0] * nodes
         heap = [(base[j], j) for j in range(nodes)]
         heapq.heapify(heap)
-        # LPT key: the sequence's cost plus its share of the per-micro-batch cost (the fraction of a
-        # slot its tokens fill); without it, a model whose cost is mostly per micro-batch gives every
+        # LPT key: the sequence's cost plus its share of the block's fixed cost (``block_overhead``:
+        # the fraction of a slot its tokens fill); without it, a model whose cost is mostly per micro-batch gives every
         # sequence ~0 and LPT piles them all onto node 0 (twice the micro-batches: measured on H200s)
         share = self.cost.block_overhead(size) / (size * self.mslpr)
         for c, it in sorted(((it.cost(size) + share * it.L, it) for it in native), key=lambda t: (-t[0], t[1].gid)):
