@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from harness import __version__
-from harness.bench.step import COMPILE_CHOICES
+from harness.bench.step import COMPILE_CHOICES, GRAD_REDUCE_CHOICES
 from harness.golden import GoldenError
 from harness.plan import ALGORITHMS, CostModel, PlanInputError, check_schedule, gpt_benchmark_cost
 
@@ -160,6 +160,8 @@ def parser() -> argparse.ArgumentParser:
                           "the median ratio over runs (default 3 on GPUs, 1 with --cpu)")
     bst.add_argument("--gc", choices=["manual", "auto"], default=None,
                      help="Python GC: manual (default; collect between steps, outside the timed window) or auto")
+    bst.add_argument("--grad-reduce", choices=list(GRAD_REDUCE_CHOICES), default=None,
+                     help="gradient all-reduce: overlap (default; buckets reduced during the last backward) or after")
     bst.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     bst.add_argument("--cp-comm-flops-per-byte", type=float, default=None,
                      help="balanced scheduler's price of K/V exchange (default 2000)")
@@ -216,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                 from harness.bench import step
 
                 keys = ("model", "lengths", "max_seqlen_per_rank", "microbatches", "warmup", "iters", "profile_iters",
-                        "dtype", "cp_comm_flops_per_byte", "static_cp", "compile", "token_bucket", "runs", "gc")
+                        "dtype", "cp_comm_flops_per_byte", "static_cp", "compile", "token_bucket", "runs", "gc",
+                        "grad_reduce")
                 over = {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
                 if a.no_calibrate:
                     over["calibrate"] = False

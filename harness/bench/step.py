@@ -123,6 +123,10 @@ class StepBenchConfig:
     and runs every arm's warm-up, measured and profiled steps again from the initial weights. The
     targets are judged on the median over runs of each ratio: on 4 H200s one run's ratio moves
     +-4% (the machine's speed drifts ~20% within minutes), so a single run can pass or fail by luck."""
+    grad_reduce: str = "overlap"
+    """Gradient all-reduce over the DP x CP group: ``overlap`` (buckets of 40M elements reduced as
+    the step's last backward completes them, ``harness.dist.grad_reduce``; Megatron's
+    ``--overlap-grad-reduce``) or ``after`` (one all-reduce of the whole buffer after the last backward)."""
     gc: str = "manual"
     """Python's garbage collector: ``manual`` (as Megatron's ``--manual-gc`` and torchtitan's
     ``gc_freq``) disables automatic collection and collects generation 1 between steps, outside the
@@ -182,6 +186,8 @@ class StepBenchConfig:
             raise BenchConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.gc not in ("manual", "auto"):
             raise BenchConfigError(f"gc must be manual or auto, got {self.gc!r}")
+        if self.grad_reduce not in GRAD_REDUCE_CHOICES:
+            raise BenchConfigError(f"grad_reduce must be one of {', '.join(GRAD_REDUCE_CHOICES)}, got {self.grad_reduce!r}")
         if self.compile not in COMPILE_CHOICES:
             raise BenchConfigError(f"compile must be one of {', '.join(COMPILE_CHOICES)}, got {self.compile!r}")
         if self.compile == "reduce-overhead" and self.device != "cuda":
@@ -217,6 +223,11 @@ class StepBenchConfig:
 
 
 COMPILE_CHOICES = ("auto", "off", "inductor", "aot_eager", "reduce-overhead")
+GRAD_REDUCE_CHOICES = ("overlap", "after")
+PHASES = ("schedule", "microbatches", "grad_reduce", "optimizer")
+"""A step's phases, timed in every measured step: scheduling, rerouting and building the
+micro-batches; their forwards and backwards; the gradient all-reduce left after the last backward
+plus clipping; AdamW."""
 
 
 # ---------------------------------------------------------------- workload and model figures
@@ -287,6 +298,7 @@ class _Ctx:
     groups: object
     everyone: object
     cost: CostModel
+    reducer: object = None  # a BucketedGradReducer (grad_reduce="overlap"), else None
     batches: list = field(default_factory=list)  # (lengths, clipped, local samples)
 
 
@@ -295,6 +307,32 @@ def _sync(device) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class _Marks:
+    """Phase boundaries of one step: CUDA events on the current stream (read only after the step's
+    closing synchronisation, so timing adds no synchronisation), the host clock on CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.points: list = []
+        self.mark()
+
+    def mark(self) -> None:
+        import torch
+
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.points.append(e)
+        else:
+            self.points.append(time.perf_counter())
+
+    def cumulative_ms(self) -> list[float]:
+        """Milliseconds from the step's start to each later mark."""
+        if self.cuda:
+            return [self.points[0].elapsed_time(e) for e in self.points[1:]]
+        return [1e3 * (t - self.points[0]) for t in self.points[1:]]
 
 
 def _local_samples(lengths: list[int], index: int, me: int, n: int, vocab: int, seed: int, device) -> dict:
@@ -325,6 +363,7 @@ def _step(ctx: _Ctx, arm: Arm, lengths: list[int], local: dict, opt) -> dict:
     from harness.dist.layouts import plan
     from harness.dist.reroute import build_microbatches, reroute
 
+    marks = _Marks(ctx.device)
     t = time.perf_counter()
     sched, padding, fixed = plan(arm.layout, lengths, _layout_cfg(ctx, arm), ctx.cost)
     plan_s = time.perf_counter() - t
@@ -335,14 +374,23 @@ def _step(ctx: _Ctx, arm: Arm, lengths: list[int], local: dict, opt) -> dict:
                              token_multiple=ctx.cfg.token_bucket)
     total = float(sum(lengths))
     runners = [_microbatch_runner(ctx, mb, total) for mb in mbs]  # every plan built before the first forward
-    for run in runners:
+    marks.mark()
+    for k, run in enumerate(runners):
+        if ctx.reducer is not None and k == len(runners) - 1:
+            ctx.reducer.arm()  # the last backward all-reduces each bucket as soon as it is complete
         run()
     local_tokens = sum(mb.data["tokens"].numel() for mb in mbs)
-    dist.all_reduce(ctx.flat, group=ctx.everyone)
+    marks.mark()
+    if ctx.reducer is not None:
+        ctx.reducer.finish()
+    else:
+        dist.all_reduce(ctx.flat, group=ctx.everyone)
     ctx.flat.mul_((1.0 / (ctx.flat.norm() + 1e-6)).clamp(max=1.0))  # clip the global norm at 1.0
+    marks.mark()
     opt.step()
     ctx.flat.zero_()
-    return {"plan_s": plan_s, "schedule": sched, "local_tokens": local_tokens}
+    marks.mark()
+    return {"plan_s": plan_s, "schedule": sched, "local_tokens": local_tokens, "marks": marks}
 
 
 def _profiled_step(ctx: _Ctx, arm: Arm, lengths, local, opt, keep_trace: Path | None) -> dict:
@@ -391,7 +439,7 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
     weights = {a.label: [p0.clone() for p0 in ctx.initial] for a in arms}
     opts = {a.label: torch.optim.AdamW(ctx.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0,
                                        **({"fused": True} if dev.type == "cuda" else {})) for a in arms}
-    rec = {a.label: {"times": [], "plan_ms": [], "tokens": [], "figures": []} for a in arms}
+    rec = {a.label: {"times": [], "plan_ms": [], "tokens": [], "figures": [], "marks": []} for a in arms}
 
     def load(arm: Arm) -> None:
         with torch.no_grad():
@@ -424,6 +472,7 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
                 x["times"].append(dt)
                 x["plan_ms"].append(r["plan_s"] * 1e3)
                 x["tokens"].append(r["local_tokens"])
+                x["marks"].append(r["marks"].cumulative_ms())
                 if ctx.rank == 0:
                     x["figures"].append(_schedule_figures(r["schedule"], ctx.cost))
         if ctx.rank == 0 and i + 1 == cfg.warmup + cfg.iters:
@@ -438,6 +487,9 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.everyone)
         tok = torch.tensor(x["tokens"], dtype=torch.float64, device=dev)
         dist.all_reduce(tok, group=ctx.everyone)
+        # when the last rank passed each phase boundary (ms from the step's start), step by step
+        last = torch.tensor(x["marks"], dtype=torch.float64, device=dev).reshape(len(x["marks"]), len(PHASES))
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=ctx.everyone)
         load(arm)
         parts, error = [], None
         for j in range(cfg.profile_iters):
@@ -459,7 +511,8 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
                 parts = []
                 break
         out[arm.label] = {"rank": ctx.rank, "times_s": x["times"], "step_s": slowest.tolist(),
-                          "processed_tokens": tok.tolist(), "plan_ms": x["plan_ms"], "breakdown": parts,
+                          "processed_tokens": tok.tolist(), "plan_ms": x["plan_ms"], "phase_marks_ms": last.tolist(),
+                          "breakdown": parts,
                           "breakdown_error": error, "peak_memory_gb": peak}
         if ctx.rank == 0:
             out[arm.label]["schedules"] = x["figures"]
@@ -638,6 +691,7 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
     """The ``bench-step`` torchrun job: every arm on every rank (see module doc)."""
     import torch
 
+    from harness.dist.grad_reduce import BucketedGradReducer
     from harness.dist.groups import DynamicGroups, ParallelLayout
     from harness.runtime.model import MODELS, TinyLM
 
@@ -655,8 +709,10 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
         p.grad = flat[offset:offset + p.numel()].view_as(p)
         offset += p.numel()
     groups = DynamicGroups(ParallelLayout(dp=world, cp=1), rank)
+    everyone = groups.group(world)
+    reducer = BucketedGradReducer(params, flat, everyone) if cfg.grad_reduce == "overlap" else None
     ctx = _Ctx(cfg, rank, world, device, model, params, flat, [p.detach().clone() for p in params], groups,
-               groups.group(world), model_cost(cfg))
+               everyone, model_cost(cfg), reducer)
     for i in range(cfg.warmup + cfg.iters):
         lengths, clipped = global_batch_lengths(cfg, world, i)
         ctx.batches.append((lengths, clipped, _local_samples(lengths, i, rank, world, mcfg.vocab, cfg.seed, device)))
@@ -797,12 +853,27 @@ def _summarize_run(ranks: list[dict], k: int, world: int, cfg: StepBenchConfig) 
             "breakdown_per_rank": per_rank,
             "compute_imbalance_ms": (max(compute) - statistics.fmean(compute)) if compute else None,
             "breakdown_error": next((m["breakdown_error"] for m in mine if m["breakdown_error"]), None),
+            "phases_ms": phase_times(a.get("phase_marks_ms"), cfg.trim),
         }
     base = arms.get(TARGETS["baseline"])
     for a in arms.values():
         a["speedup_vs_static"] = base["trimmed_mean_ms"] / a["trimmed_mean_ms"] if base else None
         a["predicted_speedup_vs_static"] = base["predicted"] / a["predicted"] if base and a["predicted"] else None
+        a["microbatch_speedup_vs_static"] = (base["phases_ms"]["microbatches"] / a["phases_ms"]["microbatches"]
+                                             if base and base["phases_ms"] and a["phases_ms"] else None)
     return {"arms": arms, "cost_model": run0.get("cost_model"), "calibration": run0.get("calibration")}
+
+
+def phase_times(marks: list[list[float]] | None, trim: float) -> dict | None:
+    """Trimmed-mean ms of each of ``PHASES`` from per-step phase boundaries (ms from the step's
+    start when the slowest rank passed each boundary), and ``total``: their sum step by step. A
+    phase's time is on the critical path: it includes waiting for the ranks still in the phase before."""
+    if not marks:
+        return None
+    steps = [[b - a for a, b in zip([0.0] + m[:-1], m)] for m in marks]
+    out = {name: trimmed_mean([st[k] for st in steps], trim) for k, name in enumerate(PHASES)}
+    out["total"] = trimmed_mean([m[-1] for m in marks], trim)
+    return out
 
 
 def _in_seconds(run: dict) -> bool:
@@ -847,6 +918,14 @@ COLUMNS = [("arm", "arm", "s"), ("trimmed_mean_ms", "trimmed ms", ".1f"), ("medi
 BREAKDOWN_COLUMNS = [("arm", "arm", "s"), ("wall", "wall ms", ".1f"), ("attention", "attention", ".1f"),
                      ("linear", "linear", ".1f"), ("other", "other", ".1f"), ("communication", "comm (exposed)", ".1f"),
                      ("idle", "idle", ".1f"), ("compute_imbalance_ms", "imbalance", ".1f")]
+PHASE_COLUMNS = [("arm", "arm", "s"), ("schedule", "schedule ms", ".1f"), ("microbatches", "micro-batches ms", ".1f"),
+                 ("grad_reduce", "grad reduce ms", ".1f"), ("optimizer", "AdamW ms", ".1f"), ("total", "total ms", ".1f"),
+                 ("microbatch_speedup_vs_static", "micro-batch speedup", ".3f")]
+
+
+def phase_rows(summary: dict) -> list[dict]:
+    return [{"arm": k, **v["phases_ms"], "microbatch_speedup_vs_static": v["microbatch_speedup_vs_static"]}
+            for k, v in summary["arms"].items() if v.get("phases_ms")]
 
 
 def runs_rows(summary: dict) -> list[dict]:
@@ -908,7 +987,7 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
     where = torch.cuda.get_device_name(0) if cuda else "CPU (gloo)"
     print(f"bench step: {n} x {where}, model {cfg.model}, {cfg.dtype}, "
           f"blocks {'compiled (' + cfg.compile_label() + ')' if cfg.compile_label() else 'eager'}"
-          f"{f', token bucket {cfg.token_bucket}' if cfg.token_bucket else ''}, "
+          f"{f', token bucket {cfg.token_bucket}' if cfg.token_bucket else ''}, gradient all-reduce {cfg.grad_reduce}, "
           f"arms {', '.join(cfg.arms)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         cfg_json = {**cfg.to_dict(), "arms": list(cfg.arms)}
@@ -928,6 +1007,10 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
     for k, v in summary["arms"].items():
         if v["breakdown_error"]:
             print(f"  {k}: no breakdown: {v['breakdown_error']}")
+    if phase_rows(summary):
+        print(f"step phases (trimmed-mean ms of the measured steps, each boundary when the slowest rank passed it; "
+              f"gradient all-reduce {cfg.grad_reduce}):")
+        print(table(phase_rows(summary), PHASE_COLUMNS))
     cks = checks(summary, "cuda" if cuda else "cpu")
     for c in cks:
         verdict = "n/a (targets apply to 4 GPUs)" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")

@@ -95,6 +95,22 @@ def _runs(summary: dict) -> str:
             + table(rows, [h for _, h, _ in cols], left=1))
 
 
+def _phases(summary: dict, cfg) -> str:
+    """The step's phases (every measured step): where dynamic CP can save time and where it cannot."""
+    from harness.bench.step import PHASE_COLUMNS, phase_rows
+
+    rows = phase_rows(summary)
+    if not rows:
+        return ""
+    return ("<h3>Step phases</h3><p>Trimmed-mean ms over the measured steps; each phase ends when the slowest "
+            "rank leaves it (CUDA events, no extra synchronisation), so a phase includes waiting for ranks "
+            "still in it. Dynamic CP changes the micro-batches phase; scheduling, the gradient all-reduce left "
+            f"after the last backward (mode: {esc(cfg.grad_reduce)}) and AdamW cost every arm about the same and "
+            "dilute the whole step's speedup.</p>"
+            + table([[_fmt(r.get(k), f) for k, _, f in PHASE_COLUMNS] for r in rows],
+                    [h for _, h, _ in PHASE_COLUMNS], left=1))
+
+
 def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
     arms = summary["arms"]
     rows = [[k, _fmt(v["trimmed_mean_ms"], ".1f"), _fmt(v["median_ms"], ".1f"), _fmt(v["mean_ms"], ".1f"),
@@ -128,7 +144,7 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
         f'{gpus} x {cfg.max_seqlen_per_rank} tokens (mean {gb["tokens_mean"]:.0f} tokens in '
         f'{gb["sequences_mean"]:.1f} sequences, longest {gb["longest"]}, {gb["clipped"]} clipped); {cfg.warmup} '
         f'warm-up + {cfg.iters} measured steps per arm on identical global batches, interleaved, '
-        f'{len(summary["runs"])} run(s); Python GC {esc(cfg.gc)}; peak for MFU: '
+        f'{len(summary["runs"])} run(s); Python GC {esc(cfg.gc)}; gradient all-reduce {esc(cfg.grad_reduce)}; peak for MFU: '
         f'{_fmt(summary["peak_tflops"], ".0f")} TFLOP/s per GPU.</p>',
         table(verdicts, ["target", "value", "per run", "verdict"], left=1) if verdicts else "",
         _runs(summary),
@@ -148,6 +164,7 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
          + table(brows, ["arm", "wall ms"] + list(PART_COLORS) + ["imbalance ms", "source"], left=1)
          + figure_png(_breakdown_plot(summary))) if brows else "<p>No breakdown was measured.</p>",
         "".join(f'<p class="small">no breakdown for {esc(m)}</p>' for m in missing),
+        _phases(summary, cfg),
         _calibration(summary),
     ])
     return page("dcp-harness bench step", body)

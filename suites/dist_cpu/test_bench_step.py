@@ -45,7 +45,8 @@ def test_bad_arms_are_named_with_the_fix(text, fix):
                                               ({"compile": "reduce-overhead"}, 2, "needs CUDA"),
                                               ({"token_bucket": 7}, 2, "token_bucket"),
                                               ({"runs": 0}, 2, "runs must be an int >= 1"),
-                                              ({"gc": "off"}, 2, "gc must be manual or auto")])
+                                              ({"gc": "off"}, 2, "gc must be manual or auto"),
+                                              ({"grad_reduce": "ddp"}, 2, "grad_reduce must be one of overlap, after")])
 def test_bad_config_is_refused_before_any_process_starts(over, world, msg):
     with pytest.raises(step.BenchConfigError, match=msg):
         step.StepBenchConfig.from_dict({**TINY, **over}).validate(world)
@@ -195,6 +196,14 @@ def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
             assert sum(ranks[0]["runs"][k]["arms"][label]["processed_tokens"]) >= real  # padding only adds tokens
             assert a["breakdown"] and a["breakdown"]["source"] == "host", a["breakdown_error"]
             assert sum(a["breakdown"][p] for p in PARTS) == pytest.approx(a["breakdown"]["wall"], rel=1e-6)
+            # every measured step's phases (gradient all-reduce overlapped, the default): each phase
+            # takes time, and the slowest rank's last boundary falls inside the measured step
+            ph = a["phases_ms"]
+            assert set(ph) == {*step.PHASES, "total"} and all(ph[p] > 0 for p in step.PHASES)
+            marks = ranks[0]["runs"][k]["arms"][label]["phase_marks_ms"]
+            assert len(marks) == cfg.iters and all(m == sorted(m) for m in marks)
+            assert all(m[-1] <= t + 1e-6 for m, t in zip(marks, a["step_ms"]))
+            assert a["microbatch_speedup_vs_static"] > 0
         assert run["arms"]["thd:dp-balanced"]["speedup_vs_static"] == 1.0
         # each run fitted the scheduler's cost model on this world, identically on every rank
         assert run["cost_model"]["name"].startswith("calibrated")
@@ -260,16 +269,17 @@ def test_cli_smoke_writes_json_and_html(tmp_path, capsys):
     assert all(c["pass"] is None for c in doc["checks"])
     html = out.with_suffix(".html").read_text()
     assert "dynamic CP vs static CP" in html and "Where the time goes" in html and "data:image/png" in html
-    assert "cost model" in html and "measured ms" in html
+    assert "cost model" in html and "measured ms" in html and "Step phases" in html
     assert list((tmp_path / "bench_step_traces").glob("trace_*_rank0.json.gz"))
     printed = capsys.readouterr().out
     assert "USDT:" not in printed and "trimmed ms" in printed
     # pinning the calibrated model: no calibration, the same model, the same schedules
     again = tmp_path / "again.json"
     assert main(["bench", "step", "--cpu", "--iters", "2", "--warmup", "0", "--profile-iters", "0",
-                 "--cost-model", str(out), "--out", str(again)]) == 0
+                 "--cost-model", str(out), "--grad-reduce", "after", "--out", str(again)]) == 0
     doc2 = json.loads(again.read_text())
-    assert doc2["results"]["calibration"] is None
+    assert doc2["results"]["calibration"] is None and doc2["config"]["grad_reduce"] == "after"
+    assert "step phases" in capsys.readouterr().out
     assert doc2["results"]["cost_model"] == doc["results"]["cost_model"]
     for arm, a in doc["results"]["arms"].items():
         b = doc2["results"]["arms"][arm]

@@ -28,4 +28,5 @@ def test_bench_step_runs_on_two_gpus(tmp_path):
         assert b["linear"] > 0 and b["attention"] > 0
         assert sum(b[p] for p in PARTS) == pytest.approx(b["wall"], rel=1e-6)
         assert 0 < a["mfu"] < 1 and a["peak_memory_gb"] > 1
+        assert all(a["phases_ms"][p] > 0 for p in step.PHASES)  # CUDA-event phases, gradients overlapped
     assert s["arms"]["thd:dp-balanced"]["breakdown"]["communication"] > 0  # static CP 2 exchanges K/V
