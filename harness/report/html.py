@@ -14,7 +14,7 @@ h1{font-size:1.6em;margin-bottom:.2em} h2{font-size:1.25em;margin-top:1.8em;bord
 table{border-collapse:collapse;font-size:.86em;margin:.6em 0} th,td{border:1px solid #ddd;padding:.25em .55em;text-align:right;vertical-align:top}
 th{background:#f4f4f4} td.l,th.l{text-align:left} tr.best td{font-weight:600}
 img{max-width:100%;border:1px solid #eee;margin:.5em 0} code{background:#f5f5f5;padding:0 .25em;border-radius:3px}
-.small{font-size:.8em;color:#555;max-width:60em;word-break:break-all}
+.small{font-size:.8em;color:#555;max-width:60em;overflow-wrap:anywhere}
 """
 
 

@@ -81,6 +81,17 @@ def _calibration(summary: dict) -> str:
             + table(rows, ["cp", "sequences", "length", "measured ms", "model ms", "error"], left=0))
 
 
+def _bound(summary: dict) -> str:
+    b = summary["ratios"].get("speedup_bound") or {}
+    if b.get("median") is None:
+        return ""
+    return (f'<p class="small">Room under this machine\'s measured costs: the static baseline\'s modelled step '
+            f'time over the lower bound of any schedule of the same batches (harness.plan.bounds.lower_bound, '
+            f'each run\'s calibrated cost model) is {b["median"]:.3f}x (median; runs '
+            f'{", ".join(_fmt(x, ".3f") for x in b["per_run"])}): no scheduler is modelled to beat it, and the '
+            f'bound is a relaxation that a real schedule may not reach.</p>')
+
+
 def _runs(summary: dict) -> str:
     """The per-run table (several runs only): the targets' medians come from these rows."""
     from harness.bench.step import run_columns, runs_rows
@@ -147,6 +158,7 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
         f'{len(summary["runs"])} run(s); Python GC {esc(cfg.gc)}; gradient all-reduce {esc(cfg.grad_reduce)}; peak for MFU: '
         f'{_fmt(summary["peak_tflops"], ".0f")} TFLOP/s per GPU.</p>',
         table(verdicts, ["target", "value", "per run", "verdict"], left=1) if verdicts else "",
+        _bound(summary),
         _runs(summary),
         "<h2>Step time" + (f" (run {summary['representative_run'] + 1} of {len(summary['runs'])})"
                            if len(summary["runs"]) > 1 else "") + "</h2>",
