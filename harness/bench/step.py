@@ -428,6 +428,19 @@ def _profiled_step(ctx: _Ctx, arm: Arm, lengths, local, opt, keep_trace: Path | 
     return breakdown(trace, windows[-1])
 
 
+def weights_digest(ws) -> list[float]:
+    """A fingerprint of a list of weight tensors (fp64 sums of w and w^2 and of w times its flat
+    position): equal weights give equal digests; a swapped, stale or shared copy almost surely not."""
+    import torch
+
+    acc = torch.zeros(3, dtype=torch.float64, device=ws[0].device)
+    for i, w in enumerate(ws):
+        x = w.detach().reshape(-1).double()
+        pos = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device) * (i + 1) / x.numel()
+        acc += torch.stack([x.sum(), x.square().sum(), (x * pos).sum()])
+    return acc.tolist()
+
+
 def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
     """Every arm's timed steps, interleaved: step ``i`` runs each arm once, the arm order rotating
     with ``i``, so drift of the machine over the run (clocks, host jitter, profiler residue) hits
@@ -441,7 +454,7 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
     weights = {a.label: [p0.clone() for p0 in ctx.initial] for a in arms}
     opts = {a.label: torch.optim.AdamW(ctx.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0,
                                        **({"fused": True} if dev.type == "cuda" else {})) for a in arms}
-    rec = {a.label: {"times": [], "plan_ms": [], "tokens": [], "figures": [], "marks": []} for a in arms}
+    rec = {a.label: {"times": [], "plan_ms": [], "tokens": [], "figures": [], "marks": [], "slots": []} for a in arms}
 
     def load(arm: Arm) -> None:
         with torch.no_grad():
@@ -475,6 +488,7 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
                 x["plan_ms"].append(r["plan_s"] * 1e3)
                 x["tokens"].append(r["local_tokens"])
                 x["marks"].append(r["marks"].cumulative_ms())
+                x["slots"].append(k)  # its place in this step's rotation
                 if ctx.rank == 0:
                     x["figures"].append(_schedule_figures(r["schedule"], ctx.cost))
         if ctx.rank == 0 and i + 1 == cfg.warmup + cfg.iters:
@@ -492,6 +506,7 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
         # when the last rank passed each phase boundary (ms from the step's start), step by step
         last = torch.tensor(x["marks"], dtype=torch.float64, device=dev).reshape(len(x["marks"]), len(PHASES))
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=ctx.everyone)
+        digest = weights_digest(weights[arm.label])  # after the timed steps, before the profiled ones
         load(arm)
         parts, error = [], None
         for j in range(cfg.profile_iters):
@@ -515,7 +530,8 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
         out[arm.label] = {"rank": ctx.rank, "times_s": x["times"], "step_s": slowest.tolist(),
                           "processed_tokens": tok.tolist(), "plan_ms": x["plan_ms"], "phase_marks_ms": last.tolist(),
                           "breakdown": parts,
-                          "breakdown_error": error, "peak_memory_gb": peak}
+                          "breakdown_error": error, "peak_memory_gb": peak, "weights_digest": digest,
+                          "slots": x["slots"]}
         if ctx.rank == 0:
             out[arm.label]["schedules"] = x["figures"]
     opts.clear()

@@ -335,3 +335,23 @@ def test_a_failing_breakdown_on_one_rank_stops_profiling_everywhere_and_keeps_th
             assert len(a["step_s"]) == TINY["iters"]
     assert "corrupt trace" in ranks[1]["runs"][0]["arms"]["dcp:balanced"]["breakdown_error"]
     assert "another rank" in ranks[0]["runs"][0]["arms"]["dcp:balanced"]["breakdown_error"]
+
+
+def test_interleaved_arms_keep_their_own_weights_and_optimizer_state(tmp_path):
+    """Arms run interleaved step by step, each swapping its weights into the one model and keeping
+    its own AdamW. An arm must end with exactly the weights it reaches when run alone on the same
+    batches (a broken swap or a shared optimizer would mix the arms), and the order must rotate.
+    A pinned cost model makes the schedules identical in both jobs."""
+    cost = {"quadratic": 1e-9, "linear": 1e-6, "constant": 1e-5, "per_microbatch": 1e-3, "name": "pinned"}
+    base = {**TINY, "warmup": 1, "iters": 3, "profile_iters": 0, "cost_model": cost, "device": "cpu"}
+    both = {**base, "arms": ("dcp:balanced", "thd:dp-balanced", "dcp:megatron-dev")}
+    alone = {**base, "arms": ("dcp:balanced",)}
+    mixed = run_on_ranks(_measure, world_size=2, tmp_path=tmp_path, args=(both,), timeout_s=240)
+    solo = run_on_ranks(_measure, world_size=2, tmp_path=tmp_path, args=(alone,), timeout_s=240)
+    for m, s in zip(mixed, solo):
+        arms = m["runs"][0]["arms"]
+        assert arms["dcp:balanced"]["weights_digest"] == s["runs"][0]["arms"]["dcp:balanced"]["weights_digest"]
+        assert len({tuple(a["weights_digest"]) for a in arms.values()}) == 3  # three models, not one
+        # step i puts arm j at place (j - i) mod 3: each arm leads once in three steps
+        for j, a in enumerate(both["arms"]):
+            assert arms[a]["slots"] == [(j - i) % 3 for i in range(base["warmup"], base["warmup"] + base["iters"])]
