@@ -169,6 +169,8 @@ def parser() -> argparse.ArgumentParser:
                      help="fixed scheduler cost model: a bench_step.json (its results.cost_model) or a JSON dict of "
                           "CostModel fields; skips calibration so schedules repeat exactly across runs")
     bst.add_argument("--no-calibrate", action="store_true", help="use the FLOP cost model instead of calibrating")
+    bst.add_argument("--calibration-burst", type=int, default=None,
+                     help="micro-batches timed back to back per calibration sample (default 4; 1 = one at a time)")
     bst.add_argument("--static-cp", type=int, default=None, help="CP size of the thd baseline (default: world)")
     bst.add_argument("--compile", default=None, choices=COMPILE_CHOICES,
                      help="torch.compile the blocks' per-token segments (default auto: inductor on CUDA, eager on CPU; "
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 keys = ("model", "lengths", "max_seqlen_per_rank", "microbatches", "warmup", "iters", "profile_iters",
                         "dtype", "cp_comm_flops_per_byte", "static_cp", "compile", "token_bucket", "runs", "gc",
-                        "grad_reduce")
+                        "grad_reduce", "calibration_burst")
                 over = {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
                 if a.no_calibrate:
                     over["calibrate"] = False

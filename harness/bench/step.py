@@ -18,11 +18,12 @@ Arms (``layout:scheduler[:padding]``):
 - ``dcp:<scheduler>``: dynamic CP with any ``harness.plan.ALGORITHMS`` scheduler (``balanced``,
   ``megatron-dev``, ...); padding ``local`` (``2 x local_cp_size``, default) or ``domain``.
 
-Before the arms (``calibrate``, default on), the job times one forward + backward of a few
-micro-batch shapes per CP size and fits the scheduler's cost model to them in seconds (quadratic,
-linear, K/V-exchange, per-micro-batch and per-CP-block terms; ``calibrate_cost``): ``balanced`` then optimises this
-machine's measured costs, and the step-time model's prediction is in milliseconds, next to the
-measurement. ``megatron-*`` schedulers ignore the cost model (as upstream).
+Before the arms (``calibrate``, default on), the job times the forward + backward of a few
+micro-batch shapes per CP size (back to back, as micro-batches run in a step) and fits the
+scheduler's cost model to them in seconds (quadratic, linear, K/V-exchange, per-micro-batch and
+per-CP-block terms; ``calibrate_cost``): ``balanced`` then optimises this machine's measured
+costs, and the step-time model's prediction is in milliseconds, next to the measurement.
+``megatron-*`` schedulers ignore the cost model (as upstream).
 
 One step = schedule + reroute + every micro-batch's forward/backward with CP attention in its
 block's process group + gradient all-reduce over the DP x CP group (a flat fp32 buffer the
@@ -120,6 +121,12 @@ class StepBenchConfig:
     """A fixed cost model (``CostModel`` fields, e.g. ``results.cost_model`` of an earlier
     ``bench_step.json``): no calibration, and schedules identical from run to run."""
     calibration_reps: int = 3
+    calibration_burst: int = 4
+    """Each calibration sample times this many forward + backward passes of the shape back to back
+    between two synchronisations and divides: in a step, micro-batches pipeline (the host enqueues
+    the next while the device runs this one), and a lone micro-batch between synchronisations also
+    pays the device's wake-up and the pipeline's fill and drain (on 4 H200s a lone CP-4 micro-batch
+    took 78 ms, one inside a step ~43 ms)."""
     runs: int = 3
     """Independent repetitions in one job: each re-calibrates the cost model (unless one is pinned)
     and runs every arm's warm-up, measured and profiled steps again from the initial weights. The
@@ -172,7 +179,7 @@ class StepBenchConfig:
             cost_model_from(self.cost_model)
         if world < 1 or world & (world - 1):
             raise BenchConfigError(f"world size {world} is not a power of two; use 1, 2, 4 or 8 processes")
-        for name in ("max_seqlen_per_rank", "microbatches", "iters", "calibration_reps", "runs"):
+        for name in ("max_seqlen_per_rank", "microbatches", "iters", "calibration_reps", "calibration_burst", "runs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise BenchConfigError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         for name in ("warmup", "profile_iters", "static_cp"):
@@ -634,8 +641,9 @@ def _round3(x: float) -> float:
 
 
 def calibrate_cost(ctx: _Ctx) -> dict:
-    """Time one forward + backward of each ``calibration_shapes`` micro-batch (every block of the
-    world runs it; the slowest rank counts; median of ``calibration_reps``), fit ``CostModel``
+    """Time the forward + backward of each ``calibration_shapes`` micro-batch (every block of the
+    world runs it ``calibration_burst`` times back to back; the slowest rank counts; median of
+    ``calibration_reps``), fit ``CostModel``
     coefficients in seconds on rank 0 and broadcast them (every rank schedules with the same model)."""
     import torch
     import torch.distributed as dist
@@ -661,10 +669,11 @@ def calibrate_cost(ctx: _Ctx) -> dict:
             dist.barrier(group=ctx.everyone)
             _sync(dev)
             t0 = time.perf_counter()
-            run()
+            for _ in range(cfg.calibration_burst):
+                run()
             _sync(dev)
             if r:
-                reps.append(time.perf_counter() - t0)
+                reps.append((time.perf_counter() - t0) / cfg.calibration_burst)
         times.append(statistics.median(reps))
     with torch.no_grad():
         ctx.flat.zero_()
@@ -980,7 +989,8 @@ def run_columns(summary: dict) -> list[tuple[str, str, str]]:
 
 
 CPU_SMOKE = {"model": "tiny-gpt", "lengths": "lognormal:mean=96,sigma=1.2,min=8,max=512", "max_seqlen_per_rank": 128,
-             "warmup": 1, "iters": 3, "profile_iters": 1, "dtype": "float32", "calibration_reps": 1, "runs": 1}
+             "warmup": 1, "iters": 3, "profile_iters": 1, "dtype": "float32", "calibration_reps": 1,
+             "calibration_burst": 2, "runs": 1}
 """``--cpu``: a smoke configuration on gloo (checks the pipeline end to end; no targets)."""
 
 

@@ -45,6 +45,7 @@ def test_bad_arms_are_named_with_the_fix(text, fix):
                                               ({"compile": "reduce-overhead"}, 2, "needs CUDA"),
                                               ({"token_bucket": 7}, 2, "token_bucket"),
                                               ({"runs": 0}, 2, "runs must be an int >= 1"),
+                                              ({"calibration_burst": 0}, 2, "calibration_burst must be an int >= 1"),
                                               ({"gc": "off"}, 2, "gc must be manual or auto"),
                                               ({"grad_reduce": "ddp"}, 2, "grad_reduce must be one of overlap, after")])
 def test_bad_config_is_refused_before_any_process_starts(over, world, msg):
