@@ -29,14 +29,14 @@ One step = schedule + reroute + every micro-batch's forward/backward with CP att
 block's process group + gradient all-reduce over the DP x CP group (a flat fp32 buffer the
 gradients accumulate into; by default in buckets overlapped with the last backward,
 ``grad_reduce``) + clipping + AdamW. Every measured step also times its phases (``PHASES``: CUDA
-events, read after the step) - where dynamic CP saves time (the micro-batches) and where it cannot. Each arm starts from the same weights and runs
-``warmup`` then ``iters`` steps, each between a barrier + device synchronisation and a device
-synchronisation; a step's time is the slowest rank's. The arms are interleaved step by step in a
-rotating order (``_run_arms``), each with its own weights and optimizer state, so that drift over
-the run does not favour the arm that runs first. Reported per arm: the 10%-trimmed mean,
-median and mean step time, tokens/s/GPU (real tokens), MFU (model FLOPs of the real tokens with
-causal attention, over the GPUs' peak), padding, micro-batches, the step-time model's prediction,
-and a measured breakdown (attention, linear, other kernels, exposed communication, idle) from
+events, read after the step) - where dynamic CP saves time (the micro-batches) and where it cannot.
+Each arm starts from the same weights and runs ``warmup`` then ``iters`` steps, each between a
+barrier + device synchronisation and a device synchronisation; a step's time is the slowest rank's.
+The arms are interleaved step by step in a rotating order (``_run_arms``), each with its own weights
+and optimizer state, so that drift over the run does not favour the arm that runs first. Reported
+per arm: the 10%-trimmed mean, median and mean step time, tokens/s/GPU (real tokens), MFU (model
+FLOPs of the real tokens with causal attention, over the GPUs' peak), padding, micro-batches, the
+step-time model's prediction, the step phases, and a measured breakdown (attention, linear, other kernels, exposed communication, idle) from
 ``profile_iters`` extra profiled steps (``harness.bench.trace``).
 
 The whole measurement (calibration, every arm's warm-up, measured and profiled steps) repeats
