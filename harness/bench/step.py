@@ -36,8 +36,9 @@ The arms are interleaved step by step in a rotating order (``_run_arms``), each 
 and optimizer state, so that drift over the run does not favour the arm that runs first. Reported
 per arm: the 10%-trimmed mean, median and mean step time, tokens/s/GPU (real tokens), MFU (model
 FLOPs of the real tokens with causal attention, over the GPUs' peak), padding, micro-batches, the
-step-time model's prediction, the step phases, and a measured breakdown (attention, linear, other kernels, exposed communication, idle) from
-``profile_iters`` extra profiled steps (``harness.bench.trace``).
+step-time model's prediction, the step phases, and a measured breakdown (attention, linear, other
+kernels, exposed communication, idle) from ``profile_iters`` extra profiled steps
+(``harness.bench.trace``).
 
 The whole measurement (calibration, every arm's warm-up, measured and profiled steps) repeats
 ``runs`` times in one job; the targets are judged on the median over runs of each ratio
