@@ -28,9 +28,11 @@ wins; the prediction equals ``harness.plan.bounds.simulate_step_time`` (``plan_b
 When the cost model charges per micro-batch (``per_microbatch > 0``, e.g. a cost model calibrated on
 GPUs, where a launch-bound micro-batch costs ~40 ms whatever its tokens), two things change: LPT
 charges each sequence its share of a micro-batch (its tokens over a slot's), and densely packed
-rows (``_dense``: fewest micro-batches, blocks may wait; ``_tight``: exactly the least possible
-number of rows, ``ceil(tokens / (N x max_seqlen_per_rank))``, by minimum-bin-slack subset sums)
-compete with the phased plans on predicted step time. Without that term, nothing changes.
+rows (``_dense``: fewest micro-batches, blocks may wait; ``_tight``: the least possible number of
+rows, ``ceil(tokens / (N x max_seqlen_per_rank))``, or one more, by minimum-bin-slack subset sums,
+with the long sequences in as few rows as hold them - rank 0 pays ``cp_block`` in every row that
+has a CP block) compete with the phased plans on predicted step time. Without that term, nothing
+changes.
 Deterministic: sequences are ordered by (cost, gid) and ties go to the lowest node index.
 
 >>> from harness.plan.api import schedule
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import heapq
 
+from harness.plan.binpack import min_bins
 from harness.plan.cost import CostModel, cp_min
 from harness.plan.errors import VPPAlignmentError
 from harness.plan.megatron_common import Blocks
@@ -309,14 +312,18 @@ def _rows_out(rows: list[list[list]], n: int, cost: CostModel) -> tuple[list[Blo
 def _fullest_subset(sizes: list[int], cap: int) -> list[int]:
     """Indices of a subset of ``sizes`` with the largest sum <= ``cap`` (exact subset sum on a
     bitset: bit t of ``reach[i]`` = some subset of the first i sizes sums to t); among equal sums,
-    the one the backward walk finds first (deterministic)."""
+    the one the backward walk finds first (deterministic). The scan stops at the first prefix of
+    ``sizes`` that reaches ``cap`` exactly: later sizes cannot fill it more (``_tight`` calls this per
+    bin on hundreds of sequences at 32 ranks, and most bins fill exactly after a few)."""
     mask = (1 << (cap + 1)) - 1
     reach = [1]
     for w in sizes:
         reach.append((reach[-1] | (reach[-1] << w)) & mask)
+        if reach[-1] >> cap:
+            break
     t = reach[-1].bit_length() - 1
     picked = []
-    for i in range(len(sizes) - 1, -1, -1):
+    for i in range(len(reach) - 2, -1, -1):
         if not (reach[i] >> t) & 1:  # t not reachable without item i: take it
             picked.append(i)
             t -= sizes[i]
@@ -324,20 +331,153 @@ def _fullest_subset(sizes: list[int], cap: int) -> list[int]:
 
 
 def _tight(items: list[_Item], n: int, mslpr: int, leaf: int, cost: CostModel) -> tuple[list[Blocks], float] | None:
-    """The least possible number of rows, ``ceil(tokens / (n x mslpr))``, when a minimum-bin-slack
-    fill reaches it (``_dense``'s greedy often needs one row more when a batch fills ~98% of its
-    rows, and on a launch-bound GPU a row costs ~10% of the step). Sequences wider than ``leaf``
-    get blocks of their ``cp_min`` (first fit decreasing among equal sizes, packed into the rows
-    by decreasing size, so every block is buddy aligned); the free ranks become ``leaf`` blocks;
-    then bin after bin (in each of ``BIN_ORDERS``) takes the subset of the remaining sequences that
-    fills it most (exact subset sum); of the orders that place every sequence and leave no block
-    empty, the least predicted step time wins (ties: the first). The orders differ in where short
-    sequences land: a CP block's room (they then exchange K/V) or single-rank slots. None when every
-    order fails; the caller's other candidates then stand."""
-    rows_n = -(-sum(it.L for it in items) // (n * mslpr))
+    """Rows packed to the least possible count, ``ceil(tokens / (n x mslpr))``, or one more
+    (``_dense``'s greedy often needs one row more when a batch fills ~98% of its rows, and on a
+    launch-bound GPU a row costs ~10% of the step). Sequences wider than ``leaf`` are laid out
+    first (``_wide_layouts``: blocks of their ``cp_min`` packed into rows, or as few rows as can hold
+    them, since rank 0 pays the CP block cost of every row that has one); the free ranks become
+    ``leaf`` blocks; then each fill strategy (``FILLS``) places the short sequences: optionally those
+    over half a slot first by best fit, then bin after bin (in one of ``BIN_ORDERS``) takes the
+    subset of the remaining ones that fills it most (exact subset sum); ``_settle`` places what is
+    left by moving one sequence, ``_lend`` gives empty bins one. Layouts are tried by their time
+    before filling (a bound on any fill of them) until that cannot beat the best; of the fills
+    that place every sequence and leave no block empty, the least predicted step time wins (ties:
+    fewer rank-blocks of CP, then the first). None when every candidate fails; the caller's other
+    candidates then stand."""
+    least = -(-sum(it.L for it in items) // (n * mslpr))
     wide = sorted((it for it in items if it.cp > leaf), key=lambda x: (-x.cp, -x.L, x.gid))
     short = sorted((it for it in items if it.cp <= leaf), key=lambda x: (-x.L, x.gid))
-    blocks: list[list] = []  # [start, size, room, items]; start set when placed in a row
+    layouts = []
+    for rows_n in (least, least + 1):
+        for rows in _wide_layouts(wide, n, mslpr, leaf, rows_n):
+            shape = [[(b[0], b[1], [x.gid for x in b[3]]) for b in row] for row in rows]
+            if all(shape != other for _, _, other, _ in layouts):
+                # the rows' time before short sequences join: filling only lengthens blocks, so no
+                # fill of this layout can beat it (``simulate`` is monotone in block durations)
+                layouts.append((_rows_out(rows, n, cost)[1], len(layouts), shape, rows))
+    best, best_key = None, None
+    for floor, _, _, rows in sorted(layouts, key=lambda t: t[:2]):
+        if best is not None and floor >= best[1]:
+            break
+        got = _fill(rows, short, n, mslpr, leaf, cost)
+        if got is not None and (best_key is None or got[0] < best_key):
+            best, best_key = got[1], got[0]
+    return best
+
+
+def _fill(rows, short, n, mslpr, leaf, cost):
+    """((predicted time, CP rank-blocks), (rows, predicted time)) of the best fill of ``rows`` with
+    ``short`` over the fill strategies, or None if none places every sequence in a non-empty block.
+    A strategy that strands sequences is retried (``FILL_RETRIES`` times) with them placed first."""
+    best, best_key = None, None
+    all_bins = [b for row in rows for b in row]
+    fixed = [(b, list(b[3]), b[2]) for b in all_bins]
+    cp_rank_blocks = sum(b[1] for b in all_bins if b[1] > 1)
+    half = leaf * mslpr // 2
+    for first, k in FILLS:
+        early = {x.gid for x in short if x.L > half} if first else set()
+        for _ in range(FILL_RETRIES + 1):
+            for b, its, room in fixed:
+                b[3], b[2] = list(its), room
+            left = [x for x in short if x.gid not in early]
+            for it in (x for x in short if x.gid in early):  # longest first, best fit
+                b = min((b for b in all_bins if b[2] >= it.L), key=lambda b: (b[2], b[0], b[1]), default=None)
+                if b is None:
+                    left.append(it)
+                    continue
+                b[3].append(it)
+                b[2] -= it.L
+            left.sort(key=lambda x: (-x.L, x.gid))
+            lens = [x.L for x in left]
+            for b in sorted(all_bins, key=BIN_ORDERS[k]):
+                if not left:
+                    break
+                if lens[-1] > b[2]:  # not even the shortest fits (``left`` is longest first)
+                    continue
+                for i in sorted(_fullest_subset(lens, b[2]), reverse=True):
+                    it = left.pop(i)
+                    lens.pop(i)
+                    b[3].append(it)
+                    b[2] -= it.L
+            stranded = {x.gid for x in left}
+            if _settle(left, all_bins) and _lend(all_bins):
+                cand = _rows_out(rows, n, cost)
+                key = (cand[1], cp_rank_blocks)
+                if best_key is None or key < best_key:
+                    best, best_key = cand, key
+                break
+            if not stranded or stranded <= early:
+                break
+            early |= stranded
+    return None if best is None else (best_key, best)
+
+
+def _settle(left: list[_Item], bins: list[list]) -> bool:
+    """Place the sequences the subset-sum fill left over (longest first): into a bin with room, or
+    into one whose item of the least length that frees enough room moves to another bin with room
+    for it (best fit). False if one stays unplaced. The fill packs bin after bin almost exactly and
+    can strand one mid-length sequence when the slack of a whole batch is ~2%."""
+    idx = {id(b): k for k, b in enumerate(bins)}
+    for x in sorted(left, key=lambda it: (-it.L, it.gid)):
+        for b in sorted(bins, key=lambda b: (-b[2], idx[id(b)])):
+            if b[2] >= x.L:
+                break
+            need = x.L - b[2]
+            y = min((y for y in b[3] if y.L >= need), key=lambda y: (y.L, y.gid), default=None)
+            if y is None:
+                continue
+            to = min((c for c in bins if c is not b and c[2] >= y.L), key=lambda c: (c[2], idx[id(c)]), default=None)
+            if to is None:
+                continue
+            b[3].remove(y)
+            b[2] += y.L
+            to[3].append(y)
+            to[2] -= y.L
+            break
+        else:
+            return False
+        b[3].append(x)
+        b[2] -= x.L
+    left.clear()
+    return True
+
+
+def _lend(bins: list[list]) -> bool:
+    """Give every empty bin the shortest sequence that fits it from the bin holding the most
+    sequences (ties: the first); False if some bin stays empty. A row more than the least leaves
+    slack, and the fullest-first fill can run out of sequences before the last bins."""
+    for b in bins:
+        if b[3]:
+            continue
+        donors = [d for d in bins if len(d[3]) > 1 and any(x.L <= b[2] for x in d[3])]
+        if not donors:
+            return False
+        d = max(donors, key=lambda d: len(d[3]))
+        it = min((x for x in d[3] if x.L <= b[2]), key=lambda x: (x.L, x.gid))
+        d[3].remove(it)
+        d[2] += it.L
+        b[3].append(it)
+        b[2] -= it.L
+    return True
+
+
+def _wide_layouts(wide: list[_Item], n: int, mslpr: int, leaf: int, rows_n: int):
+    """Row layouts (``rows_n`` rows of ``[start, size, room, items]`` blocks, every rank covered)
+    holding the sequences wider than ``leaf``, for ``_tight`` to fill:
+
+    1. *by size*: blocks of each sequence's ``cp_min`` (first fit decreasing among equal sizes),
+       placed by decreasing size into the first row with room;
+    2. *by row*: as few rows as can hold the wide tokens (``binpack.min_bins`` of ``n x mslpr``), each row's
+       sequences in blocks of their ``cp_min`` (a narrower one may share a wider block's room) when
+       those fit side by side, else one block of all ``n`` ranks;
+    3. *by row, whole*: the same rows, each one block of ``n`` ranks.
+
+    Every rank of a block of size > 1 - rank 0 in particular, since sizes never increase from left
+    to right - pays the CP block's fixed cost (``CostModel.cp_block``), so the number of rows holding
+    one bounds the step from below; layout 1 can use more such rows than needed (a CP-2 sequence
+    never shares a CP-4 block's room), which 2 and 3 avoid. Layouts that do not fit in ``rows_n``
+    rows are skipped."""
+    blocks: list[list] = []
     for it in wide:
         blk = next((b for b in blocks if b[1] == it.cp and b[2] >= it.L), None)
         if blk is None:
@@ -347,48 +487,87 @@ def _tight(items: list[_Item], n: int, mslpr: int, leaf: int, cost: CostModel) -
         blk[2] -= it.L
     rows: list[list[list]] = [[] for _ in range(rows_n)]
     free = [0] * rows_n
+    ok = True
     for blk in blocks:  # non-increasing sizes: the first row with room keeps every start aligned
         r = next((r for r in range(rows_n) if n - free[r] >= blk[1]), None)
         if r is None:
-            return None
+            ok = False
+            break
         blk[0] = free[r]
         free[r] += blk[1]
         rows[r].append(blk)
-    for r in range(rows_n):
+    if ok and _complete(rows, free, n, mslpr, leaf):
+        yield rows
+    if not wide:
+        return
+    bins = min_bins([it.L for it in wide], n * mslpr).bins
+    if len(bins) > rows_n:
+        return
+    for whole in (False, True):
+        rows, free = [[] for _ in range(rows_n)], [0] * rows_n
+        for r, idx in enumerate(bins):
+            its = [wide[i] for i in idx]
+            row = None if whole else _fine_row(its, n, mslpr)
+            if row is None:
+                row = [[0, n, n * mslpr - sum(it.L for it in its), its]]
+            rows[r], free[r] = row, sum(b[1] for b in row)
+        if _complete(rows, free, n, mslpr, leaf):
+            yield rows
+
+
+def _fine_row(its: list[_Item], n: int, mslpr: int) -> list[list] | None:
+    """Blocks of the sequences' ``cp_min`` for one row (a sequence joins the fullest block, of its
+    size or wider, with room for it), ordered by decreasing size from rank 0; None if they need
+    more than ``n`` ranks."""
+    blocks: list[list] = []
+    for it in its:  # callers pass them by decreasing (cp_min, length)
+        fits = [b for b in blocks if b[1] >= it.cp and b[2] >= it.L]
+        blk = min(fits, key=lambda b: (b[2], b[0]), default=None)
+        if blk is None:
+            blk = [len(blocks), it.cp, it.cp * mslpr, []]
+            blocks.append(blk)
+        blk[3].append(it)
+        blk[2] -= it.L
+    if sum(b[1] for b in blocks) > n:
+        return None
+    blocks.sort(key=lambda b: (-b[1], b[0]))
+    start = 0
+    for b in blocks:
+        b[0], start = start, start + b[1]
+    return blocks
+
+
+def _complete(rows: list[list[list]], free: list[int], n: int, mslpr: int, leaf: int) -> bool:
+    """Give every row's free ranks ``leaf`` blocks; False if a row cannot be covered exactly."""
+    for r, row in enumerate(rows):
         while n - free[r] >= leaf:
-            blk = [free[r], leaf, leaf * mslpr, []]
-            rows[r].append(blk)
+            row.append([free[r], leaf, leaf * mslpr, []])
             free[r] += leaf
         if free[r] != n:
-            return None
-    all_bins = [b for row in rows for b in row]
-    fixed = [(b, list(b[3]), b[2]) for b in all_bins]
-    best = None
-    for order in BIN_ORDERS:  # every order that places every sequence; the least predicted time wins
-        for b, its, room in fixed:
-            b[3], b[2] = list(its), room
-        left = list(short)
-        for b in sorted(all_bins, key=order):
-            if not left:
-                break
-            for i in sorted(_fullest_subset([it.L for it in left], b[2]), reverse=True):
-                it = left.pop(i)
-                b[3].append(it)
-                b[2] -= it.L
-        if not left and all(b[3] for b in all_bins):
-            cand = _rows_out(rows, n, cost)
-            if best is None or cand[1] < best[1]:
-                best = cand
-    return best
+            return False
+    return True
 
 
 TIGHT_MAX_WORK = 40_000
 """``_tight`` runs when sequences x ranks is at most this (its subset sums cost ~bins x sequences
-big-int shifts: 2 ms at 8 ranks / 128 sequences, 64 ms at 32 / 558, 188 ms at 64 / 1155)."""
+big-int shifts per layout and fill; whole ``balanced`` plans under a calibrated GPU cost, medians on
+the CPU machine: 2.7 ms at 4 ranks / 64 sequences, 6.4 ms at 8 / 128, 35 ms at 32 / 558, 54 ms at
+64 / 620)."""
 
 BIN_ORDERS = (lambda b: (-b[1], -b[2], b[0]),  # CP blocks' room first, largest first
               lambda b: (b[1], -b[2], b[0]),  # single-rank slots first, the blocks' room last
               lambda b: (b[2], b[0]))  # smallest room first
+
+
+FILL_RETRIES = 2
+"""How often ``_fill`` retries a strategy with the sequences it stranded placed first."""
+
+FILLS = ((True, 2), (False, 2), (True, 1))
+"""``_tight``'s fill strategies: (place sequences over half a slot first, by best fit?, index into
+``BIN_ORDERS`` of the order in which bins then take their fullest subsets). Chosen on the step
+benchmark's batches (4 and 8 ranks, three calibrated cost models): these three are within 0.2% of
+all six combinations' predicted step time at half the plan time; pre-placing alone removes the
+stranded mid-length sequence that made 4 of 30 batches need a ninth row."""
 
 
 def schedule_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,

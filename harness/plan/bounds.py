@@ -16,7 +16,8 @@ sequence's rank-time ``s * seq_cost(L, s)``, smallest at ``s = cp_min(L)``, so
 need CP occupy at least that many rank-blocks of size > 1, each charged ``cp_block``),
 
 and ``step >= min_s seq_cost(L, s) + per_microbatch (+ cp_block when cp_min > 1)`` for the costliest
-sequence.
+sequence, and ``step >= per_microbatch * mb_min + cp_block * cp_rows_min(...)`` for rank 0, which runs a
+block of every micro-batch and is a rank of every micro-batch's widest block (``cp_rows_min``).
 
 >>> from harness.plan.api import schedule
 >>> s = schedule([4096, 1024, 1024], n_ranks=2, max_seqlen_per_rank=2048, algorithm="megatron-dev")
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.plan.binpack import min_bins, simple_bound
 from harness.plan.cost import CostModel, cp_min
 from harness.plan.layout import Schedule
 from harness.plan.lengths import check_domain, normalize_lengths
@@ -85,7 +87,34 @@ def lower_bound(lengths, *, n_ranks: int, max_seqlen_per_rank: int, cost: CostMo
         mb_min = -(-mb_min // vpp_group) * vpp_group
     # rank-blocks of CP blocks: tokens that need one (cp_min > 1) fill at most mslpr per rank-block
     cp_blocks = wide / max_seqlen_per_rank / n_ranks
-    return max(area / n_ranks + c.per_microbatch * mb_min + c.cp_block * cp_blocks, single + c.per_microbatch)
+    return max(area / n_ranks + c.per_microbatch * mb_min + c.cp_block * cp_blocks, single + c.per_microbatch,
+               c.per_microbatch * mb_min + c.cp_block * cp_rows_min(pairs, n_ranks, max_seqlen_per_rank, min_cp_size))
+
+
+def cp_rows_min(lengths, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1) -> int:
+    """Least number of micro-batches that hold a block of more than one rank, in any valid schedule.
+
+    Block sizes never increase from left to right (invariant ``block-order``), so such a
+    micro-batch's widest block starts at rank 0: rank 0 pays ``cp_block`` once per such micro-batch.
+    A micro-batch holds at most ``n_ranks x max_seqlen_per_rank`` tokens of sequences with
+    ``cp_min > 1``, so their count is at least the fewest bins of that size that pack them
+    (``binpack.min_bins`` when it proves its count, else ``binpack.simple_bound``); with
+    ``min_cp_size > 1`` every micro-batch counts.
+
+    >>> cp_rows_min([5000, 5000, 5000, 3000, 100], n_ranks=4, max_seqlen_per_rank=2048)  # not 2 = 18000 / 8192
+    3
+    """
+    pairs = normalize_lengths(lengths)
+    wide = [L for _, L in pairs if cp_min(L, max_seqlen_per_rank, min_cp_size) > 1]
+    if not wide:
+        return 0
+    cap = n_ranks * max_seqlen_per_rank
+    if min_cp_size > 1:
+        rows = -(-sum(wide) // cap)
+    else:
+        packing = min_bins(wide, cap)
+        rows = len(packing.bins) if packing.proven else simple_bound(wide, cap)
+    return rows
 
 
 def quality(schedule: Schedule, cost: CostModel | None = None) -> float:

@@ -82,29 +82,87 @@ def test_balanced_reaches_the_least_row_count_on_tight_batches():
     assert least >= 26 and all(r <= g for r, g in zip(rows, greedy)), (least, rows, greedy)
 
 
-def test_tight_keeps_the_cheapest_of_its_feasible_bin_orders(monkeypatch):
-    """``_tight`` fills its bins in each of ``BIN_ORDERS`` and keeps the least predicted step time:
-    never worse than any single order, and strictly better than the first feasible order (the old
-    rule) on some of the step benchmark's batches under the cost calibrated on 4 x H200s."""
+# The cost model `dcp-harness bench step` calibrated (back-to-back bursts) in run 2 of the session-6
+# 4 x H200 job: 31.3 ms per micro-batch whatever its tokens, 17 ms more per block of CP > 1.
+CALIBRATED = __import__("harness.plan", fromlist=["CostModel"]).CostModel(
+    quadratic=2.52e-10, constant=2.1e-4, per_microbatch=0.0313, cp_block=0.017, name="H200 calibrated, burst")
+
+
+def test_balanced_meets_both_row_bounds_on_the_step_benchmark():
+    """With a cost per CP block, rank 0 (a rank of every micro-batch's widest block) pays it once
+    per micro-batch that holds one, so a step costs at least ``mb_min x per_microbatch + cp_rows_min
+    x cp_block``. On the 30 measured batches of ``bench step`` at 4 ranks, ``balanced`` meets both
+    counts on every batch: 8 micro-batches and the least CP rows. Before row layouts packed the
+    long sequences as few rows as hold them and the fill pre-placed sequences over half a slot,
+    it ran 8.27 micro-batches and 5.27 CP rows (least: 8 and 4.77), predicted 365 ms (now 348)."""
+    from harness.bench.step import StepBenchConfig, global_batch_lengths
+    from harness.plan import simulate
+    from harness.plan.bounds import cp_rows_min
+
+    cfg, misses, times = StepBenchConfig(), [], []
+    for i in range(10, 40):
+        lengths, _ = global_batch_lengths(cfg, 4, i)
+        s = schedule(lengths, n_ranks=4, max_seqlen_per_rank=2048, algorithm="balanced", cost=CALIBRATED)
+        assert not check_schedule(s)
+        rows = s.num_microbatches
+        cp_rows = sum(1 for m in range(rows) if s.blocks(m)[0].size > 1)
+        least = (-(-sum(lengths) // (4 * 2048)), cp_rows_min(lengths, n_ranks=4, max_seqlen_per_rank=2048))
+        if (rows, cp_rows) != least:
+            misses.append((i, (rows, cp_rows), least))
+        times.append(simulate(s, CALIBRATED).step_time)
+    assert not misses, misses
+    assert sum(times) / len(times) < 0.350, sum(times) / len(times)
+
+
+def test_tight_keeps_the_cheapest_of_its_fill_strategies(monkeypatch):
+    """``_tight`` fills its layouts with each of ``FILLS`` and keeps the least predicted step time:
+    never worse than any single strategy, and strictly better than the first one alone on some
+    of the step benchmark's batches under a cost calibrated on 4 x H200s."""
     import harness.plan.balanced as bal
     from harness.bench.step import StepBenchConfig, global_batch_lengths
     from harness.plan import CostModel
     from harness.plan.cost import cp_min
 
     cost = CostModel(quadratic=1.99e-10, linear=8.94e-07, constant=1.37e-4, cp_comm=2.97e-06, per_microbatch=0.0241)
-    cfg, orders, better = StepBenchConfig(), bal.BIN_ORDERS, 0
+    cfg, fills, better = StepBenchConfig(), bal.FILLS, 0
     for i in range(10, 40):
         lengths, _ = global_batch_lengths(cfg, 4, i)
         items = [bal._Item(g, L, cp_min(L, 2048, 1), cost) for g, L in enumerate(lengths)]
         best = bal._tight(items, 4, 2048, 1, cost)
         singles = []
-        for order in orders:
-            monkeypatch.setattr(bal, "BIN_ORDERS", (order,))
+        for fill in fills:
+            monkeypatch.setattr(bal, "FILLS", (fill,))
             singles.append(bal._tight(items, 4, 2048, 1, cost))
-        monkeypatch.setattr(bal, "BIN_ORDERS", orders)
+        monkeypatch.setattr(bal, "FILLS", fills)
         feasible = [t for t in singles if t is not None]
         assert (best is None) == (not feasible)
         if best is not None:
             assert best[1] == min(t[1] for t in feasible)
-            better += best[1] < feasible[0][1]
-    assert better >= 10, better  # 17 of 30 at the time of writing
+            better += best[1] < singles[0][1] if singles[0] is not None else 1
+    assert better >= 5, better
+
+
+def test_settle_moves_one_sequence_to_place_a_stranded_one():
+    """The subset-sum fill can leave one mid-length sequence while the slack sits in bins that each
+    hold one long sequence; ``_settle`` moves a short one out of the way (hand example)."""
+    from harness.plan.balanced import _Item, _lend, _settle
+    from harness.plan.cost import CostModel
+
+    c = CostModel.megatron()
+    a, b, x, y = (_Item(g, L, 1, c) for g, L in ((0, 1500), (1, 300), (2, 700), (3, 200)))
+    bins = [[0, 1, 2048 - 1500 - 300, [a, b]], [1, 1, 2048 - 200, [y]]]  # rooms 248 and 1848
+    left = [x]
+    assert _settle(left, bins) and not left
+    # x could go into bin 1 directly (room 1848 >= 700): the roomiest bin that holds it is used
+    assert [it.gid for it in bins[1][3]] == [3, 2] and bins[1][2] == 1148
+    big, mid, long_ = _Item(4, 1000, 1, c), _Item(5, 500, 1, c), _Item(6, 1500, 1, c)
+    bins = [[0, 1, 548, [big, mid]], [1, 1, 548, [long_]]]  # 700 fits in neither
+    left = [x]
+    assert _settle(left, bins)  # the 500 leaves bin 0 for bin 1, then the 700 joins bin 0
+    assert [it.gid for it in bins[0][3]] == [4, 2] and [it.gid for it in bins[1][3]] == [6, 5]
+    assert [bn[2] for bn in bins] == [348, 48]
+    left = [_Item(9, 2000, 1, c)]
+    assert not _settle(left, bins) and left  # nothing frees 2000 tokens
+    empty = [[0, 1, 2048, []], [1, 1, 2048 - 500, [_Item(10, 400, 1, c), _Item(7, 100, 1, c)]]]
+    assert _lend(empty) and [it.gid for it in empty[0][3]] == [7]
+    assert not _lend([[0, 1, 2048, []], [1, 1, 2048 - 400, [_Item(8, 400, 1, c)]]])  # no bin can spare one
