@@ -554,20 +554,20 @@ big-int shifts per layout and fill; whole ``balanced`` plans under a calibrated 
 the CPU machine: 2.7 ms at 4 ranks / 64 sequences, 6.4 ms at 8 / 128, 35 ms at 32 / 558, 54 ms at
 64 / 620)."""
 
-BIN_ORDERS = (lambda b: (-b[1], -b[2], b[0]),  # CP blocks' room first, largest first
-              lambda b: (b[1], -b[2], b[0]),  # single-rank slots first, the blocks' room last
+BIN_ORDERS = (lambda b: (b[1], -b[2], b[0]),  # single-rank slots first, the blocks' room last
               lambda b: (b[2], b[0]))  # smallest room first
 
 
 FILL_RETRIES = 2
 """How often ``_fill`` retries a strategy with the sequences it stranded placed first."""
 
-FILLS = ((True, 2), (False, 2), (True, 1))
+FILLS = ((True, 1), (False, 1), (True, 0))
 """``_tight``'s fill strategies: (place sequences over half a slot first, by best fit?, index into
 ``BIN_ORDERS`` of the order in which bins then take their fullest subsets). Chosen on the step
 benchmark's batches (4 and 8 ranks, three calibrated cost models): these three are within 0.2% of
-all six combinations' predicted step time at half the plan time; pre-placing alone removes the
-stranded mid-length sequence that made 4 of 30 batches need a ninth row."""
+all six combinations with a third order (CP blocks' room first, never the best alone) at half the
+plan time; pre-placing alone removes the stranded mid-length sequence that made 4 of 30 batches
+need a ninth row."""
 
 
 def schedule_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,

@@ -35,8 +35,10 @@ def simple_bound(sizes: list[int], cap: int) -> int:
 def min_bins(sizes: list[int], cap: int, node_limit: int = 2_000) -> Packing:
     """Few bins of ``cap`` for ``sizes`` (each in ``1..cap``); deterministic: the same input explores
     the same nodes and returns the same bins."""
-    if cap < 1 or any(not 1 <= x <= cap for x in sizes):
-        raise PlanInputError(f"bin packing needs items in 1..cap={cap}, got {sorted(sizes)[-1:]}")
+    bad = [x for x in sizes if not 1 <= x <= cap]
+    if cap < 1 or bad:
+        raise PlanInputError(f"bin packing needs items in 1..cap={cap}, got {bad[:5]}: pack only items "
+                             f"that fit one bin (a positive cap, each item at least 1 and at most the cap)")
     order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
     bins: list[list[int]] = []
     room: list[int] = []

@@ -48,8 +48,10 @@ def test_branch_and_bound_beats_first_fit_decreasing_and_says_when_it_gave_up():
 
 
 def test_bad_items_raise_a_typed_error_naming_them():
-    with pytest.raises(PlanInputError, match="cap=10"):
+    with pytest.raises(PlanInputError, match=r"cap=10, got \[11\]"):
         min_bins([5, 11], 10)
+    with pytest.raises(PlanInputError, match=r"got \[0\]"):
+        min_bins([5, 0], 10)
     assert min_bins([], 10).bins == [] and simple_bound([], 10) == 0
 
 
