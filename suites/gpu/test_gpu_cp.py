@@ -1,6 +1,6 @@
 """GPU suite (run on GPU nodes: ``pytest -m gpu suites/gpu``): the dist_cpu checks under torchrun with
 NCCL, in bf16 with TransformerEngine's tolerances (atol = rtol = 2.5e-2), on packs up to 128K tokens,
-with the varlen flash backend, on 2 and 4 GPUs."""
+with the flash backends (the ATen op, the default; ``varlen_attn``), on 2 and 4 GPUs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 CONFIGS = {
-    "pack128k": {"dtype": "bfloat16", "backend": "varlen", "pack_tokens": 131072, "max_seqs": 8, "heads": 16,
+    "pack128k": {"dtype": "bfloat16", "backend": "flash", "pack_tokens": 131072, "max_seqs": 8, "heads": 16,
                  "kv_heads": 4, "head_dim": 128, "reroute_sequences": 64, "max_seqlen_per_rank": 4096},
     "many_short": {"dtype": "bfloat16", "backend": "varlen", "max_seq": 4000, "max_seqs": 16, "heads": 8,
                    "kv_heads": 8, "head_dim": 64, "seed": 7},

@@ -116,8 +116,11 @@ def _compiled_matches_eager(backend, mlp, tol):
             assert ce.item() == pytest.approx(ce0.item(), rel=tol)
             for n, g in grads.items():
                 assert torch.allclose(g, grads0[n], rtol=tol, atol=tol * grads0[n].abs().max().item()), n
-        # the compiled path really ran: three graphs (attention inputs, MLP + residuals, loss head)
+        # the compiled path really ran, as one chain: attention inputs, then per stretch between two
+        # attentions one segment (MLP + residuals + the next block's inputs), the last with the loss head
         assert counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])
+        assert {k[0] for k in model_module._compiled_segments} == {"attn_inputs", f"{mlp}+attn_inputs",
+                                                                  f"{mlp}+head"}
     finally:
         m.compile_blocks(None)
     ce, grads = _losses_and_grads(m, [7, 30, 64], 0)
@@ -135,6 +138,51 @@ def test_compiled_blocks_compute_the_eager_model(mlp):
 def test_compiled_blocks_with_inductor_compute_the_eager_model():
     """Inductor's generated kernels (C++ on the CPU) agree too (slow: ~30 s of compilation)."""
     _compiled_matches_eager("inductor", "gelu", 1e-4)
+
+
+def test_compiled_layer_ranges_compute_the_eager_blocks():
+    """A pipeline stage's range of blocks (``run_layers(layers=...)``) through the compiled chain
+    gives the eager hidden states and gradients; a single block alone too (``Block.forward``)."""
+    from dataclasses import replace
+
+    from harness.plan.thd import whole_chunks
+    from harness.runtime import model as model_module
+    from harness.runtime.attention import DeviceChunks, chunk_attention
+    from harness.runtime.model import Rotary
+
+    m = TinyLM(replace(MODELS["tiny-gpt"], layers=3))
+    g = torch.Generator().manual_seed(3)
+    lengths = [9, 21]
+    cu = [0, 9, 30]
+    pos = torch.cat([torch.arange(L) for L in lengths])
+    chunks = DeviceChunks.build(whole_chunks(cu), "cpu")
+    attn = lambda q, k, v: chunk_attention(q, k, v, chunks)  # noqa: E731
+    x0 = torch.randn(30, m.c.hidden, generator=g)
+
+    def run(call):
+        m.zero_grad()
+        x = x0.clone().requires_grad_(True)
+        h = call(x)
+        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
+        return h.detach(), x.grad, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    calls = {"stage": lambda x: m.run_layers(x, pos, None, attn, layers=[1, 2])[0],
+             "block": lambda x: m.blocks[0](x, Rotary(pos, m.c.hidden // m.c.heads, m.c.rope_base), None, attn)[0]}
+    eager = {k: run(c) for k, c in calls.items()}
+    torch._dynamo.reset()
+    model_module._compiled_segments.clear()
+    m.compile_blocks("aot_eager")
+    try:
+        for k, c in calls.items():
+            h, gx, grads = run(c)
+            assert torch.allclose(h, eager[k][0], rtol=1e-5, atol=1e-6), k
+            assert torch.allclose(gx, eager[k][1], rtol=1e-5, atol=1e-6), k
+            assert grads.keys() == eager[k][2].keys(), k
+            for n, gr in grads.items():
+                assert torch.allclose(gr, eager[k][2][n], rtol=1e-5, atol=1e-5 * eager[k][2][n].abs().max().item()), n
+        assert {k[0] for k in model_module._compiled_segments} == {"attn_inputs", "swiglu+attn_inputs", "swiglu"}
+    finally:
+        m.compile_blocks(None)
 
 
 def test_compile_blocks_refuses_a_non_backend():
