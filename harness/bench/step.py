@@ -37,11 +37,12 @@ and optimizer state, so that drift over the run does not favour the arm that run
 per arm: the 10%-trimmed mean, median and mean step time, tokens/s/GPU (real tokens), MFU (model
 FLOPs of the real tokens with causal attention, over the GPUs' peak), padding, micro-batches, the
 step-time model's prediction, the step phases, and a measured breakdown (attention, linear, other
-kernels, exposed communication, idle) from ``profile_iters`` extra profiled steps
-(``harness.bench.trace``).
+kernels, exposed communication, idle) from ``profile_iters`` extra profiled steps after the last
+run (``harness.bench.trace``; only the last run profiles, since a profiler session leaves host
+overhead behind in the process).
 
-The whole measurement (calibration, every arm's warm-up, measured and profiled steps) repeats
-``runs`` times in one job; the targets are judged on the median over runs of each ratio
+The whole measurement (calibration, every arm's warm-up and measured steps) repeats ``runs`` times
+in one job; the targets are judged on the median over runs of each ratio
 (``summarize``, ``checks``), and the report details the run with the median speedup.
 """
 
@@ -130,7 +131,7 @@ class StepBenchConfig:
     took 78 ms, one inside a step ~43 ms)."""
     runs: int = 3
     """Independent repetitions in one job: each re-calibrates the cost model (unless one is pinned)
-    and runs every arm's warm-up, measured and profiled steps again from the initial weights. The
+    and runs every arm's warm-up and measured steps again from the initial weights. The
     targets are judged on the median over runs of each ratio: on 4 H200s one run's ratio moves
     +-4% (the machine's speed drifts ~20% within minutes), so a single run can pass or fail by luck."""
     grad_reduce: str = "overlap"
@@ -143,7 +144,9 @@ class StepBenchConfig:
     timed window, and a full collection before every run; ``auto`` leaves Python's thresholds on,
     so a collection can fall inside any rank's step (and stall its CP group)."""
     profile_iters: int = 2
-    """Extra profiled steps per arm for the breakdown (0 = no breakdown)."""
+    """Extra profiled steps per arm for the breakdown (0 = no breakdown), after the *last* run's
+    measured steps only: profiling leaves host overhead behind in the process, which would slow the
+    runs after it."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s per GPU for MFU; 0 = by device name (``DEVICE_PEAK_TFLOPS``)."""
     trim: float = 0.1
@@ -517,7 +520,10 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
         digest = weights_digest(weights[arm.label])  # after the timed steps, before the profiled ones
         load(arm)
         parts, error = [], None
-        for j in range(cfg.profile_iters):
+        # only the last run profiles: a torch.profiler session leaves host overhead behind in the
+        # process (on 4 H200s static's schedule phase grew 14.9 -> 26.0 ms over three runs that each
+        # profiled, and stayed at 21.5-22.7 ms without profiling), so it would slow every later run
+        for j in range(cfg.profile_iters if run == cfg.runs - 1 else 0):
             lengths, _, local = ctx.batches[cfg.warmup + j]
             suffix = f"_run{run + 1}" if cfg.runs > 1 else ""
             kept = (Path(cfg.trace_dir) / f"trace_{arm.label.replace(':', '_')}_rank0{suffix}.json.gz"
@@ -786,8 +792,9 @@ def _one_run(ctx: _Ctx, arm_list: list[Arm], run: int) -> dict:
                   f"{100 * calibration['max_rel_error']:.1f}%", flush=True)
     if rank == 0:
         print(f"bench step: run {run + 1}/{cfg.runs}: arms {', '.join(a.label for a in arm_list)} interleaved "
-              f"({cfg.warmup} warm-up + {cfg.iters} measured steps each), then {cfg.profile_iters} profiled steps "
-              f"per arm", flush=True)
+              f"({cfg.warmup} warm-up + {cfg.iters} measured steps each)"
+              + (f", then {cfg.profile_iters} profiled steps per arm" if run == cfg.runs - 1 and cfg.profile_iters else ""),
+              flush=True)
     out = {"arms": _run_arms(ctx, arm_list, run)}
     if rank == 0:
         out["cost_model"] = ctx.cost.to_dict()
@@ -806,7 +813,8 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
     per run (``_summarize_run``); ``ratios``: each target ratio per run and its median (what the
     targets judge); ``arms``, ``cost_model`` and ``calibration`` at the top level are the
     *representative* run's: the one whose speedup of ours over the baseline is the median (the
-    lower median for an even count; the last run if the ratio cannot be formed)."""
+    lower median for an even count; the last run if the ratio cannot be formed), except the
+    ``BREAKDOWN_FIELDS``, which come from the profiled run (``breakdown_run``: the last, or None)."""
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
     r0, world = ranks[0], result["world"]
     runs = [_summarize_run(ranks, k, world, cfg) for k in range(len(r0["runs"]))]
@@ -822,7 +830,13 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
     else:
         rep = len(runs) - 1
     tokens = [float(sum(b["lengths"])) for b in r0["batches"]]
-    return {**runs[rep], "runs": runs, "representative_run": rep, "ratios": ratios, "world": world,
+    top = dict(runs[rep])
+    profiled = next((k for k in range(len(runs) - 1, -1, -1)
+                     if any(a["breakdown"] or a["breakdown_error"] for a in runs[k]["arms"].values())), None)
+    if profiled is not None and profiled != rep:  # the breakdown comes from the profiled (last) run
+        top["arms"] = {label: {**a, **{f: runs[profiled]["arms"][label][f] for f in BREAKDOWN_FIELDS}}
+                       for label, a in runs[rep]["arms"].items()}
+    return {**top, "runs": runs, "representative_run": rep, "breakdown_run": profiled, "ratios": ratios, "world": world,
             "device_name": r0["device_name"], "peak_tflops": peak_tflops(cfg, r0["device_name"]),
             "parameters": r0["parameters"], "torch": r0["torch"], "compile": r0.get("compile"),
             "global_batch": {"sequences_mean": statistics.fmean(len(b["lengths"]) for b in r0["batches"]),
@@ -850,6 +864,10 @@ RATIOS = {"speedup_vs_static": _ratio("baseline", "ours"), "ours_vs_upstream": _
           "speedup_bound": _speedup_bound}
 """The targets' ratios of trimmed-mean step times (> 1: ours is faster), and the modelled bound on
 the first (not a target: it says how much room the measured costs leave any scheduler)."""
+
+
+BREAKDOWN_FIELDS = ("breakdown", "breakdown_per_rank", "compute_imbalance_ms", "breakdown_error")
+"""An arm's figures from the profiled steps (only the last run profiles)."""
 
 
 def _summarize_run(ranks: list[dict], k: int, world: int, cfg: StepBenchConfig) -> dict:
@@ -1042,7 +1060,9 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
     brows = [{"arm": k, **v["breakdown"], "compute_imbalance_ms": v["compute_imbalance_ms"]}
              for k, v in summary["arms"].items() if v["breakdown"]]
     if brows:
-        print(f"breakdown of one step (ms, mean over ranks and {cfg.profile_iters} profiled steps):")
+        run_note = (f" of run {summary['breakdown_run'] + 1}, the last: only it profiles"
+                    if len(summary["runs"]) > 1 and summary.get("breakdown_run") is not None else "")
+        print(f"breakdown of one step (ms, mean over ranks and {cfg.profile_iters} profiled steps{run_note}):")
         print(table(brows, BREAKDOWN_COLUMNS))
     for k, v in summary["arms"].items():
         if v["breakdown_error"]:

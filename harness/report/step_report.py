@@ -101,7 +101,8 @@ def _runs(summary: dict) -> str:
     cols = run_columns(summary)
     rows = [[_fmt(r.get(k), f) for k, _, f in cols] for r in runs_rows(summary)]
     return ("<h2>Runs</h2><p>Each run re-calibrated the scheduler's cost model and ran every arm's "
-            "warm-up, measured and profiled steps again from the same initial weights. The targets judge the "
+            "warm-up and measured steps again from the same initial weights (only the last run then profiles: a "
+            "profiler session leaves host overhead behind). The targets judge the "
             "median of each ratio over runs; the run marked * (the median speedup) is shown in detail below.</p>"
             + table(rows, [h for _, h, _ in cols], left=1))
 
@@ -137,6 +138,8 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
              + [_fmt(v["compute_imbalance_ms"], ".1f"), v["breakdown"]["source"]]
              for k, v in arms.items() if v["breakdown"]]
     missing = [f"{k}: {v['breakdown_error']}" for k, v in arms.items() if v["breakdown_error"]]
+    profiled = summary.get("breakdown_run")
+    bnote = f" (run {profiled + 1}, the last)" if len(summary.get("runs", [])) > 1 and profiled is not None else ""
     verdicts = [[c["target"], f"{c['value']:.3f}", ", ".join(f"{x:.3f}" for x in c["per_run"]),
                  "n/a (targets apply to 4 GPUs)" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")]
                 for c in checks]
@@ -169,7 +172,7 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
         "the balanced scheduler optimises (harness.plan.bounds.simulate).</p>",
         figure_png(_step_plot(summary)),
         "<h2>Where the time goes</h2>",
-        ("<p>Kernel time of profiled steps, each instant counted once (attention &gt; linear &gt; other "
+        ("<p>Kernel time of profiled steps" + bnote + ", each instant counted once (attention &gt; linear &gt; other "
          "&gt; communication): communication is NCCL time not hidden behind compute, including waits for "
          "slower ranks; idle is time with no kernel running (launch-bound gaps, host work); imbalance is "
          "the slowest rank's compute time minus the mean rank's.</p>"

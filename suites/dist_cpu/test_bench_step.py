@@ -195,8 +195,11 @@ def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
             assert len(a["step_ms"]) == cfg.iters and min(a["step_ms"]) > 0
             assert a["trimmed_mean_ms"] > 0 and a["tokens_per_s_per_gpu"] > 0
             assert sum(ranks[0]["runs"][k]["arms"][label]["processed_tokens"]) >= real  # padding only adds tokens
-            assert a["breakdown"] and a["breakdown"]["source"] == "host", a["breakdown_error"]
-            assert sum(a["breakdown"][p] for p in PARTS) == pytest.approx(a["breakdown"]["wall"], rel=1e-6)
+            if k == 1:  # only the last run profiles (a profiler session slows the runs after it)
+                assert a["breakdown"] and a["breakdown"]["source"] == "host", a["breakdown_error"]
+                assert sum(a["breakdown"][p] for p in PARTS) == pytest.approx(a["breakdown"]["wall"], rel=1e-6)
+            else:
+                assert a["breakdown"] is None and a["breakdown_error"] is None and not a["breakdown_per_rank"]
             # every measured step's phases (gradient all-reduce overlapped, the default): each phase
             # takes time, and the slowest rank's last boundary falls inside the measured step
             ph = a["phases_ms"]
@@ -210,14 +213,19 @@ def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
         assert run["cost_model"]["name"].startswith("calibrated")
         assert len(run["calibration"]["shapes"]) == len(step.calibration_shapes(2, cfg.max_seqlen_per_rank))
         assert all(a["predicted_ms"] is not None and a["predicted_ms"] > 0 for a in run["arms"].values())
-    # the top level is the representative run; the ratios list both runs and judge their median
-    assert s["arms"] == s["runs"][s["representative_run"]]["arms"]
+    # the top level is the representative run, with the breakdown of the profiled (last) run; the
+    # ratios list both runs and judge their median
+    assert s["breakdown_run"] == 1
+    for label, a in s["arms"].items():
+        for f, v in a.items():
+            src = s["runs"][1 if f in step.BREAKDOWN_FIELDS else s["representative_run"]]["arms"][label]
+            assert v == src[f], (label, f)
     speedups = [run["arms"]["dcp:balanced"]["speedup_vs_static"] for run in s["runs"]]
     assert s["ratios"]["speedup_vs_static"]["per_run"] == pytest.approx(speedups)
     assert s["ratios"]["speedup_vs_static"]["median"] == pytest.approx(sum(speedups) / 2)
     assert "cp_block" in s["runs"][0]["cost_model"]
-    kept = sorted(p.name for p in (tmp_path / "traces").iterdir())  # rank 0 keeps one trace per arm and run
-    assert kept == sorted(f"trace_{a.replace(':', '_')}_rank0_run{k}.json.gz" for a in cfg.arms for k in (1, 2))
+    kept = sorted(p.name for p in (tmp_path / "traces").iterdir())  # rank 0 keeps one trace per arm of the profiled run
+    assert kept == sorted(f"trace_{a.replace(':', '_')}_rank0_run2.json.gz" for a in cfg.arms)
     # the static baseline shards every sequence over both ranks; dynamic CP runs most at cp 1
     assert set(s["arms"]["thd:dp-balanced"]["cp_histogram"]) == {"2"}
     assert "1" in s["arms"]["dcp:balanced"]["cp_histogram"]
