@@ -9,6 +9,7 @@
   dcp-harness bench padding            step-wise batch padding and builder speed (CPU) -> reports/
   dcp-harness bench attention          CP attention throughput on GPUs -> reports/
   dcp-harness bench step               training step time, dynamic vs static CP (GPUs; --cpu smoke) -> reports/
+  dcp-harness bench microbatch         host vs device time of one micro-batch per compile mode and backend -> reports/
   dcp-harness fixtures wikipedia ...   regenerate the committed Wikipedia length sample
 
 Exit codes: 0 success, 1 a verdict or benchmark target failed, 2 bad input (message on stderr).
@@ -179,6 +180,15 @@ def parser() -> argparse.ArgumentParser:
                      help="pad each rank's micro-batch to a multiple of this many tokens (default 0 = off)")
     bst.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_step.json)")
     bst.add_argument("--html", type=Path, default=None, help="HTML path (default: the JSON path with .html)")
+    bm = bsub.add_parser("microbatch", help="(GPU) host vs device time of one micro-batch's forward + backward")
+    bm.add_argument("--cpu", action="store_true", help="the CPU variant (tiny-gpt, fp32, sdpa)")
+    bm.add_argument("--model", default=None, help="model key (default gpt-12l-h2048; tiny-gpt with --cpu)")
+    bm.add_argument("--shapes", default=None, help="comma list of KxL token shapes (default 1x2048,1x1024,4x512,16x128)")
+    bm.add_argument("--variants", default=None,
+                    help="comma list of <compile>/<backend> (default off/auto,inductor/varlen,inductor/auto)")
+    bm.add_argument("--reps", type=int, default=None, help="timed repetitions per shape and variant (12)")
+    bm.add_argument("--warmup", type=int, default=None, help="untimed calls first (2)")
+    bm.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_microbatch.json)")
     bp = bsub.add_parser("padding", help="step-wise RL batches: two-segment vs unified padding, builder speed")
     bp.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_padding.json)")
     bt = bsub.add_parser("thd", help="zig-zag index computation speed (CPU)")
@@ -230,6 +240,14 @@ def main(argv: list[str] | None = None) -> int:
                 if a.arms:
                     over["arms"] = tuple(x.strip() for x in a.arms.split(",") if x.strip())
                 return step.main(nproc=a.nproc, out=a.out, html=a.html, cpu=a.cpu, overrides=over)
+            if a.bench == "microbatch":
+                from harness.bench import microbatch
+
+                over = {k: getattr(a, k) for k in ("model", "reps", "warmup") if getattr(a, k) is not None}
+                for k in ("shapes", "variants"):
+                    if getattr(a, k):
+                        over[k] = tuple(x.strip() for x in getattr(a, k).split(",") if x.strip())
+                return microbatch.main(cpu=a.cpu, out=a.out, overrides=over)
             if a.bench == "padding":
                 from harness.bench import padding
 

@@ -1,0 +1,63 @@
+"""``dcp-harness bench microbatch``: one micro-batch's host and device time per compile mode and
+attention backend (the CPU variant here: tiny-gpt, fp32, sdpa; the GPU figures are recorded in
+``reports/recorded/microbatch_host.h200.session8.log``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness.bench import microbatch as mb
+
+
+def test_every_variant_of_a_shape_runs_the_same_tokens_and_loss(tmp_path):
+    """Eager and compiled (aot_eager) segments on the same tokens: the same loss (fp32), every
+    repetition timed, rows for each (shape, variant), the order of variants rotating."""
+    cfg = mb.MicrobatchConfig(shapes=("1x40", "3x12"), variants=("off/sdpa", "aot_eager/sdpa"), reps=3, warmup=0)
+    res = mb.measure(cfg)
+    rows = res["rows"]
+    assert [(r["shape"], r["variant"]) for r in rows] == [(s, v) for s in cfg.shapes for v in cfg.variants]
+    for r in rows:
+        assert r["tokens"] == {"1x40": 40, "3x12": 36}[r["shape"]] and r["sequences"] == {"1x40": 1, "3x12": 3}[r["shape"]]
+        assert len(r["enqueue_ms_all"]) == len(r["total_ms_all"]) == 3 and min(r["enqueue_ms_all"]) > 0
+        assert r["device_ms"] is None and r["host_bound"] is None  # no CUDA profile on the CPU
+        assert r["loss_spread"] < 1e-5
+    by = {(r["shape"], r["variant"]): r["loss"] for r in rows}
+    assert by[("1x40", "off/sdpa")] == pytest.approx(by[("1x40", "aot_eager/sdpa")], rel=1e-5)
+    assert by[("1x40", "off/sdpa")] != pytest.approx(by[("3x12", "off/sdpa")], rel=1e-3)  # other tokens
+
+
+@pytest.mark.parametrize("over,msg", [
+    ({"shapes": ("4y512",)}, "shape '4y512' is not KxL"),
+    ({"shapes": ("0x512",)}, "shape '0x512' is not KxL"),
+    ({"variants": ("fast/sdpa",)}, "variant 'fast/sdpa' is not <compile>/<backend>"),
+    ({"variants": ("off/flash",)}, "variant 'off/flash': attention backend 'flash' is not available on cpu"),
+    ({"variants": ("off/sdpa", "off/sdpa")}, "variants repeat"),
+    ({"reps": 0}, "reps must be an int >= 1"),
+    ({"model": "gpt-x"}, "unknown model 'gpt-x'"),
+])
+def test_bad_options_are_refused_with_the_fix(over, msg):
+    with pytest.raises(mb.MicrobatchConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        mb.MicrobatchConfig(**over).validate()
+
+
+def test_cli_cpu_run_writes_json_and_bad_input_exits_2(tmp_path):
+    out = tmp_path / "mb.json"
+    r = subprocess.run([sys.executable, "-m", "harness", "bench", "microbatch", "--cpu", "--shapes", "2x16",
+                        "--reps", "2", "--warmup", "0", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "enqueue ms" in r.stdout and "off/sdpa" in r.stdout
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "microbatch" and doc["config"]["shapes"] == ["2x16"] and len(doc["results"]) == 1
+    r = subprocess.run([sys.executable, "-m", "harness", "bench", "microbatch", "--cpu", "--shapes", "2by16"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "shape '2by16' is not KxL" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_variants_that_disagree_on_the_loss_fail_the_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(mb, "LOSS_SPREAD_MAX", -1.0)  # any spread, even 0, now counts as a disagreement
+    code = mb.main(cpu=True, out=tmp_path / "mb.json", overrides={"shapes": ("1x8",), "reps": 1, "warmup": 0})
+    assert code == 1 and "[FAIL] shape 1x8" in capsys.readouterr().out
