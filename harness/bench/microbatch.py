@@ -154,7 +154,7 @@ def measure(cfg: MicrobatchConfig) -> dict:
         def attention(q, k, v):
             return chunk_attention(q, k, v, chunks, backend=be)
 
-        def run() -> float:
+        def run() -> torch.Tensor:  # the summed loss
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
                 ce, _ = model.token_losses(toks, labels, mask, pos, attention)
             (ce / T).backward()
@@ -197,6 +197,9 @@ def measure(cfg: MicrobatchConfig) -> dict:
                 t2 = time.perf_counter()
                 enq[key].append(1e3 * (t1 - t0))
                 tot[key].append(1e3 * (t2 - t0))
+        print(f"bench microbatch: {shape} timed ("
+              + ", ".join(f"{k} {statistics.median(enq[k]):.2f} ms enqueue, first call {first[k]:.1f} s" for k in order)
+              + ")", flush=True)
         ref = losses[order[0]]
         spread = max(abs(x - ref) / max(abs(ref), 1e-30) for x in losses.values())
         for key in order:

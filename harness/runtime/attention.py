@@ -99,10 +99,9 @@ def _varlen(q_TQ, k_TK, v_TK, chunks: DeviceChunks, scale):
 def _flash(q_TQ, k_TK, v_TK, chunks: DeviceChunks, scale):
     kp, vp = _gathered(k_TK, v_TK, chunks)
     # causal with window (-1, 0): bottom-right aligned, as the chunks' key prefixes need (flash >= 2.1)
-    out = torch.ops.aten._flash_attention_forward(q_TQ, kp, vp, chunks.cu_q, chunks.cu_k, chunks.max_q, chunks.max_k,
-                                                  0.0, True, False, scale=scale, window_size_left=-1,
-                                                  window_size_right=0)[0]
-    return out
+    return torch.ops.aten._flash_attention_forward(q_TQ, kp, vp, chunks.cu_q, chunks.cu_k, chunks.max_q, chunks.max_k,
+                                                   0.0, True, False, scale=scale, window_size_left=-1,
+                                                   window_size_right=0)[0]
 
 
 def _flash_attn(q_TQ, k_TK, v_TK, chunks: DeviceChunks, scale):

@@ -214,34 +214,27 @@ def _head_losses(h_TE, norm_w, head_w, labels_T, real_T, eps: float):
     return (F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none") * real_T).sum()
 
 
-def _gelu_out_attn_inputs(x_TE, o_THD, proj_w, norm2_w, up_w, down_w, eps2: float, norm1_w, qkv_w, cos, sin,
-                          eps1: float, heads: int, kv_heads: int):
-    x_TE = _gelu_out(x_TE, o_THD, proj_w, norm2_w, up_w, down_w, eps2)
-    return (x_TE, *_attn_inputs(x_TE, norm1_w, qkv_w, cos, sin, eps1, heads, kv_heads))
+def _tail_then_attn_inputs(tail):
+    """One segment: ``tail`` (a block's output projection + MLP, ``_gelu_out`` / ``_swiglu_out``),
+    then the next block's ``_attn_inputs``; returns (hidden states, q, k, v)."""
+    def segment(x_TE, o_THD, proj_w, norm2_w, w1, down_w, eps2: float, *next_inputs):
+        x_TE = tail(x_TE, o_THD, proj_w, norm2_w, w1, down_w, eps2)
+        return (x_TE, *_attn_inputs(x_TE, *next_inputs))
+    return segment
 
 
-def _swiglu_out_attn_inputs(x_TE, o_THD, proj_w, norm2_w, gate_up_w, down_w, eps2: float, norm1_w, qkv_w, cos, sin,
-                            eps1: float, heads: int, kv_heads: int):
-    x_TE = _swiglu_out(x_TE, o_THD, proj_w, norm2_w, gate_up_w, down_w, eps2)
-    return (x_TE, *_attn_inputs(x_TE, norm1_w, qkv_w, cos, sin, eps1, heads, kv_heads))
+def _tail_then_head(tail):
+    """One segment: ``tail``, then the loss head (``_head_losses``); returns the summed loss."""
+    def segment(x_TE, o_THD, proj_w, norm2_w, w1, down_w, eps2: float, *head):
+        return _head_losses(tail(x_TE, o_THD, proj_w, norm2_w, w1, down_w, eps2), *head)
+    return segment
 
 
-def _gelu_out_head(x_TE, o_THD, proj_w, norm2_w, up_w, down_w, eps2: float, norm_w, head_w, labels_T, real_T,
-                   eps: float):
-    return _head_losses(_gelu_out(x_TE, o_THD, proj_w, norm2_w, up_w, down_w, eps2), norm_w, head_w, labels_T,
-                        real_T, eps)
-
-
-def _swiglu_out_head(x_TE, o_THD, proj_w, norm2_w, gate_up_w, down_w, eps2: float, norm_w, head_w, labels_T,
-                     real_T, eps: float):
-    return _head_losses(_swiglu_out(x_TE, o_THD, proj_w, norm2_w, gate_up_w, down_w, eps2), norm_w, head_w,
-                        labels_T, real_T, eps)
-
-
+_TAILS = {"gelu": _gelu_out, "swiglu": _swiglu_out}
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune-no-cudagraphs")
-_SEGMENTS = {"attn_inputs": _attn_inputs, "gelu": _gelu_out, "swiglu": _swiglu_out, "head": _head_losses,
-             "gelu+attn_inputs": _gelu_out_attn_inputs, "swiglu+attn_inputs": _swiglu_out_attn_inputs,
-             "gelu+head": _gelu_out_head, "swiglu+head": _swiglu_out_head}
+_SEGMENTS = {"attn_inputs": _attn_inputs, "head": _head_losses, **_TAILS,
+             **{f"{k}+attn_inputs": _tail_then_attn_inputs(f) for k, f in _TAILS.items()},
+             **{f"{k}+head": _tail_then_head(f) for k, f in _TAILS.items()}}
 _compiled_segments: dict = {}
 
 
