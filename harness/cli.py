@@ -144,6 +144,8 @@ def parser() -> argparse.ArgumentParser:
     ba = bsub.add_parser("attention", help="(GPU) CP attention fwd+bwd throughput and per-GPU efficiency")
     ba.add_argument("--nproc", type=int, default=None, help="GPUs to use (default min(4, available))")
     ba.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_attention.json)")
+    ba.add_argument("--backend", default="auto",
+                    help="attention backend (auto, sdpa, flash, varlen, flash_attn, te; default auto = flash on CUDA)")
     bst = bsub.add_parser("step", help="(GPU) training step time: dynamic CP vs static CP (Megatron's benchmark)")
     bst.add_argument("--nproc", type=int, default=None, help="processes (default min(4, GPUs); 2 with --cpu)")
     bst.add_argument("--cpu", action="store_true", help="smoke configuration on gloo (tiny model, no targets)")
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.bench == "attention":
                 from harness.bench import attention
 
-                return attention.main(out=a.out, nproc=a.nproc)
+                return attention.main(out=a.out, nproc=a.nproc, cfg={"backend": a.backend})
             if a.bench == "step":
                 from harness.bench import step
 

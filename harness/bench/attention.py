@@ -1,10 +1,10 @@
 """``dcp-harness bench attention`` (GPU): CP attention forward + backward throughput.
 
 For 32K and 128K tokens per pack (one sequence, and eight equal sequences) and CP sizes 1, 2, 4 on
-``min(4, GPUs)`` GPUs, every CP block of the world runs ``cp_attention`` (varlen flash backend, bf16,
-16 heads x 128) on its own copy of the pack. Figures: the median over iterations of the slowest
+``min(4, GPUs)`` GPUs, every CP block of the world runs ``cp_attention`` (``backend``, default ``auto``,
+i.e. ``flash`` on CUDA; bf16, 16 heads x 128) on its own copy of the pack. Figures: the median over iterations of the slowest
 rank's time, TFLOP/s counting causal FLOPs (forward 2 L^2 H D per sequence, backward 2.5 x forward),
-and the per-GPU efficiency relative to one GPU's ``varlen_attn`` on the whole pack:
+and the per-GPU efficiency relative to one GPU's attention (same backend) on the whole pack:
 ``t_1gpu / (cp * t_cp)``. Target: >= 0.8 at cp 4 with 128K tokens. For cp > 1 a breakdown times the
 K/V exchange alone (all-gather, key gather and their backward) and the chunk attention alone.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from harness.bench.common import table, write_report
 
 DEFAULT = {"tokens": [32768, 131072], "shapes": [1, 8], "cps": [1, 2, 4], "heads": 16, "kv_heads": 16,
-           "head_dim": 128, "warmup": 3, "iters": 10, "dtype": "bfloat16"}
+           "head_dim": 128, "warmup": 3, "iters": 10, "dtype": "bfloat16", "backend": "auto"}
 TARGET = {"tokens": 131072, "sequences": 1, "cp": 4, "efficiency": 0.8}
 
 
@@ -31,7 +31,6 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
     """Runs on every rank under torchrun (``harness.dist.entry bench-attention``)."""
     import torch
     import torch.distributed as dist
-    from torch.nn.attention.varlen import varlen_attn
 
     from harness.dist.collectives import gather_chunk_keys
     from harness.dist.cp_attention import CPAttentionPlan, cp_attention
@@ -43,6 +42,7 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
     device = torch.device("cuda", torch.cuda.current_device())
     dtype = getattr(torch, cfg["dtype"])
     H, Hkv, D = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    backend = cfg["backend"]
     groups = DynamicGroups(ParallelLayout(dp=world, cp=1), rank)
     rows = []
 
@@ -67,12 +67,12 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
                 p = pack(lengths, padding_divisor(cp_size=cp))
                 full = [torch.randn(p.total_tokens, h, D, generator=g, device=device, dtype=dtype) for h in (H, Hkv, Hkv)]
                 start = rank // cp * cp
-                if cp == 1:  # the baseline: one GPU's varlen flash attention on the whole pack
-                    cu = torch.tensor(p.cu_seqlens_padded, dtype=torch.int32, device=device)
+                if cp == 1:  # the baseline: one GPU's attention on the whole pack
+                    plan = CPAttentionPlan.build(p.cu_seqlens_padded, 1, 0, device)
                     q, k, v = (t.clone().requires_grad_() for t in full)
 
                     def step():
-                        out = varlen_attn(q, k, v, cu, cu, p.max_seqlen, p.max_seqlen, window_size=(-1, 0))
+                        out = cp_attention(q, k, v, plan, None, backend=backend)
                         out.backward(torch.ones_like(out))
                 else:
                     idx = torch.as_tensor(zigzag_index_array(p.cu_seqlens_padded, cp, rank - start), device=device)
@@ -81,7 +81,7 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
                     group = groups.for_block(start, cp)
 
                     def step():
-                        out = cp_attention(q, k, v, plan, group, backend="varlen")
+                        out = cp_attention(q, k, v, plan, group, backend=backend)
                         out.backward(torch.ones_like(out))
 
                     kv_local = torch.stack([k, v], dim=1).detach().requires_grad_()
@@ -92,7 +92,7 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
                         g.backward(torch.ones_like(g))
 
                     def compute():  # chunk attention on already-gathered keys only
-                        out = chunk_attention(q, kv_keys[:, 0], kv_keys[:, 1], plan.chunks, backend="varlen",
+                        out = chunk_attention(q, kv_keys[:, 0], kv_keys[:, 1], plan.chunks, backend=backend,
                                               keys_gathered=True)
                         out.backward(torch.ones_like(out))
                 seconds = timed(step)
@@ -132,12 +132,17 @@ def main(*, out: Path | None = None, nproc: int | None = None, cfg: dict | None 
     import torch
 
     from harness.dist.entry import launch
+    from harness.runtime.attention import BACKENDS
 
+    backend = (cfg or {}).get("backend", DEFAULT["backend"])
+    if backend != "auto" and backend not in BACKENDS:
+        print(f"dcp-harness bench attention: unknown backend {backend!r}; choose one of auto, {', '.join(BACKENDS)}")
+        return 2
     if not torch.cuda.is_available():
         print("dcp-harness bench attention: needs CUDA GPUs (run it on a GPU node)")
         return 2
     n = nproc or min(4, torch.cuda.device_count())
-    print(f"bench attention: {n} GPUs ({torch.cuda.get_device_name(0)}), torch {torch.__version__}")
+    print(f"bench attention: {n} GPUs ({torch.cuda.get_device_name(0)}), torch {torch.__version__}, backend {backend}")
     with tempfile.TemporaryDirectory() as tmp:
         res = launch("bench-attention", n, Path(tmp) / "bench.json", cfg)
     rows = summarize(res["ranks"])
