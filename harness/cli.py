@@ -163,6 +163,9 @@ def parser() -> argparse.ArgumentParser:
                           "the median ratio over runs (default 3 on GPUs, 1 with --cpu)")
     bst.add_argument("--gc", choices=["manual", "auto"], default=None,
                      help="Python GC: manual (default; collect between steps, outside the timed window) or auto")
+    bst.add_argument("--plan", choices=["ahead", "inline"], default=None,
+                     help="schedules computed one step ahead in a planner process (default) or inline, on each "
+                          "step's critical path")
     bst.add_argument("--grad-reduce", choices=list(GRAD_REDUCE_CHOICES), default=None,
                      help="gradient all-reduce: overlap (default; buckets reduced during the last backward) or after")
     bst.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
@@ -232,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 from harness.bench import step
 
                 keys = ("model", "lengths", "max_seqlen_per_rank", "microbatches", "warmup", "iters", "profile_iters",
-                        "dtype", "cp_comm_flops_per_byte", "static_cp", "compile", "token_bucket", "runs", "gc",
+                        "dtype", "cp_comm_flops_per_byte", "static_cp", "compile", "token_bucket", "runs", "gc", "plan",
                         "grad_reduce", "calibration_burst")
                 over = {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
                 if a.no_calibrate:

@@ -138,6 +138,12 @@ class StepBenchConfig:
     """Gradient all-reduce over the DP x CP group: ``overlap`` (buckets of 40M elements reduced as
     the step's last backward completes them, ``harness.dist.grad_reduce``; Megatron's
     ``--overlap-grad-reduce``) or ``after`` (one all-reduce of the whole buffer after the last backward)."""
+    plan: str = "ahead"
+    """Where each step's schedule is computed: ``ahead`` (a ``harness.plan.ahead.PlanAhead`` process
+    plans step k + 1 while step k runs, as Megatron describes its asynchronous dynamic-CP solver; a
+    step waits only if the planner is behind, and that wait is timed in its schedule phase) or
+    ``inline`` (at the start of the step, on its critical path). Every arm is treated alike; the
+    planner's own time per schedule is still reported (``plan ms``) and the wait as ``plan wait ms``."""
     gc: str = "manual"
     """Python's garbage collector: ``manual`` (as Megatron's ``--manual-gc`` and torchtitan's
     ``gc_freq``) disables automatic collection and collects generation 1 between steps, outside the
@@ -197,6 +203,8 @@ class StepBenchConfig:
             raise BenchConfigError(f"trim must be in [0, 0.5), got {self.trim}")
         if self.dtype not in ("float32", "bfloat16"):
             raise BenchConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.plan not in ("ahead", "inline"):
+            raise BenchConfigError(f"plan must be 'ahead' or 'inline', got {self.plan!r}")
         if self.gc not in ("manual", "auto"):
             raise BenchConfigError(f"gc must be manual or auto, got {self.gc!r}")
         if self.grad_reduce not in GRAD_REDUCE_CHOICES:
@@ -369,8 +377,11 @@ def _layout_cfg(ctx: _Ctx, arm: Arm):
                         static_cp=ctx.cfg.static_cp or ctx.world, scheduler=arm.scheduler, dcp_padding=arm.padding)
 
 
-def _step(ctx: _Ctx, arm: Arm, lengths: list[int], local: dict, opt) -> dict:
-    """One training step; returns host-side figures (no device synchronisation inside)."""
+def _step(ctx: _Ctx, arm: Arm, lengths: list[int], local: dict, opt, planned=None) -> dict:
+    """One training step; returns host-side figures (no device synchronisation inside).
+    ``planned``: None = plan inline; else a callable returning ``(plan(...)'s result, seconds it
+    took)`` - the plan computed ahead by a ``PlanAhead`` process (waiting for it, if it is behind, is
+    inside the step)."""
     import torch.distributed as dist
 
     from harness.dist.layouts import plan
@@ -378,8 +389,12 @@ def _step(ctx: _Ctx, arm: Arm, lengths: list[int], local: dict, opt) -> dict:
 
     marks = _Marks(ctx.device)
     t = time.perf_counter()
-    sched, padding, fixed = plan(arm.layout, lengths, _layout_cfg(ctx, arm), ctx.cost)
-    plan_s = time.perf_counter() - t
+    if planned is None:
+        sched, padding, fixed = plan(arm.layout, lengths, _layout_cfg(ctx, arm), ctx.cost)
+        plan_s = wait_s = time.perf_counter() - t
+    else:
+        (sched, padding, fixed), plan_s = planned()
+        wait_s = time.perf_counter() - t
     me, n = ctx.rank, ctx.world
     owners = {g: g % n for g in range(len(lengths))}
     samples = reroute(local, owners, sched, me, group=ctx.everyone)
@@ -403,7 +418,7 @@ def _step(ctx: _Ctx, arm: Arm, lengths: list[int], local: dict, opt) -> dict:
     opt.step()
     ctx.flat.zero_()
     marks.mark()
-    return {"plan_s": plan_s, "schedule": sched, "local_tokens": local_tokens, "marks": marks}
+    return {"plan_s": plan_s, "plan_wait_s": wait_s, "schedule": sched, "local_tokens": local_tokens, "marks": marks}
 
 
 def _profiled_step(ctx: _Ctx, arm: Arm, lengths, local, opt, keep_trace: Path | None) -> dict:
@@ -415,12 +430,19 @@ def _profiled_step(ctx: _Ctx, arm: Arm, lengths, local, opt, keep_trace: Path | 
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from harness.bench.trace import annotations, breakdown, load_trace
+    from harness.dist.layouts import plan
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    planned = None
+    if ctx.cfg.plan == "ahead":  # as in the timed steps: the schedule is ready when the step starts
+        t = time.perf_counter()
+        got = plan(arm.layout, lengths, _layout_cfg(ctx, arm), ctx.cost)
+        done = (got, time.perf_counter() - t)
+        planned = lambda: done  # noqa: E731
     dist.barrier(group=ctx.everyone)
     _sync(ctx.device)
     with profile(activities=acts) as prof, record_function("dcp_harness_step"):
-        _step(ctx, arm, lengths, local, opt)
+        _step(ctx, arm, lengths, local, opt, planned=planned)
         _sync(ctx.device)
     fd, path = tempfile.mkstemp(suffix=".json", prefix=f"dcp_step_r{ctx.rank}_")
     os.close(fd)
@@ -465,7 +487,8 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
     weights = {a.label: [p0.clone() for p0 in ctx.initial] for a in arms}
     opts = {a.label: torch.optim.AdamW(ctx.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0,
                                        **({"fused": True} if dev.type == "cuda" else {})) for a in arms}
-    rec = {a.label: {"times": [], "plan_ms": [], "tokens": [], "figures": [], "marks": [], "slots": []} for a in arms}
+    rec = {a.label: {"times": [], "plan_ms": [], "plan_wait_ms": [], "tokens": [], "figures": [], "marks": [],
+                     "slots": []} for a in arms}
 
     def load(arm: Arm) -> None:
         with torch.no_grad():
@@ -478,18 +501,39 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
             for p, w in zip(ctx.params, weights[arm.label]):
                 w.copy_(p)
 
+    # the timed steps in order: step i runs every arm once, the arm order rotating with i
+    order = [(i, arms[(i + k) % len(arms)], k) for i in range(len(ctx.batches)) for k in range(len(arms))]
+    ahead = None
+    if cfg.plan == "ahead":  # each step's schedule is computed in a planner process while the step before runs
+        from harness.plan.ahead import PlanAhead
+
+        ahead = PlanAhead("harness.dist.layouts:plan")
+
+    def submit(j: int) -> None:
+        if ahead is not None and j < len(order):
+            i, arm, _ = order[j]
+            ahead.submit(arm.layout, ctx.batches[i][0], _layout_cfg(ctx, arm), ctx.cost)
+
+    def planned_for(j: int):
+        def get():
+            got = ahead.result()
+            submit(j + 1)  # the planner works on the next step while this one runs
+            return got
+        return None if ahead is None else get
+
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    for i, (lengths, _, local) in enumerate(ctx.batches):
-        for k in range(len(arms)):
-            arm = arms[(i + k) % len(arms)]
+    submit(0)
+    try:
+        for j, (i, arm, k) in enumerate(order):
+            lengths, _, local = ctx.batches[i]
             load(arm)
             if cfg.gc == "manual":  # between steps, outside the timed window, on every rank alike
                 gc.collect(1)
             dist.barrier(group=ctx.everyone)
             _sync(dev)
             t0 = time.perf_counter()
-            r = _step(ctx, arm, lengths, local, opts[arm.label])
+            r = _step(ctx, arm, lengths, local, opts[arm.label], planned=planned_for(j))
             _sync(dev)
             dt = time.perf_counter() - t0
             keep(arm)
@@ -497,14 +541,18 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
                 x = rec[arm.label]
                 x["times"].append(dt)
                 x["plan_ms"].append(r["plan_s"] * 1e3)
+                x["plan_wait_ms"].append(r["plan_wait_s"] * 1e3)
                 x["tokens"].append(r["local_tokens"])
                 x["marks"].append(r["marks"].cumulative_ms())
                 x["slots"].append(k)  # its place in this step's rotation
                 if ctx.rank == 0:
                     x["figures"].append(_schedule_figures(r["schedule"], ctx.cost))
-        if ctx.rank == 0 and i + 1 == cfg.warmup + cfg.iters:
-            print("bench step: " + ", ".join(f"{a.label} median {1e3 * statistics.median(rec[a.label]['times']):.1f} ms"
-                                            for a in arms) + " (this rank)", flush=True)
+    finally:
+        if ahead is not None:
+            ahead.close()
+    if ctx.rank == 0:
+        print("bench step: " + ", ".join(f"{a.label} median {1e3 * statistics.median(rec[a.label]['times']):.1f} ms"
+                                        for a in arms) + " (this rank)", flush=True)
     peak = (torch.cuda.max_memory_allocated(dev) / 2**30) if dev.type == "cuda" else None
     out = {}
     for arm in arms:
@@ -542,7 +590,8 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
                 parts = []
                 break
         out[arm.label] = {"rank": ctx.rank, "times_s": x["times"], "step_s": slowest.tolist(),
-                          "processed_tokens": tok.tolist(), "plan_ms": x["plan_ms"], "phase_marks_ms": last.tolist(),
+                          "processed_tokens": tok.tolist(), "plan_ms": x["plan_ms"], "plan_wait_ms": x["plan_wait_ms"],
+                          "phase_marks_ms": last.tolist(),
                           "breakdown": parts,
                           "breakdown_error": error, "peak_memory_gb": peak, "weights_digest": digest,
                           "slots": x["slots"]}
@@ -904,6 +953,7 @@ def _summarize_run(ranks: list[dict], k: int, world: int, cfg: StepBenchConfig) 
             "predicted_ms": 1e3 * statistics.fmean(f["predicted"] for f in a["schedules"]) if seconds else None,
             "lower_bound": statistics.fmean(f["lower_bound"] for f in a["schedules"]),
             "plan_ms_median": statistics.median(a["plan_ms"]),
+            "plan_wait_ms_median": statistics.median(a["plan_wait_ms"]) if a.get("plan_wait_ms") else None,
             "peak_memory_gb": max((m["peak_memory_gb"] or 0.0) for m in mine) or None,
             "breakdown": mean_breakdown(parts) if parts else None,
             "breakdown_per_rank": per_rank,
@@ -970,7 +1020,8 @@ COLUMNS = [("arm", "arm", "s"), ("trimmed_mean_ms", "trimmed ms", ".1f"), ("medi
            ("mean_ms", "mean ms", ".1f"), ("speedup_vs_static", "speedup", ".3f"),
            ("predicted_speedup_vs_static", "predicted", ".3f"), ("predicted_ms", "model ms", ".1f"), ("tokens_per_s_per_gpu", "tok/s/GPU", ".0f"),
            ("tflops_per_gpu", "TFLOP/s/GPU", ".3g"), ("mfu", "MFU", ".3f"), ("padding_fraction", "padding", ".3f"),
-           ("microbatches", "micro-batches", ".1f"), ("plan_ms_median", "plan ms", ".2f")]
+           ("microbatches", "micro-batches", ".1f"), ("plan_ms_median", "plan ms", ".2f"),
+           ("plan_wait_ms_median", "plan wait ms", ".2f")]
 BREAKDOWN_COLUMNS = [("arm", "arm", "s"), ("wall", "wall ms", ".1f"), ("attention", "attention", ".1f"),
                      ("linear", "linear", ".1f"), ("other", "other", ".1f"), ("communication", "comm (exposed)", ".1f"),
                      ("idle", "idle", ".1f"), ("compute_imbalance_ms", "imbalance", ".1f")]

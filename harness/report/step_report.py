@@ -116,7 +116,11 @@ def _phases(summary: dict, cfg) -> str:
         return ""
     return ("<h3>Step phases</h3><p>Trimmed-mean ms over the measured steps; each phase ends when the slowest "
             "rank leaves it (CUDA events, no extra synchronisation), so a phase includes waiting for ranks "
-            "still in it. Dynamic CP changes the micro-batches phase; scheduling, the gradient all-reduce left "
+            "still in it. The schedule phase is planning (" + (
+                "done one step ahead in a planner process, as Megatron's asynchronous solver: a step pays only "
+                "its wait for the plan, the 'plan wait ms' column" if getattr(cfg, "plan", "inline") == "ahead"
+                else "inline, on the step's critical path") + "), rerouting the samples and building the "
+            "micro-batches. Dynamic CP changes the micro-batches phase; scheduling, the gradient all-reduce left "
             f"after the last backward (mode: {esc(cfg.grad_reduce)}) and AdamW cost every arm about the same and "
             "dilute the whole step's speedup.</p>"
             + table([[_fmt(r.get(k), f) for k, _, f in PHASE_COLUMNS] for r in rows],
@@ -130,10 +134,10 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
              _fmt(v["tokens_per_s_per_gpu"], ".0f"), _fmt(v["tflops_per_gpu"], ".3g"), _fmt(v["mfu"], ".3f"),
              f"{100 * v['padding_fraction']:.1f}%", _fmt(v["microbatches"], ".1f"),
              ", ".join(f"{s}:{n}" for s, n in v["cp_histogram"].items()), _fmt(v["plan_ms_median"], ".2f"),
-             _fmt(v["peak_memory_gb"], ".1f")] for k, v in arms.items()]
+             _fmt(v.get("plan_wait_ms_median"), ".2f"), _fmt(v["peak_memory_gb"], ".1f")] for k, v in arms.items()]
     header = ["arm", "trimmed mean ms", "median ms", "mean ms", "speedup vs static", "predicted speedup",
               "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "padding", "micro-batches", "sequences per CP size",
-              "plan ms", "peak mem GiB"]
+              "plan ms", "plan wait ms", "peak mem GiB"]
     brows = [[k, _fmt(v["breakdown"]["wall"], ".1f")] + [_fmt(v["breakdown"][p], ".1f") for p in PART_COLORS]
              + [_fmt(v["compute_imbalance_ms"], ".1f"), v["breakdown"]["source"]]
              for k, v in arms.items() if v["breakdown"]]

@@ -47,6 +47,7 @@ def test_bad_arms_are_named_with_the_fix(text, fix):
                                               ({"runs": 0}, 2, "runs must be an int >= 1"),
                                               ({"calibration_burst": 0}, 2, "calibration_burst must be an int >= 1"),
                                               ({"gc": "off"}, 2, "gc must be manual or auto"),
+                                              ({"plan": "async"}, 2, "plan must be 'ahead' or 'inline'"),
                                               ({"grad_reduce": "ddp"}, 2, "grad_reduce must be one of overlap, after")])
 def test_bad_config_is_refused_before_any_process_starts(over, world, msg):
     with pytest.raises(step.BenchConfigError, match=msg):
@@ -350,16 +351,23 @@ def test_interleaved_arms_keep_their_own_weights_and_optimizer_state(tmp_path):
     """Arms run interleaved step by step, each swapping its weights into the one model and keeping
     its own AdamW. An arm must end with exactly the weights it reaches when run alone on the same
     batches (a broken swap or a shared optimizer would mix the arms), and the order must rotate.
-    A pinned cost model makes the schedules identical in both jobs."""
+    A pinned cost model makes the schedules identical in both jobs; the interleaved job plans one
+    step ahead in planner processes (the default), the solo job inline, and every step's schedule
+    must be the same."""
     cost = {"quadratic": 1e-9, "linear": 1e-6, "constant": 1e-5, "per_microbatch": 1e-3, "name": "pinned"}
     base = {**TINY, "warmup": 1, "iters": 3, "profile_iters": 0, "cost_model": cost, "device": "cpu"}
     both = {**base, "arms": ("dcp:balanced", "thd:dp-balanced", "dcp:megatron-dev")}
-    alone = {**base, "arms": ("dcp:balanced",)}
+    alone = {**base, "arms": ("dcp:balanced",), "plan": "inline"}
+    assert step.StepBenchConfig.from_dict(both).plan == "ahead"
     mixed = run_on_ranks(_measure, world_size=2, tmp_path=tmp_path, args=(both,), timeout_s=240)
     solo = run_on_ranks(_measure, world_size=2, tmp_path=tmp_path, args=(alone,), timeout_s=240)
     for m, s in zip(mixed, solo):
         arms = m["runs"][0]["arms"]
         assert arms["dcp:balanced"]["weights_digest"] == s["runs"][0]["arms"]["dcp:balanced"]["weights_digest"]
+        if m["rank"] == 0:  # planned ahead == planned inline, step by step
+            assert arms["dcp:balanced"]["schedules"] == s["runs"][0]["arms"]["dcp:balanced"]["schedules"]
+        for a in (arms["dcp:balanced"], s["runs"][0]["arms"]["dcp:balanced"]):
+            assert len(a["plan_wait_ms"]) == base["iters"] and all(x > 0 for x in a["plan_ms"])
         assert len({tuple(a["weights_digest"]) for a in arms.values()}) == 3  # three models, not one
         # step i puts arm j at place (j - i) mod 3: each arm leads once in three steps
         for j, a in enumerate(both["arms"]):
