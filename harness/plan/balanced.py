@@ -45,6 +45,7 @@ Deterministic: sequences are ordered by (cost, gid) and ties go to the lowest no
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, insort
 
 from harness.plan.binpack import min_bins
 from harness.plan.cost import CostModel, cp_min
@@ -55,12 +56,13 @@ THETAS = (0.5, 1.0)  # widen a sequence while its per-rank cost exceeds theta x 
 
 
 class _Item:
-    __slots__ = ("gid", "L", "cp", "work", "comm", "width")
+    __slots__ = ("gid", "L", "cp", "work", "comm", "width", "own")
 
     def __init__(self, gid: int, L: int, cp: int, cost: CostModel):
         self.gid, self.L, self.cp, self.width = gid, L, cp, cp
         self.work = cost.quadratic * L * L + cost.linear * L + cost.constant
         self.comm = cost.cp_comm * L
+        self.own = self.cost(cp)  # at its cp_min, where most plans run it
 
     def cost(self, s: int) -> float:
         """Same arithmetic as ``CostModel.seq_cost`` (so predictions match the simulator)."""
@@ -104,8 +106,8 @@ class _Builder:
 
     def __init__(self, items, n: int, mslpr: int, min_cp: int, vpp: int | None, cost: CostModel):
         self.items, self.n, self.mslpr, self.min_cp, self.vpp, self.cost = items, n, mslpr, min_cp, vpp, cost
-        self.target = sum(it.cost(it.cp) * it.cp for it in items) / n
-        self.pool = sorted(items, key=lambda x: (x.cost(x.cp) * x.cp, x.gid))  # filler order
+        self.target = sum(it.own * it.cp for it in items) / n
+        self.pool = sorted(items, key=lambda x: (x.own * x.cp, x.gid))  # filler order
 
     def widths(self, theta: float, leaf: int) -> dict[int, int]:
         """gid -> node size: cp_min, widened while too costly, at least ``leaf``, and promoted while
@@ -128,8 +130,9 @@ class _Builder:
             s *= 2
         return width
 
-    def plan(self, theta: float, leaf: int) -> tuple[list[Blocks], float]:
-        width = self.widths(theta, leaf)
+    def plan(self, theta: float, leaf: int, width: dict[int, int] | None = None) -> tuple[list[Blocks], float]:
+        """One candidate; ``width``: ``widths(theta, leaf)`` if the caller has it already."""
+        width = self.widths(theta, leaf) if width is None else width
         by_width: dict[int, list[_Item]] = {}
         for it in self.items:
             by_width.setdefault(width[it.gid], []).append(it)
@@ -246,20 +249,33 @@ def _dense(items: list[_Item], n: int, mslpr: int, leaf: int, cost: CostModel,
     for stragglers here, and the prediction counts it (``simulate``'s arithmetic)."""
     rows: list[_Row] = [_Row() for _ in range(-(-sum(it.L for it in items) // (n * mslpr)) if spread else 0)]
     open_blocks: dict[int, list] = {}
+    open_sizes: list[int] = []  # the keys of ``open_blocks``, increasing
 
-    def fit(blocks):
-        ok = (b for b in blocks if b[2] >= it.L)
-        return min(ok, key=lambda b: b[2], default=None) if spread else next(ok, None)
+    def fit(blocks, L):
+        """The first block with room for L, or (``spread``) the first of those with the least room."""
+        if not spread:
+            for b in blocks:
+                if b[2] >= L:
+                    return b
+            return None
+        best = None
+        for b in blocks:
+            if b[2] >= L and (best is None or b[2] < best[2]):
+                best = b
+        return best
 
     for it in sorted(items, key=lambda x: (-x.cp, -x.L, x.gid)):
         s = it.cp
-        blk = fit(open_blocks.get(s, ()))
+        blk = fit(open_blocks.get(s, ()), it.L)
         row = None
-        if blk is None:
-            fits = [r for r in rows if n - r.free >= s]
-            row = (min(fits, key=lambda r: r.free, default=None) if spread else next(iter(fits), None))
+        if blk is None:  # the first row with s free ranks, or (``spread``) the first with the most
+            for r in rows:
+                if n - r.free >= s and (row is None or r.free < row.free):
+                    row = r
+                    if not spread:
+                        break
         if blk is None and row is None:  # room left in a wider block beats a new micro-batch
-            blk = fit(b for w in sorted(open_blocks) if w > s for b in open_blocks[w])
+            blk = fit([b for w in open_sizes if w > s for b in open_blocks[w]], it.L)
         if blk is None:
             if row is None:
                 row = _Row()
@@ -267,15 +283,21 @@ def _dense(items: list[_Item], n: int, mslpr: int, leaf: int, cost: CostModel,
             blk = [row.free, s, s * mslpr, []]
             row.blocks.append(blk)
             row.free += s
-            open_blocks.setdefault(s, []).append(blk)
+            if s not in open_blocks:
+                open_blocks[s] = []
+                insort(open_sizes, s)
+            open_blocks[s].append(blk)
         blk[3].append(it)
         blk[2] -= it.L
     for row in rows:
         while row.free < n:
             donor = None
-            if n - row.free >= leaf:
-                cands = [b for r in rows for b in r.blocks if len(b[3]) > 1 and any(x.cp <= leaf for x in b[3])]
-                donor = max(cands, key=lambda b: len(b[3]), default=None)
+            if n - row.free >= leaf:  # the first block holding the most (> 1) sequences, one of them leaf-sized
+                most = 1
+                for r in rows:
+                    for b in r.blocks:
+                        if len(b[3]) > most and any(x.cp <= leaf for x in b[3]):
+                            donor, most = b, len(b[3])
             if donor is not None:
                 it = min((x for x in donor[3] if x.cp <= leaf), key=lambda x: (x.L, x.gid))
                 donor[3].remove(it)
@@ -297,36 +319,76 @@ def _dense(items: list[_Item], n: int, mslpr: int, leaf: int, cost: CostModel,
 
 
 def _rows_out(rows: list[list[list]], n: int, cost: CostModel) -> tuple[list[Blocks], float]:
-    """Rows of ``[start, size, room, items]`` blocks -> (``Blocks`` rows, simulated step time: a
-    block starts when its slowest rank is free; ``simulate``'s arithmetic)."""
+    """Rows of ``[start, size, room, items]`` blocks -> (``Blocks`` rows, simulated step time)."""
+    return _blocks_out(rows), _simulate(rows, n, cost)
+
+
+def _blocks_out(rows: list[list[list]]) -> list[Blocks]:
+    return [[(size, [x.gid for x in its]) for _, size, _, its in blocks] for blocks in rows]
+
+
+def _simulate(rows: list[list[list]], n: int, cost: CostModel) -> float:
+    """Simulated step time of rows of ``[start, size, room, items]`` blocks: a block starts when its
+    slowest rank is free (``simulate``'s arithmetic, term for term: a single-rank block's
+    ``max`` of one value is that value, and ``_Item.own`` is ``cost(cp)`` computed once)."""
     free = [0.0] * n
-    out: list[Blocks] = []
+    overhead = {}
     for blocks in rows:
-        out.append([(size, [x.gid for x in its]) for _, size, _, its in blocks])
         for start, size, _, its in blocks:
-            t = max(free[start:start + size]) + sum(x.cost(size) for x in its) + cost.block_overhead(size)
+            if size not in overhead:
+                overhead[size] = cost.block_overhead(size)
+            costs = [x.own if x.cp == size else x.cost(size) for x in its]
+            if size == 1:  # most blocks
+                free[start] = free[start] + sum(costs) + overhead[1]
+                continue
+            t = max(free[start:start + size]) + sum(costs) + overhead[size]
             free[start:start + size] = [t] * size
-    return out, max(free, default=0.0)
+    return max(free, default=0.0)
 
 
 def _fullest_subset(sizes: list[int], cap: int) -> list[int]:
-    """Indices of a subset of ``sizes`` with the largest sum <= ``cap`` (exact subset sum on a
-    bitset: bit t of ``reach[i]`` = some subset of the first i sizes sums to t); among equal sums,
-    the one the backward walk finds first (deterministic). The scan stops at the first prefix of
-    ``sizes`` that reaches ``cap`` exactly: later sizes cannot fill it more (``_tight`` calls this per
-    bin on hundreds of sequences at 32 ranks, and most bins fill exactly after a few)."""
-    mask = (1 << (cap + 1)) - 1
-    reach = [1]
+    """Indices (decreasing) of a subset of ``sizes`` with the largest sum <= ``cap`` (exact subset
+    sum on a bitset: bit t of ``reach[i]`` = some subset of the first i sizes sums to t); among
+    equal sums, the one the backward walk finds first (deterministic). The scan stops at the first
+    prefix of ``sizes`` that reaches ``cap`` exactly: later sizes cannot fill it more (``_tight`` calls
+    this per bin on hundreds of sequences at 32 ranks, and most bins fill exactly after a few).
+    A size over ``cap`` leaves the bitset as it is (its shift lands above the mask): no big-int work.
+
+    The backward walk steps down the prefixes and takes size i when its target t is not reachable
+    without it (``reach[i]`` lacks t). ``reach[i]`` only gains bits as i grows, so the size it takes
+    next is the one just below the least prefix that reaches t: found by galloping down from the
+    last pick (picks tend to lie close together; after an exact fill the first is the last size
+    scanned) and then bisecting, the same picks in a few big-int tests instead of one per prefix."""
+    full = 1 << cap
+    mask = (full << 1) - 1
+    r = 1
+    reach = [r]
     for w in sizes:
-        reach.append((reach[-1] | (reach[-1] << w)) & mask)
-        if reach[-1] >> cap:
-            break
-    t = reach[-1].bit_length() - 1
+        if w <= cap:
+            r |= (r << w) & mask  # (r has no bit above cap: the mask need not touch it)
+            if r >= full:  # bit cap set (nothing above it survives the mask): filled exactly
+                reach.append(r)
+                break
+        reach.append(r)
+    t = r.bit_length() - 1
     picked = []
-    for i in range(len(reach) - 2, -1, -1):
-        if not (reach[i] >> t) & 1:  # t not reachable without item i: take it
-            picked.append(i)
-            t -= sizes[i]
+    hi = len(reach) - 1  # reach[hi] has bit t
+    while t:
+        step, lo = 1, hi - 1
+        while lo > 0 and reach[lo] >> t & 1:  # gallop down while t stays reachable
+            hi, lo = lo, lo - step
+            step *= 2
+        if lo < 0:
+            lo = 0
+        while hi - lo > 1:  # reach[lo] lacks t (reach[0] is {0} and t > 0), reach[hi] has it
+            mid = (lo + hi) // 2
+            if reach[mid] >> t & 1:
+                hi = mid
+            else:
+                lo = mid
+        picked.append(lo)  # reach[lo + 1] is the least prefix reaching t: size lo is needed
+        t -= sizes[lo]
+        hi = lo
     return picked
 
 
@@ -340,71 +402,96 @@ def _tight(items: list[_Item], n: int, mslpr: int, leaf: int, cost: CostModel) -
     over half a slot first by best fit, then bin after bin (in one of ``BIN_ORDERS``) takes the
     subset of the remaining ones that fills it most (exact subset sum); ``_settle`` places what is
     left by moving one sequence, ``_lend`` gives empty bins one. Layouts are tried by their time
-    before filling (a bound on any fill of them) until that cannot beat the best; of the fills
-    that place every sequence and leave no block empty, the least predicted step time wins (ties:
-    fewer rank-blocks of CP, then the first). None when every candidate fails; the caller's other
+    before filling (a bound on any fill of them) until that cannot beat the best, skipping those
+    whose mean busy time (``_mean_busy``, another bound) cannot either; of the fills that place
+    every sequence and leave no block empty, the least predicted step time wins (ties: fewer
+    rank-blocks of CP, then the first). None when every candidate fails; the caller's other
     candidates then stand."""
     least = -(-sum(it.L for it in items) // (n * mslpr))
     wide = sorted((it for it in items if it.cp > leaf), key=lambda x: (-x.cp, -x.L, x.gid))
     short = sorted((it for it in items if it.cp <= leaf), key=lambda x: (-x.L, x.gid))
     layouts = []
+    packed = min_bins([it.L for it in wide], n * mslpr).bins if wide else []  # for both row counts
     for rows_n in (least, least + 1):
-        for rows in _wide_layouts(wide, n, mslpr, leaf, rows_n):
+        for rows in _wide_layouts(wide, n, mslpr, leaf, rows_n, packed):
             shape = [[(b[0], b[1], [x.gid for x in b[3]]) for b in row] for row in rows]
             if all(shape != other for _, _, other, _ in layouts):
                 # the rows' time before short sequences join: filling only lengthens blocks, so no
                 # fill of this layout can beat it (``simulate`` is monotone in block durations)
-                layouts.append((_rows_out(rows, n, cost)[1], len(layouts), shape, rows))
+                layouts.append((_simulate(rows, n, cost), len(layouts), shape, rows))
     best, best_key = None, None
+    short_work = sum(x.cost(1) for x in short)
     for floor, _, _, rows in sorted(layouts, key=lambda t: t[:2]):
         if best is not None and floor >= best[1]:
             break
+        if best is not None and _mean_busy(rows, n, cost, short_work) > best[1] * (1 + 1e-9):
+            continue  # no fill of it can beat the best (``_mean_busy``: the margin covers rounding)
         got = _fill(rows, short, n, mslpr, leaf, cost)
         if got is not None and (best_key is None or got[0] < best_key):
             best, best_key = got[1], got[0]
     return best
 
 
+def _mean_busy(rows: list[list[list]], n: int, cost: CostModel, short_work: float) -> float:
+    """A lower bound on the predicted step time of any fill of a layout: every rank ends no earlier
+    than the time it is busy, so the step is at least the ranks' mean busy time, the layout's blocks
+    (size x duration) plus, per short sequence, at least ``cost(1)`` (``short_work``: on s ranks it adds
+    ``s x cost(s) = work + cp_comm x L x (s - 1) >= cost(1)``). Both this and ``_simulate`` add up
+    non-negative terms, fewer than ``TIGHT_MAX_WORK`` along any chain, so each is within ~1e-11 of
+    its exact value; ``_tight`` skips a layout only when this exceeds the best by a 1e-9 margin."""
+    busy = sum(b[1] * (sum(x.cost(b[1]) for x in b[3]) + cost.block_overhead(b[1])) for row in rows for b in row)
+    return (busy + short_work) / n
+
+
 def _fill(rows, short, n, mslpr, leaf, cost):
     """((predicted time, CP rank-blocks), (rows, predicted time)) of the best fill of ``rows`` with
-    ``short`` over the fill strategies, or None if none places every sequence in a non-empty block.
+    ``short`` (sorted by decreasing length, then gid) over the fill strategies, or None if none places
+    every sequence in a non-empty block.
     A strategy that strands sequences is retried (``FILL_RETRIES`` times) with them placed first."""
     best, best_key = None, None
     all_bins = [b for row in rows for b in row]
     fixed = [(b, list(b[3]), b[2]) for b in all_bins]
     cp_rank_blocks = sum(b[1] for b in all_bins if b[1] > 1)
     half = leaf * mslpr // 2
+    # best fit of the early sequences: the bin of least (room, start, size), ties to the first in
+    # ``all_bins``, i.e. the least of these keys with room >= L; kept sorted (bisect) as rooms shrink
+    # instead of scanning every bin per sequence. Every attempt starts from the same rooms.
+    fit_keys = sorted((room, b[0], b[1], j) for j, (b, _, room) in enumerate(fixed))
     for first, k in FILLS:
         early = {x.gid for x in short if x.L > half} if first else set()
         for _ in range(FILL_RETRIES + 1):
             for b, its, room in fixed:
                 b[3], b[2] = list(its), room
-            left = [x for x in short if x.gid not in early]
+            left = [x for x in short if x.gid not in early]  # longest first, as ``short``
+            keys = list(fit_keys)
+            unplaced = False
             for it in (x for x in short if x.gid in early):  # longest first, best fit
-                b = min((b for b in all_bins if b[2] >= it.L), key=lambda b: (b[2], b[0], b[1]), default=None)
-                if b is None:
+                pos = bisect_left(keys, (it.L,))  # the first key with room >= L
+                if pos == len(keys):
                     left.append(it)
+                    unplaced = True
                     continue
+                _, start, size, j = keys.pop(pos)
+                b = all_bins[j]
                 b[3].append(it)
                 b[2] -= it.L
-            left.sort(key=lambda x: (-x.L, x.gid))
+                insort(keys, (b[2], start, size, j))
+            if unplaced:  # else ``left`` is in ``short``'s order already: longest first, then gid
+                left.sort(key=lambda x: (-x.L, x.gid))
             lens = [x.L for x in left]
             for b in sorted(all_bins, key=BIN_ORDERS[k]):
                 if not left:
                     break
                 if lens[-1] > b[2]:  # not even the shortest fits (``left`` is longest first)
                     continue
-                for i in sorted(_fullest_subset(lens, b[2]), reverse=True):
-                    it = left.pop(i)
-                    lens.pop(i)
-                    b[3].append(it)
-                    b[2] -= it.L
+                for i in _fullest_subset(lens, b[2]):  # decreasing: pops keep the others' indices
+                    b[3].append(left.pop(i))
+                    b[2] -= lens.pop(i)
             stranded = {x.gid for x in left}
             if _settle(left, all_bins) and _lend(all_bins):
-                cand = _rows_out(rows, n, cost)
-                key = (cand[1], cp_rank_blocks)
-                if best_key is None or key < best_key:
-                    best, best_key = cand, key
+                key = (_simulate(rows, n, cost), cp_rank_blocks)
+                if best_key is None or key < best_key:  # only a new best needs its rows copied out
+                    best, best_key = (_blocks_out(rows), key[0]), key
                 break
             if not stranded or stranded <= early:
                 break
@@ -416,19 +503,32 @@ def _settle(left: list[_Item], bins: list[list]) -> bool:
     """Place the sequences the subset-sum fill left over (longest first): into a bin with room, or
     into one whose item of the least length that frees enough room moves to another bin with room
     for it (best fit). False if one stays unplaced. The fill packs bin after bin almost exactly and
-    can strand one mid-length sequence when the slack of a whole batch is ~2%."""
-    idx = {id(b): k for k, b in enumerate(bins)}
+    can strand one mid-length sequence when the slack of a whole batch is ~2%.
+
+    Bins are ranked by index on ties. While one sequence looks for a place no room changes, so the
+    bins sorted by (room, index) are built once per sequence and the best fit for the moved one is
+    a bisection (the first with room >= its length, stepping past its own bin), not a scan of all
+    bins per candidate bin: a sequence that finds no place tries every bin."""
     for x in sorted(left, key=lambda it: (-it.L, it.gid)):
-        for b in sorted(bins, key=lambda b: (-b[2], idx[id(b)])):
+        asc = sorted((b[2], k) for k, b in enumerate(bins))
+        rooms = [room for room, _ in asc]
+        for _, kb in sorted(asc, key=lambda rk: (-rk[0], rk[1])):  # most room first
+            b = bins[kb]
             if b[2] >= x.L:
                 break
             need = x.L - b[2]
-            y = min((y for y in b[3] if y.L >= need), key=lambda y: (y.L, y.gid), default=None)
+            y = None  # the shortest (then lowest gid) with L >= need
+            for z in b[3]:
+                if z.L >= need and (y is None or (z.L, z.gid) < (y.L, y.gid)):
+                    y = z
             if y is None:
                 continue
-            to = min((c for c in bins if c is not b and c[2] >= y.L), key=lambda c: (c[2], idx[id(c)]), default=None)
-            if to is None:
+            pos = bisect_left(rooms, y.L)  # the least (room, index) with room >= y.L ...
+            if pos < len(asc) and asc[pos][1] == kb:  # ... other than b
+                pos += 1
+            if pos == len(asc):
                 continue
+            to = bins[asc[pos][1]]
             b[3].remove(y)
             b[2] += y.L
             to[3].append(y)
@@ -461,15 +561,16 @@ def _lend(bins: list[list]) -> bool:
     return True
 
 
-def _wide_layouts(wide: list[_Item], n: int, mslpr: int, leaf: int, rows_n: int):
+def _wide_layouts(wide: list[_Item], n: int, mslpr: int, leaf: int, rows_n: int, packed: list[list[int]]):
     """Row layouts (``rows_n`` rows of ``[start, size, room, items]`` blocks, every rank covered)
     holding the sequences wider than ``leaf``, for ``_tight`` to fill:
 
     1. *by size*: blocks of each sequence's ``cp_min`` (first fit decreasing among equal sizes),
        placed by decreasing size into the first row with room;
-    2. *by row*: as few rows as can hold the wide tokens (``binpack.min_bins`` of ``n x mslpr``), each row's
-       sequences in blocks of their ``cp_min`` (a narrower one may share a wider block's room) when
-       those fit side by side, else one block of all ``n`` ranks;
+    2. *by row*: as few rows as can hold the wide tokens (``packed``, the caller's ``binpack.min_bins``
+       of ``n x mslpr``: the same for every ``rows_n``), each row's sequences in blocks of their
+       ``cp_min`` (a narrower one may share a wider block's room) when those fit side by side, else
+       one block of all ``n`` ranks;
     3. *by row, whole*: the same rows, each one block of ``n`` ranks.
 
     Every rank of a block of size > 1 - rank 0 in particular, since sizes never increase from left
@@ -498,14 +599,11 @@ def _wide_layouts(wide: list[_Item], n: int, mslpr: int, leaf: int, rows_n: int)
         rows[r].append(blk)
     if ok and _complete(rows, free, n, mslpr, leaf):
         yield rows
-    if not wide:
-        return
-    bins = min_bins([it.L for it in wide], n * mslpr).bins
-    if len(bins) > rows_n:
+    if not wide or len(packed) > rows_n:
         return
     for whole in (False, True):
         rows, free = [[] for _ in range(rows_n)], [0] * rows_n
-        for r, idx in enumerate(bins):
+        for r, idx in enumerate(packed):
             its = [wide[i] for i in idx]
             row = None if whole else _fine_row(its, n, mslpr)
             if row is None:
@@ -551,8 +649,9 @@ def _complete(rows: list[list[list]], free: list[int], n: int, mslpr: int, leaf:
 TIGHT_MAX_WORK = 40_000
 """``_tight`` runs when sequences x ranks is at most this (its subset sums cost ~bins x sequences
 big-int shifts per layout and fill; whole ``balanced`` plans under a calibrated GPU cost, medians on
-the CPU machine: 2.7 ms at 4 ranks / 64 sequences, 6.4 ms at 8 / 128, 35 ms at 32 / 558, 54 ms at
-64 / 620)."""
+the CPU machine over the step benchmark's batches: ~2 ms at 4 ranks / 73 sequences, ~4.5 ms at
+8 / 144, ~27 ms at 32 / 592, ~40 ms at 64 / 580 - about half of what they took before the subset
+walk bisected and layouts that cannot win were skipped; the machine's load moves them ~20%)."""
 
 BIN_ORDERS = (lambda b: (b[1], -b[2], b[0]),  # single-rank slots first, the blocks' room last
               lambda b: (b[2], b[0]))  # smallest room first
@@ -598,11 +697,12 @@ def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
         best, seen = None, set()
         for theta in THETAS:
             try:
-                key = tuple(sorted(builder.widths(theta, leaf).items()))
+                width = builder.widths(theta, leaf)
+                key = tuple(sorted(width.items()))
                 if key in seen:
                     continue
                 seen.add(key)
-                rows, time = builder.plan(theta, leaf)
+                rows, time = builder.plan(theta, leaf, width)
             except _Infeasible as e:
                 why = str(e)
                 continue

@@ -6,6 +6,8 @@ checked by the benchmark itself)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from harness.bench.schedule import CONFIGS, DISTRIBUTIONS
 from harness.plan import ALGORITHMS, check_schedule, gpt_benchmark_cost, quality, schedule
@@ -166,3 +168,64 @@ def test_settle_moves_one_sequence_to_place_a_stranded_one():
     empty = [[0, 1, 2048, []], [1, 1, 2048 - 500, [_Item(10, 400, 1, c), _Item(7, 100, 1, c)]]]
     assert _lend(empty) and [it.gid for it in empty[0][3]] == [7]
     assert not _lend([[0, 1, 2048, []], [1, 1, 2048 - 400, [_Item(8, 400, 1, c)]]])  # no bin can spare one
+
+
+def _fullest_subset_reference(sizes, cap):
+    """``balanced._fullest_subset`` before its walk bisected: one bitset per prefix, walked down one
+    prefix at a time (the tie rule the faster walk must keep)."""
+    mask = (1 << (cap + 1)) - 1
+    reach = [1]
+    for w in sizes:
+        reach.append((reach[-1] | (reach[-1] << w)) & mask)
+        if reach[-1] >> cap:
+            break
+    t = reach[-1].bit_length() - 1
+    picked = []
+    for i in range(len(reach) - 2, -1, -1):
+        if not (reach[i] >> t) & 1:
+            picked.append(i)
+            t -= sizes[i]
+    return picked
+
+
+@given(sizes=st.lists(st.integers(1, 300), max_size=40), cap=st.integers(0, 700), decreasing=st.booleans())
+def test_fullest_subset_picks_what_the_one_step_walk_picks(sizes, cap, decreasing):
+    """The galloping walk of ``_fullest_subset`` takes the same indices, in the same (decreasing)
+    order, as walking down one prefix at a time, ties included (few distinct sizes make many)."""
+    from harness.plan.balanced import _fullest_subset
+
+    sizes = [1 + x % 7 * 40 for x in sizes] if cap % 2 else sizes  # repeated sizes: equal sums
+    if decreasing:
+        sizes = sorted(sizes, reverse=True)
+    assert _fullest_subset(sizes, cap) == _fullest_subset_reference(sizes, cap)
+
+
+def test_tight_skips_only_layouts_no_fill_of_which_can_win(monkeypatch):
+    """``_tight`` skips a layout whose mean busy time, a lower bound on every fill of it, is above
+    the best fill so far: on the step benchmark's batches under three calibrated costs, every fill
+    is at least its layout's bound, and without the skip ``_tight`` returns the same plans."""
+    import harness.plan.balanced as bal
+    from harness.bench.step import StepBenchConfig, global_batch_lengths
+    from harness.plan import CostModel
+    from harness.plan.cost import cp_min
+
+    fill, mean_busy, cfg = bal._fill, bal._mean_busy, StepBenchConfig()
+
+    def checked_fill(rows, short, n, mslpr, leaf, cost):
+        bound = mean_busy(rows, n, cost, sum(x.cost(1) for x in short))
+        got = fill(rows, short, n, mslpr, leaf, cost)
+        assert got is None or got[0][0] >= bound * (1 - 1e-12), (got[0][0], bound)
+        return got
+
+    costs = (CALIBRATED, LAUNCH_BOUND,
+             CostModel(quadratic=4.36e-10, linear=1.21e-06, per_microbatch=0.0244, cp_block=0.0103))
+    for cost in costs:
+        for n_ranks in (4, 8):
+            for i in range(10, 25):
+                lengths, _ = global_batch_lengths(cfg, n_ranks, i)
+                items = [bal._Item(g, L, cp_min(L, 2048, 1), cost) for g, L in enumerate(lengths)]
+                got = bal._tight(items, n_ranks, 2048, 1, cost)
+                with monkeypatch.context() as m:
+                    m.setattr(bal, "_fill", checked_fill)
+                    m.setattr(bal, "_mean_busy", lambda *args: 0.0)  # never skip
+                    assert bal._tight(items, n_ranks, 2048, 1, cost) == got
