@@ -120,7 +120,8 @@ def _phases(summary: dict, cfg) -> str:
                 "done one step ahead in a planner process, as Megatron's asynchronous solver: a step pays only "
                 "its wait for the plan, the 'plan wait ms' column" if getattr(cfg, "plan", "inline") == "ahead"
                 else "inline, on the step's critical path") + "), rerouting the samples and building the "
-            "micro-batches. Dynamic CP changes the micro-batches phase; scheduling, the gradient all-reduce left "
+            "micro-batches; it grows with the CP micro-batches to build (host work and small copies), so static "
+            "CP's is the longest. Dynamic CP changes mostly the micro-batches phase; the gradient all-reduce left "
             f"after the last backward (mode: {esc(cfg.grad_reduce)}) and AdamW cost every arm about the same and "
             "dilute the whole step's speedup.</p>"
             + table([[_fmt(r.get(k), f) for k, _, f in PHASE_COLUMNS] for r in rows],
