@@ -119,6 +119,7 @@ class PlanAhead:
         self._results: queue.Queue = queue.Queue()
         self._pending = 0
         self._closed = False
+        self._broken: str | None = None  # set by a timeout: a late answer would pair with the wrong call
         self._finalizer = weakref.finalize(self, _kill, self._proc)
         self._reader = threading.Thread(target=self._drain, name="plan-ahead-reader", daemon=True)
         self._reader.start()
@@ -136,6 +137,11 @@ class PlanAhead:
                 return
             self._results.put(msg)
 
+    def _usable(self) -> None:
+        if self._broken:
+            raise PlanAheadError(f"{self._broken} earlier; its later answers would no longer match their calls, "
+                                 f"so this PlanAhead refuses further use: make a new one")
+
     def _get(self, timeout: float | None, what: str):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -144,8 +150,9 @@ class PlanAhead:
                 msg = self._results.get(timeout=wait)
             except queue.Empty:
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise PlanAheadError(f"the planner process ({self.fn}) did not {what} within {timeout} s; "
-                                         f"raise PlanAhead(timeout=...) for batches this large, or plan inline") from None
+                    self._broken = f"the planner process ({self.fn}) did not {what} within {timeout} s"
+                    raise PlanAheadError(f"{self._broken}; raise PlanAhead(timeout=...) for batches this large, "
+                                         f"or plan inline") from None
                 continue
             if msg is _EOF:
                 self._results.put(_EOF)  # later calls see it too
@@ -158,6 +165,7 @@ class PlanAhead:
         """Queue one call ``fn(*args, **kwargs)``; returns at once."""
         if self._closed:
             raise PlanAheadError("submit() after close(); make a new PlanAhead")
+        self._usable()
         try:
             _write_frame(self._in, ("call", args, kwargs))
         except (BrokenPipeError, OSError) as e:
@@ -172,6 +180,7 @@ class PlanAhead:
     def result(self, timeout: float | None = ...):
         """(value, seconds the call took in the planner) of the oldest uncollected call; raises what
         the call raised. ``timeout`` defaults to the constructor's."""
+        self._usable()
         if self._pending == 0:
             raise PlanAheadError("result() without a submitted call; submit() first")
         msg = self._get(self.timeout if timeout is ... else timeout, "answer")

@@ -103,11 +103,16 @@ def test_a_dead_planner_raises_instead_of_hanging():
     ahead.close()  # idempotent
 
 
-def test_a_slow_planner_times_out_with_the_fix_named():
+def test_a_slow_planner_times_out_with_the_fix_named_and_is_not_used_again():
     with PlanAhead(f"{__name__}:slow") as ahead:
         ahead.submit(5.0)
         with pytest.raises(PlanAheadError, match=r"within 0.3 s; raise PlanAhead\(timeout=...\)"):
             ahead.result(timeout=0.3)
+        # the late answer belongs to the timed-out call: it must never be handed to a later one
+        with pytest.raises(PlanAheadError, match="refuses further use"):
+            ahead.result(timeout=10)
+        with pytest.raises(PlanAheadError, match="refuses further use"):
+            ahead.submit(0.0)
 
 
 @pytest.mark.parametrize("spec, msg", [("harness.dist.layouts.plan", "'module:name'"),
