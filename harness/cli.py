@@ -153,7 +153,7 @@ def parser() -> argparse.ArgumentParser:
     bst.add_argument("--lengths", default=None, help="length spec (default lognormal:mean=1024,sigma=1.5,min=128,max=8192)")
     bst.add_argument("--max-seqlen-per-rank", type=int, default=None)
     bst.add_argument("--microbatches", type=int, default=None, help="global batch = this x N x max_seqlen_per_rank tokens (8)")
-    bst.add_argument("--arms", default=None, help="comma list of layout:scheduler[:padding] "
+    bst.add_argument("--arms", default=None, help="comma list of layout:scheduler[:padding][@exchange] "
                                                   "(default thd:dp-balanced,dcp:balanced,dcp:megatron-dev)")
     bst.add_argument("--warmup", type=int, default=None)
     bst.add_argument("--iters", type=int, default=None)
@@ -166,6 +166,9 @@ def parser() -> argparse.ArgumentParser:
     bst.add_argument("--plan", choices=["ahead", "inline"], default=None,
                      help="schedules computed one step ahead in a planner process (default) or inline, on each "
                           "step's critical path")
+    bst.add_argument("--cp-exchange", choices=["gather", "ring"], default=None,
+                     help="K/V exchange of CP blocks: gather (default; all-gather before attention) or ring (overlapped "
+                          "with attention, TransformerEngine's p2p); an arm may override it with @gather / @ring")
     bst.add_argument("--grad-reduce", choices=list(GRAD_REDUCE_CHOICES), default=None,
                      help="gradient all-reduce: overlap (default; buckets reduced during the last backward) or after")
     bst.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
@@ -236,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 keys = ("model", "lengths", "max_seqlen_per_rank", "microbatches", "warmup", "iters", "profile_iters",
                         "dtype", "cp_comm_flops_per_byte", "static_cp", "compile", "token_bucket", "runs", "gc", "plan",
-                        "grad_reduce", "calibration_burst")
+                        "grad_reduce", "calibration_burst", "cp_exchange")
                 over = {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
                 if a.no_calibrate:
                     over["calibrate"] = False

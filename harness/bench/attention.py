@@ -6,7 +6,9 @@ i.e. ``flash`` on CUDA; bf16, 16 heads x 128) on its own copy of the pack. Figur
 rank's time, TFLOP/s counting causal FLOPs (forward 2 L^2 H D per sequence, backward 2.5 x forward),
 and the per-GPU efficiency relative to one GPU's attention (same backend) on the whole pack:
 ``t_1gpu / (cp * t_cp)``. Target: >= 0.8 at cp 4 with 128K tokens. For cp > 1 a breakdown times the
-K/V exchange alone (all-gather, key gather and their backward) and the chunk attention alone.
+K/V exchange alone (all-gather, key gather and their backward) and the chunk attention alone, and
+the same pack with the ``ring`` exchange (``harness.dist.ring``: K/V passed around the block while
+attention runs; its own efficiency column; the backend must have a log-sum-exp, else ``auto``).
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
     from harness.dist.cp_attention import CPAttentionPlan, cp_attention
     from harness.dist.groups import DynamicGroups, ParallelLayout
     from harness.plan.thd import pack, padding_divisor, zigzag_index_array
-    from harness.runtime.attention import chunk_attention
+    from harness.runtime.attention import LSE_BACKENDS, chunk_attention
 
     cfg = {**DEFAULT, **cfg}
     device = torch.device("cuda", torch.cuda.current_device())
     dtype = getattr(torch, cfg["dtype"])
     H, Hkv, D = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     backend = cfg["backend"]
+    ring_backend = backend if backend in LSE_BACKENDS else "auto"
     groups = DynamicGroups(ParallelLayout(dp=world, cp=1), rank)
     rows = []
 
@@ -95,8 +98,15 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
                         out = chunk_attention(q, kv_keys[:, 0], kv_keys[:, 1], plan.chunks, backend=backend,
                                               keys_gathered=True)
                         out.backward(torch.ones_like(out))
+
+                    ring_plan = CPAttentionPlan.build(p.cu_seqlens_padded, cp, rank - start, device, exchange="ring")
+
+                    def ring():  # the same pack, K/V exchanged around the block's ring while attention runs
+                        out = cp_attention(q, k, v, ring_plan, group, backend=ring_backend)
+                        out.backward(torch.ones_like(out))
                 seconds = timed(step)
-                parts = {} if cp == 1 else {"comm_seconds": timed(comm), "attention_seconds": timed(compute)}
+                parts = {} if cp == 1 else {"comm_seconds": timed(comm), "attention_seconds": timed(compute),
+                                            "ring_seconds": timed(ring)}
                 rows.append({"tokens": T, "sequences": nseq, "cp": cp, "seconds": seconds,
                              "flops": causal_flops(lengths, H, D), **parts})
                 del full  # q, k, v are rebound by the next configuration
@@ -118,12 +128,16 @@ def summarize(ranks: list[list[dict]]) -> list[dict]:
         r["efficiency"] = base[(r["tokens"], r["sequences"])] / (r["cp"] * r["seconds"])
         r["comm_ms"] = r["comm_seconds"] * 1e3 if "comm_seconds" in r else None
         r["attention_ms"] = r["attention_seconds"] * 1e3 if "attention_seconds" in r else None
+        r["ring_ms"] = r["ring_seconds"] * 1e3 if "ring_seconds" in r else None
+        r["ring_efficiency"] = (base[(r["tokens"], r["sequences"])] / (r["cp"] * r["ring_seconds"])
+                                if "ring_seconds" in r else None)
     return out
 
 
 COLUMNS = [("tokens", "tokens", "d"), ("sequences", "seqs", "d"), ("cp", "cp", "d"), ("ms", "fwd+bwd ms", ".2f"),
            ("tflops", "TFLOP/s", ".1f"), ("tflops_per_gpu", "TFLOP/s/GPU", ".1f"), ("efficiency", "efficiency", ".3f"),
-           ("comm_ms", "K/V comm ms", ".2f"), ("attention_ms", "attention-only ms", ".2f")]
+           ("comm_ms", "K/V comm ms", ".2f"), ("attention_ms", "attention-only ms", ".2f"),
+           ("ring_ms", "ring fwd+bwd ms", ".2f"), ("ring_efficiency", "ring efficiency", ".3f")]
 
 
 def main(*, out: Path | None = None, nproc: int | None = None, cfg: dict | None = None) -> int:

@@ -12,11 +12,14 @@ would pass ``microbatches x N x max_seqlen_per_rank`` tokens (8 full micro-batch
 domain; lengths longer than the domain holds are clipped to ``N x max_seqlen_per_rank`` and
 counted). Sequence ``g`` is loaded by position ``g % N`` (a DP shard) and rerouted by the schedule.
 
-Arms (``layout:scheduler[:padding]``):
+Arms (``layout:scheduler[:padding][@exchange]``):
 - ``thd:dp-balanced``: static CP of ``static_cp`` ranks (default: the world), Megatron's
   ``dp_balanced`` packing - the baseline;
 - ``dcp:<scheduler>``: dynamic CP with any ``harness.plan.ALGORITHMS`` scheduler (``balanced``,
-  ``megatron-dev``, ...); padding ``local`` (``2 x local_cp_size``, default) or ``domain``.
+  ``megatron-dev``, ...); padding ``local`` (``2 x local_cp_size``, default) or ``domain``;
+- ``@gather`` / ``@ring`` after any arm: its CP blocks exchange K/V that way instead of
+  ``cp_exchange`` (``harness.dist.cp_attention.EXCHANGES``), so both exchanges run interleaved in one
+  job (calibration uses ``cp_exchange``).
 
 Before the arms (``calibrate``, default on), the job times the forward + backward of a few
 micro-batch shapes per CP size (back to back, as micro-batches run in a step) and fits the
@@ -71,16 +74,25 @@ class Arm:
     layout: str
     scheduler: str
     padding: str = "local"
+    exchange: str | None = None
+    """K/V exchange of this arm's CP blocks; None = the config's ``cp_exchange``."""
 
     @property
     def label(self) -> str:
-        return f"{self.layout}:{self.scheduler}" + ("" if self.padding == "local" else f":{self.padding}")
+        return (f"{self.layout}:{self.scheduler}" + ("" if self.padding == "local" else f":{self.padding}")
+                + (f"@{self.exchange}" if self.exchange else ""))
 
 
 def parse_arm(text: str) -> Arm:
-    parts = text.split(":")
+    from harness.dist.cp_attention import EXCHANGES
+
+    body, _, exchange = text.partition("@")
+    if "@" in text and exchange not in EXCHANGES:
+        raise BenchConfigError(f"arm {text!r}: exchange must be one of {', '.join(EXCHANGES)} after '@', got {exchange!r}")
+    parts = body.split(":")
     if len(parts) not in (2, 3):
-        raise BenchConfigError(f"arm {text!r} is not layout:scheduler[:padding], e.g. thd:dp-balanced or dcp:balanced")
+        raise BenchConfigError(f"arm {text!r} is not layout:scheduler[:padding][@exchange], e.g. thd:dp-balanced or "
+                               f"dcp:balanced@ring")
     layout, scheduler, padding = parts[0], parts[1], parts[2] if len(parts) == 3 else "local"
     if layout not in ("thd", "dcp"):
         raise BenchConfigError(f"arm {text!r}: layout must be thd (static CP) or dcp (dynamic CP), got {layout!r}")
@@ -90,7 +102,7 @@ def parse_arm(text: str) -> Arm:
         raise BenchConfigError(f"arm {text!r}: unknown scheduler {scheduler!r}; choose from {', '.join(ALGORITHMS)}")
     if padding not in ("local", "domain"):
         raise BenchConfigError(f"arm {text!r}: padding must be local or domain, got {padding!r}")
-    return Arm(layout, scheduler, padding)
+    return Arm(layout, scheduler, padding, exchange or None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +146,12 @@ class StepBenchConfig:
     and runs every arm's warm-up and measured steps again from the initial weights. The
     targets are judged on the median over runs of each ratio: on 4 H200s one run's ratio moves
     +-4% (the machine's speed drifts ~20% within minutes), so a single run can pass or fail by luck."""
+    cp_exchange: str = "gather"
+    """How CP blocks exchange K/V (``harness.dist.cp_attention.EXCHANGES``): ``gather`` (all-gather
+    before the attention kernels, fp32 reduce-scatter of dK/dV after) or ``ring`` (K/V passed around
+    the block while each received block's attention part runs, as TransformerEngine's ``p2p`` CP and
+    Megatron's static-CP baseline; needs the ``flash`` kernels on CUDA). An arm may override it
+    (``@ring``)."""
     grad_reduce: str = "overlap"
     """Gradient all-reduce over the DP x CP group: ``overlap`` (buckets of 40M elements reduced as
     the step's last backward completes them, ``harness.dist.grad_reduce``; Megatron's
@@ -205,6 +223,10 @@ class StepBenchConfig:
             raise BenchConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.plan not in ("ahead", "inline"):
             raise BenchConfigError(f"plan must be 'ahead' or 'inline', got {self.plan!r}")
+        from harness.dist.cp_attention import EXCHANGES
+
+        if self.cp_exchange not in EXCHANGES:
+            raise BenchConfigError(f"cp_exchange must be one of {', '.join(EXCHANGES)}, got {self.cp_exchange!r}")
         if self.gc not in ("manual", "auto"):
             raise BenchConfigError(f"gc must be manual or auto, got {self.gc!r}")
         if self.grad_reduce not in GRAD_REDUCE_CHOICES:
@@ -401,7 +423,8 @@ def _step(ctx: _Ctx, arm: Arm, lengths: list[int], local: dict, opt, planned=Non
     mbs = build_microbatches(samples, sched, me, padding=padding, fixed_length=fixed,
                              token_multiple=ctx.cfg.token_bucket)
     total = float(sum(lengths))
-    runners = [_microbatch_runner(ctx, mb, total) for mb in mbs]  # every plan built before the first forward
+    runners = [_microbatch_runner(ctx, mb, total, arm.exchange or ctx.cfg.cp_exchange)
+               for mb in mbs]  # every plan built before the first forward
     marks.mark()
     for k, run in enumerate(runners):
         if ctx.reducer is not None and k == len(runners) - 1:
@@ -719,7 +742,7 @@ def calibrate_cost(ctx: _Ctx) -> dict:
         mine = next(b for b in blocks if b.start <= me < b.start + size)
         samples = {g: sample_for(g, lengths[g % k], vocab=ctx.model.c.vocab, device=dev) for g in mine.gids}
         (mb,) = build_microbatches(samples, sched, me, token_multiple=cfg.token_bucket)
-        run = _microbatch_runner(ctx, mb, float(sum(lengths)))
+        run = _microbatch_runner(ctx, mb, float(sum(lengths)), cfg.cp_exchange)
         reps = []
         for r in range(cfg.calibration_reps + 1):
             dist.barrier(group=ctx.everyone)
@@ -751,13 +774,13 @@ def calibrate_cost(ctx: _Ctx) -> dict:
             "max_rel_error": c[-1]}
 
 
-def _microbatch_runner(ctx: _Ctx, mb, total: float):
+def _microbatch_runner(ctx: _Ctx, mb, total: float, exchange: str = "gather"):
     """A closure running one micro-batch's forward and backward (gradients land in ``ctx.flat``)."""
     import torch
 
     from harness.dist.cp_attention import CPAttentionPlan, cp_attention
 
-    aplan = CPAttentionPlan.build(mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, ctx.device)
+    aplan = CPAttentionPlan.build(mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, ctx.device, exchange=exchange)
     group = ctx.groups.for_block(mb.block_start, mb.local_cp_size)
     autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=ctx.cfg.dtype == "bfloat16")
 

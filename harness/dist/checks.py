@@ -9,7 +9,8 @@
   micro-batches hold its zig-zag slice with the block's ``local_cp_size``;
 - ``attention``: for each micro-batch layout of block sizes (1, 2, 4, mixed), a random pack per
   block; CP attention (forward + backward through the block's group) against single-process full
-  attention of the same pack on the same rank: outputs and dq/dk/dv of the rank's slice.
+  attention of the same pack on the same rank: outputs and dq/dk/dv of the rank's slice, for each
+  K/V exchange in ``exchanges`` (all-gather and ring).
 Results are plain dicts (picklable, JSON-able); tests and the GPU entry judge them.
 """
 
@@ -24,12 +25,13 @@ from harness.dist.groups import DynamicGroups, ParallelLayout
 from harness.dist.reroute import build_microbatches, needed_gids, owners_round_robin, reroute, sample_for
 from harness.plan import schedule
 from harness.plan.thd import pack, padding_divisor, zigzag_index_array
-from harness.runtime.attention import thd_attention
+from harness.runtime.attention import LSE_BACKENDS, thd_attention
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT = {"device": "cpu", "dtype": "float32", "backend": "auto", "ref_backend": None, "heads": 4, "kv_heads": 2,
            "head_dim": 32, "max_seq": 300, "max_seqs": 4, "pack_tokens": None, "seed": 0,
-           "layouts": None, "reroute_sequences": 24, "max_seqlen_per_rank": 256, "parallel": None}
+           "layouts": None, "reroute_sequences": 24, "max_seqlen_per_rank": 256, "parallel": None,
+           "exchanges": ("gather", "ring")}
 
 
 def default_layouts(world: int) -> list[list[int]]:
@@ -123,20 +125,25 @@ def check_attention(rank: int, world: int, groups: DynamicGroups, cfg: dict, dev
         out_ref = thd_attention(*ref, p.cu_seqlens_padded, backend=cfg["ref_backend"] or cfg["backend"])
         (out_ref.float() * do.float()).sum().backward()
         idx = torch.as_tensor(zigzag_index_array(p.cu_seqlens_padded, size, me - start), device=device)
-        loc = [t[idx].clone().requires_grad_() for t in (q, kk, v)]
         group = groups.for_block(start, size)
-        plan = CPAttentionPlan.build(p.cu_seqlens_padded, size, me - start, device)
-        out = cp_attention(*loc, plan, group, backend=cfg["backend"])
-        (out.float() * do[idx].float()).sum().backward()
-        errs = {name: _errors(a, b, atol, rtol) for name, a, b in
-                (("out", out, out_ref[idx]), ("dq", loc[0].grad, ref[0].grad[idx]),
-                 ("dk", loc[1].grad, ref[1].grad[idx]), ("dv", loc[2].grad, ref[2].grad[idx]))}
-        tag = torch.tensor([float(rank)], device=device, dtype=torch.float64)
-        dist.all_reduce(tag, group=group)
-        results.append({"mb": m, "layout": list(sizes), "block_start": start, "size": size, "tokens": T,
-                        "sequences": len(p.cu_seqlens) - 1, "rel": {n: e[0] for n, e in errs.items()},
-                        "tol_ratio": max(e[1] for e in errs.values()), "atol": atol, "rtol": rtol,
-                        "group_rank_sum": float(tag), "expected_rank_sum": float(sum(groups.layout.block_ranks(rank, size)))})
+        for exchange in cfg["exchanges"]:
+            # ring needs a log-sum-exp backend: the configured one when it has it, else auto (flash on CUDA)
+            backend = cfg["backend"] if exchange == "gather" or cfg["backend"] in LSE_BACKENDS else "auto"
+            loc = [t[idx].clone().requires_grad_() for t in (q, kk, v)]
+            plan = CPAttentionPlan.build(p.cu_seqlens_padded, size, me - start, device, exchange=exchange)
+            out = cp_attention(*loc, plan, group, backend=backend)
+            (out.float() * do[idx].float()).sum().backward()
+            errs = {name: _errors(a, b, atol, rtol) for name, a, b in
+                    (("out", out, out_ref[idx]), ("dq", loc[0].grad, ref[0].grad[idx]),
+                     ("dk", loc[1].grad, ref[1].grad[idx]), ("dv", loc[2].grad, ref[2].grad[idx]))}
+            tag = torch.tensor([float(rank)], device=device, dtype=torch.float64)
+            dist.all_reduce(tag, group=group)
+            results.append({"mb": m, "layout": list(sizes), "block_start": start, "size": size, "tokens": T,
+                            "sequences": len(p.cu_seqlens) - 1, "exchange": exchange, "backend": backend,
+                            "rel": {n: e[0] for n, e in errs.items()},
+                            "tol_ratio": max(e[1] for e in errs.values()), "atol": atol, "rtol": rtol,
+                            "group_rank_sum": float(tag),
+                            "expected_rank_sum": float(sum(groups.layout.block_ranks(rank, size)))})
     return results
 
 

@@ -11,6 +11,11 @@ sequence, see ``harness.plan.thd``). ``cp_attention``:
 
 Zig-zag slicing gives every rank the same causal work (chunk r is cheap where chunk 2cp-1-r is
 expensive), so no rank waits for another inside the block.
+
+``exchange`` (``EXCHANGES``) picks how K/V move: ``gather`` (above; the exchange runs before the
+attention kernels) or ``ring`` (``harness.dist.ring``: K/V passed around the block's ring while each
+received block's part of the attention runs, as TransformerEngine's ``p2p`` CP and Megatron's
+static-CP baseline do; needs a backend of ``harness.runtime.attention.LSE_BACKENDS``).
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ import numpy as np
 import torch
 
 from harness.dist.collectives import gather_chunk_keys
+from harness.dist.ring import RingPlan, ring_attention
 from harness.plan.thd import whole_chunks, zigzag_chunks, zigzag_permutation
-from harness.runtime.attention import DeviceChunks, chunk_attention
+from harness.runtime.attention import DeviceChunks, chunk_attention, resolve_lse_backend
+
+EXCHANGES = ("gather", "ring")
 
 
 @dataclass(frozen=True)
@@ -32,20 +40,27 @@ class CPAttentionPlan:
     cp_size: int
     cp_rank: int
     cu_seqlens_padded: tuple[int, ...]
-    chunks: DeviceChunks  # key_index points into the *gathered* (rank-major) K/V
+    chunks: DeviceChunks | None  # key_index points into the *gathered* (rank-major) K/V; None with ring
+    exchange: str = "gather"
+    ring: RingPlan | None = None
 
     @classmethod
-    def build(cls, cu_seqlens_padded, cp_size: int, cp_rank: int, device) -> "CPAttentionPlan":
-        if cp_size == 1:
+    def build(cls, cu_seqlens_padded, cp_size: int, cp_rank: int, device, exchange: str = "gather") -> "CPAttentionPlan":
+        if exchange not in EXCHANGES:
+            raise ValueError(f"unknown CP exchange {exchange!r}; choose one of {', '.join(EXCHANGES)}")
+        if cp_size == 1:  # nothing to exchange: both exchanges run the plain THD attention
             return cls(1, 0, tuple(int(x) for x in cu_seqlens_padded),
-                       DeviceChunks.build(whole_chunks(cu_seqlens_padded), device))
+                       DeviceChunks.build(whole_chunks(cu_seqlens_padded), device), exchange)
+        if exchange == "ring":
+            return cls(cp_size, cp_rank, tuple(int(x) for x in cu_seqlens_padded), None, "ring",
+                       RingPlan.build(cu_seqlens_padded, cp_size, cp_rank, device))
         plan = zigzag_chunks(cu_seqlens_padded, cp_size, cp_rank)
         row_of = np.empty(int(cu_seqlens_padded[-1]), dtype=np.int64)  # pack position -> gathered row
         row_of[zigzag_permutation(cu_seqlens_padded, cp_size)] = np.arange(row_of.size)
         chunks = DeviceChunks.build(plan, device)
         chunks = DeviceChunks(plan, chunks.cu_q, chunks.cu_k, torch.as_tensor(row_of[plan.key_index()], device=device),
                               chunks.max_q, chunks.max_k)
-        return cls(cp_size, cp_rank, tuple(int(x) for x in cu_seqlens_padded), chunks)
+        return cls(cp_size, cp_rank, tuple(int(x) for x in cu_seqlens_padded), chunks, "gather")
 
 
 def cp_attention(q_TH, k_TH, v_TH, plan: CPAttentionPlan, group, *, backend: str = "auto", scale=None):
@@ -53,5 +68,8 @@ def cp_attention(q_TH, k_TH, v_TH, plan: CPAttentionPlan, group, *, backend: str
     (ignored when ``plan.cp_size == 1``)."""
     if plan.cp_size == 1:
         return chunk_attention(q_TH, k_TH, v_TH, plan.chunks, backend=backend, scale=scale)
+    if plan.exchange == "ring":
+        return ring_attention(q_TH, k_TH, v_TH, plan.ring, group, backend=resolve_lse_backend(backend, q_TH.device),
+                              scale=scale)
     kv = gather_chunk_keys(torch.stack([k_TH, v_TH], dim=1), group, plan.chunks.key_index)  # [sum k_len, 2, Hkv, D]
     return chunk_attention(q_TH, kv[:, 0], kv[:, 1], plan.chunks, backend=backend, scale=scale, keys_gathered=True)

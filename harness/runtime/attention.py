@@ -179,3 +179,134 @@ def thd_attention(q_TH, k_TH, v_TH, cu_seqlens_padded, *, backend: str = "auto",
     """Causal attention of a whole THD pack without CP (every sequence attends its own prefix)."""
     chunks = DeviceChunks.build(whole_chunks(cu_seqlens_padded), q_TH.device)
     return chunk_attention(q_TH, k_TH, v_TH, chunks, backend=backend, scale=scale)
+
+
+# ---------------------------------------------------------------- split attention (for ring exchange)
+# A ring CP exchange computes a query chunk's attention in parts, one per key block it receives, and
+# merges the parts by their log-sum-exp; the backward recomputes each part's gradient from the merged
+# output and log-sum-exp. That needs a forward returning the log-sum-exp and a backward taking it:
+# the ATen flash ops on CUDA, and an exact fp32 reference (``sdpa``) anywhere.
+
+LSE_BACKENDS = ("flash", "sdpa")
+"""Backends with a log-sum-exp forward and a backward from (out, lse): what ``ring`` exchange uses."""
+
+
+def resolve_lse_backend(name: str, device) -> str:
+    """``auto`` -> ``flash`` on CUDA (when the ATen op exists), ``sdpa`` elsewhere; any other backend
+    than ``LSE_BACKENDS`` is an error naming the choices."""
+    if name == "auto":
+        name = "flash" if torch.device(device).type == "cuda" and backend_available("flash", device) else "sdpa"
+    if name not in LSE_BACKENDS:
+        raise ValueError(f"attention backend {name!r} cannot run split attention (ring CP exchange needs the "
+                         f"log-sum-exp); use one of auto, {', '.join(LSE_BACKENDS)}, or exchange='gather'")
+    if not backend_available(name, device):
+        raise ValueError(f"attention backend {name!r} is not available on {device}")
+    return name
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Variable-length segments of one split-attention call: device offsets for the kernel and the
+    host lengths the reference backend loops over."""
+
+    cu_q: torch.Tensor  # int32 [n + 1]
+    cu_k: torch.Tensor  # int32 [n + 1]
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def build(cls, q_lens, k_lens, device) -> Segments:
+        q_lens, k_lens = (np.asarray(x, dtype=np.int64) for x in (q_lens, k_lens))
+        cu = lambda a: torch.as_tensor(np.concatenate([[0], np.cumsum(a)]).astype(np.int32), device=device)  # noqa: E731
+        return cls(cu(q_lens), cu(k_lens), tuple(q_lens.tolist()), tuple(k_lens.tolist()),
+                   int(q_lens.max(initial=0)), int(k_lens.max(initial=0)))
+
+
+def _expand_kv(x, heads: int):
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _ref_segments(seg: Segments):
+    qpos = kpos = 0
+    for ql, kl in zip(seg.q_lens, seg.k_lens):
+        yield qpos, ql, kpos, kl
+        qpos, kpos = qpos + ql, kpos + kl
+
+
+def _ref_mask(ql: int, kl: int, causal: bool, device):
+    if not causal:
+        return None
+    rows = torch.arange(ql, device=device)[:, None] + (kl - ql)  # bottom-right aligned
+    return torch.arange(kl, device=device)[None, :] <= rows
+
+
+def attention_forward_lse(q_TQ, k_TK, v_TK, seg: Segments, *, causal: bool, backend: str, scale=None):
+    """Attention of each query segment against its key segment, and its log-sum-exp: (out like
+    ``q_TQ``, lse [H, Tq] in float32, float64 for float64 input). ``causal``: bottom-right aligned mask."""
+    H, D = q_TQ.shape[1], q_TQ.shape[2]
+    scale = scale if scale is not None else D ** -0.5
+    acc = torch.promote_types(q_TQ.dtype, torch.float32)  # the reference computes in fp32 (fp64 for fp64 input)
+    if backend == "flash":
+        win = {"window_size_left": -1, "window_size_right": 0} if causal else {}
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(q_TQ, k_TK, v_TK, seg.cu_q, seg.cu_k, seg.max_q,
+                                                               seg.max_k, 0.0, causal, False, scale=scale, **win)
+        return out, lse
+    out = torch.zeros(q_TQ.shape, dtype=acc, device=q_TQ.device)
+    lse = torch.full((H, q_TQ.shape[0]), float("-inf"), dtype=acc, device=q_TQ.device)
+    for qp, ql, kp, kl in _ref_segments(seg):
+        if ql == 0 or kl == 0:
+            continue
+        qi = q_TQ[qp:qp + ql].to(acc).transpose(0, 1)
+        ki = _expand_kv(k_TK[kp:kp + kl].to(acc), H).transpose(0, 1)
+        vi = _expand_kv(v_TK[kp:kp + kl].to(acc), H).transpose(0, 1)
+        s = (qi @ ki.transpose(1, 2)) * scale
+        mask = _ref_mask(ql, kl, causal, q_TQ.device)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        m = torch.logsumexp(s, dim=-1)  # [H, ql]
+        out[qp:qp + ql] = (torch.exp(s - m[..., None]) @ vi).transpose(0, 1)
+        lse[:, qp:qp + ql] = m
+    return out.to(q_TQ.dtype), lse
+
+
+def attention_backward_lse(dout_TQ, q_TQ, k_TK, v_TK, out_TQ, lse_HQ, seg: Segments, *, causal: bool, backend: str,
+                           scale=None):
+    """Gradients (dq, dk, dv) of one split-attention part, from the *merged* output and log-sum-exp
+    of every part (the standard identity: softmax rows are exp(s - lse), and rowsum(dout * out) is
+    the merged output's)."""
+    H, D = q_TQ.shape[1], q_TQ.shape[2]
+    scale = scale if scale is not None else D ** -0.5
+    acc = torch.promote_types(q_TQ.dtype, torch.float32)  # the reference computes in fp32 (fp64 for fp64 input)
+    if backend == "flash":
+        win = {"window_size_left": -1, "window_size_right": 0} if causal else {}
+        empty = torch.empty(0, dtype=torch.int64, device=q_TQ.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout_TQ, q_TQ, k_TK, v_TK, out_TQ, lse_HQ, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, 0.0, causal,
+            empty, empty, scale=scale, **win)
+        return dq, dk, dv
+    dq = torch.zeros(q_TQ.shape, dtype=acc, device=q_TQ.device)
+    dk = torch.zeros(k_TK.shape, dtype=acc, device=q_TQ.device)
+    dv = torch.zeros(v_TK.shape, dtype=acc, device=q_TQ.device)
+    Hkv = k_TK.shape[1]
+    for qp, ql, kp, kl in _ref_segments(seg):
+        if ql == 0 or kl == 0:
+            continue
+        qi = q_TQ[qp:qp + ql].to(acc).transpose(0, 1)
+        ki = _expand_kv(k_TK[kp:kp + kl].to(acc), H).transpose(0, 1)
+        vi = _expand_kv(v_TK[kp:kp + kl].to(acc), H).transpose(0, 1)
+        oi = out_TQ[qp:qp + ql].to(acc).transpose(0, 1)
+        gi = dout_TQ[qp:qp + ql].to(acc).transpose(0, 1)
+        s = (qi @ ki.transpose(1, 2)) * scale
+        mask = _ref_mask(ql, kl, causal, q_TQ.device)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        p = torch.exp(s - lse_HQ[:, qp:qp + ql, None])
+        dvi = p.transpose(1, 2) @ gi
+        ds = p * (gi @ vi.transpose(1, 2) - (gi * oi).sum(-1, keepdim=True))
+        dq[qp:qp + ql] = ((ds @ ki) * scale).transpose(0, 1)
+        dki = (ds.transpose(1, 2) @ qi) * scale
+        dk[kp:kp + kl] = dki.reshape(Hkv, H // Hkv, kl, D).sum(1).transpose(0, 1)
+        dv[kp:kp + kl] = dvi.reshape(Hkv, H // Hkv, kl, D).sum(1).transpose(0, 1)
+    return dq.to(q_TQ.dtype), dk.to(k_TK.dtype), dv.to(v_TK.dtype)

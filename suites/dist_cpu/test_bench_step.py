@@ -29,7 +29,9 @@ def test_trimmed_mean_drops_the_tails():
 
 @pytest.mark.parametrize("text, fix", [("dcp", "layout:scheduler"), ("bshd:balanced", r"thd \(static CP\) or dcp"),
                                        ("thd:balanced", "thd:dp-balanced"), ("dcp:fastest", "choose from"),
-                                       ("dcp:balanced:tight", "local or domain")])
+                                       ("dcp:balanced:tight", "local or domain"),
+                                       ("dcp:balanced@p2p", "exchange must be one of gather, ring"),
+                                       ("thd:dp-balanced@", "exchange must be one of gather, ring")])
 def test_bad_arms_are_named_with_the_fix(text, fix):
     with pytest.raises(step.BenchConfigError, match=fix):
         step.parse_arm(text)
@@ -48,7 +50,8 @@ def test_bad_arms_are_named_with_the_fix(text, fix):
                                               ({"calibration_burst": 0}, 2, "calibration_burst must be an int >= 1"),
                                               ({"gc": "off"}, 2, "gc must be manual or auto"),
                                               ({"plan": "async"}, 2, "plan must be 'ahead' or 'inline'"),
-                                              ({"grad_reduce": "ddp"}, 2, "grad_reduce must be one of overlap, after")])
+                                              ({"grad_reduce": "ddp"}, 2, "grad_reduce must be one of overlap, after"),
+                                              ({"cp_exchange": "p2p"}, 2, "cp_exchange must be one of gather, ring")])
 def test_bad_config_is_refused_before_any_process_starts(over, world, msg):
     with pytest.raises(step.BenchConfigError, match=msg):
         step.StepBenchConfig.from_dict({**TINY, **over}).validate(world)
@@ -372,3 +375,23 @@ def test_interleaved_arms_keep_their_own_weights_and_optimizer_state(tmp_path):
         # step i puts arm j at place (j - i) mod 3: each arm leads once in three steps
         for j, a in enumerate(both["arms"]):
             assert arms[a]["slots"] == [(j - i) % 3 for i in range(base["warmup"], base["warmup"] + base["iters"])]
+
+
+def test_ring_exchange_arms_train_to_the_same_weights_as_gather_arms(tmp_path):
+    """``@ring`` arms run interleaved with the same arms under the all-gather exchange (pinned cost
+    model: identical schedules). Both exchanges compute the same attention gradients, so after the
+    same steps each pair of arms holds the same weights up to fp32 rounding (the ring sums parts in
+    another order); a wrong ring step or a lost dK/dV contribution moves them apart by far more."""
+    cost = {"quadratic": 1e-9, "linear": 1e-6, "constant": 1e-5, "per_microbatch": 1e-3, "name": "pinned"}
+    arms = ("thd:dp-balanced", "thd:dp-balanced@ring", "dcp:balanced", "dcp:balanced@ring")
+    cfg = {**TINY, "warmup": 1, "iters": 2, "profile_iters": 0, "cost_model": cost, "device": "cpu", "arms": arms}
+    ranks = run_on_ranks(_measure, world_size=2, tmp_path=tmp_path, args=(cfg,), timeout_s=240)
+    assert step.parse_arm("dcp:balanced@ring") == step.Arm("dcp", "balanced", "local", "ring")
+    for r in ranks:
+        got = r["runs"][0]["arms"]
+        for base in ("thd:dp-balanced", "dcp:balanced"):
+            a, b = got[base]["weights_digest"], got[base + "@ring"]["weights_digest"]
+            assert a != b  # the ring really ran: its different summation order shows in the last bits
+            assert b == pytest.approx(a, rel=1e-7, abs=1e-9), base  # measured: 1.3e-9 (a lost dK/dV part: 2e-5)
+        if r["rank"] == 0:
+            assert got["dcp:balanced"]["schedules"] == got["dcp:balanced@ring"]["schedules"]

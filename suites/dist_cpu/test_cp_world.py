@@ -43,14 +43,15 @@ def test_reroute_delivers_exactly_the_scheduled_gids(world):
 
 
 def test_cp_attention_equals_full_attention(world):
+    """Both K/V exchanges (all-gather, ring), every block size, forward and backward."""
     n, results = world
-    sizes = set()
+    seen = set()
     for r in results:
         for a in r["attention"]:
-            sizes.add(a["size"])
+            seen.add((a["size"], a["exchange"]))
             assert max(a["rel"].values()) <= 1e-5, (r["rank"], a)
             assert a["group_rank_sum"] == a["expected_rank_sum"], "the block's collective ran in another group"
-    assert sizes == {s for s in (1, 2, 4) if s <= n}
+    assert seen == {(s, x) for s in (1, 2, 4) if s <= n for x in ("gather", "ring")}
     layouts = {tuple(a["layout"]) for a in results[0]["attention"]}
     if n == 4:
         assert (2, 1, 1) in layouts and (1, 1, 2) in layouts  # mixed block sizes in one micro-batch

@@ -26,15 +26,16 @@ def test_cp_attention_on_gpus(nproc, config, tmp_path):
     from harness.dist.entry import launch
 
     res = launch("checks", nproc, tmp_path / "checks.json", CONFIGS[config])
-    sizes = set()
+    seen = set()
     for r in res["ranks"]:
         assert all(g["ok"] for g in r["groups"].values()), r["groups"]
         rr = r["reroute"]
         assert rr["gids"] == rr["expected_gids"] and rr["content_ok"] and rr["sizes_ok"] and rr["slices_ok"]
         for a in r["attention"]:
-            sizes.add(a["size"])
+            seen.add((a["size"], a["exchange"]))
             assert a["tol_ratio"] <= 1.0, (r["rank"], a)
             assert a["group_rank_sum"] == a["expected_rank_sum"]
-    assert sizes == {s for s in (1, 2, 4) if s <= nproc}
-    print({config: [(a["size"], a["tokens"], round(a["tol_ratio"], 3), {k: f"{v:.1e}" for k, v in a["rel"].items()})
+    assert seen == {(s, x) for s in (1, 2, 4) if s <= nproc for x in ("gather", "ring")}
+    print({config: [(a["size"], a["exchange"], a["backend"], a["tokens"], round(a["tol_ratio"], 3),
+                     {k: f"{v:.1e}" for k, v in a["rel"].items()})
                     for a in res["ranks"][0]["attention"]]})

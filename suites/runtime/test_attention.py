@@ -109,3 +109,77 @@ def test_optional_backends_match_sdpa_when_present(name):
         for x, y, what in zip(ins, ref, "qkv"):  # relative to the largest gradient: dK/dV sum many bf16 terms
             err = ((x.grad.float() - y.grad).abs().max() / y.grad.abs().max()).item()
             assert err < 2e-2, f"rank {r}: d{what} max error {err:.2e} of the largest |d{what}|"
+
+
+# ---------------------------------------------------------------- split attention and the ring plan
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=5).filter(lambda x: sum(x) > 0),
+       st.sampled_from([1, 2, 4]), st.integers(0, 2**16))
+def test_split_attention_parts_merge_to_full_attention_with_gradients(lengths, lcp, seed):
+    """Keys cut into two parts (one causal, one not) and merged by log-sum-exp give causal attention;
+    each part's backward from the *merged* output and lse sums to autograd's gradients (fp64)."""
+    from harness.dist.ring import _merge
+    from harness.runtime.attention import Segments, attention_backward_lse, attention_forward_lse
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = [2 * L for L in lengths]  # every sequence: a first half (earlier keys) and a second half
+    q, k, v, do = (torch.randn(sum(lengths), h, 8, generator=g, dtype=torch.float64) for h in (4, 4 // lcp, 4 // lcp, 4))
+    cu = [0]
+    for L in lengths:
+        cu.append(cu[-1] + L)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref = dense_reference(*ref, cu)
+    (out_ref * do).sum().backward()
+    half = [L // 2 for L in lengths]
+    first = torch.tensor([a + i for a, h in zip(cu, half) for i in range(h)], dtype=torch.int64)
+    second = first + torch.tensor([h for h in half for _ in range(h)], dtype=torch.int64)
+    # part A: second halves against first halves, no mask; part B: second halves against themselves, causal
+    sa, sb = Segments.build(half, half, "cpu"), Segments.build(half, half, "cpu")
+    qs, ks, vs, kf, vf = q[second], k[second], v[second], k[first], v[first]
+    oa, la = attention_forward_lse(qs, kf, vf, sa, causal=False, backend="sdpa")
+    ob, lb = attention_forward_lse(qs, ks, vs, sb, causal=True, backend="sdpa")
+    o, lse = ob.clone(), lb.clone()
+    _merge(o, lse, oa, la)
+    assert torch.allclose(o, out_ref[second], atol=1e-12)
+    ga = attention_backward_lse(do[second], qs, kf, vf, o, lse, sa, causal=False, backend="sdpa")
+    gb = attention_backward_lse(do[second], qs, ks, vs, o, lse, sb, causal=True, backend="sdpa")
+    # the second halves' queries only: their dq, and their share of dk/dv (the first halves' own
+    # causal part adds to dk/dv of the first halves and is left out of both sides)
+    first_part = [t.clone().requires_grad_() for t in (q[first], k[first], v[first])]
+    o1 = dense_reference(*first_part, [0] + list(torch.tensor(half).cumsum(0).tolist()))
+    (o1 * do[first]).sum().backward()
+    assert torch.allclose(ga[0] + gb[0], ref[0].grad[second], atol=1e-10)
+    assert torch.allclose(gb[1], ref[1].grad[second], atol=1e-10)
+    assert torch.allclose(ga[1] + first_part[1].grad, ref[1].grad[first], atol=1e-10)
+    assert torch.allclose(ga[2] + first_part[2].grad, ref[2].grad[first], atol=1e-10)
+
+
+@given(st.lists(st.integers(0, 12), min_size=1, max_size=6), st.sampled_from([2, 4, 8]), st.data())
+def test_ring_plan_rows_are_the_zigzag_chunks_and_steps_cover_every_rank_once(chunks, cp, data):
+    from harness.dist.ring import RingPlan
+
+    r = data.draw(st.integers(0, cp - 1))
+    cu = [0]
+    for c in chunks:
+        cu.append(cu[-1] + 2 * cp * c)
+    plan = RingPlan.build(cu, cp, r, "cpu")
+    held = zigzag_index_array(cu, cp, r)  # pack positions of the local rows
+    pos_first, pos_second = held[plan.first.numpy()], held[plan.second.numpy()]
+    chunk_of = lambda p: [int(x - cu[i]) // c for x in p for i, c in enumerate(chunks) if cu[i] <= x < cu[i + 1]]  # noqa: E731
+    assert chunk_of(pos_first) == [r] * sum(chunks) and chunk_of(pos_second) == [2 * cp - 1 - r] * sum(chunks)
+    assert sorted(plan.first.tolist() + plan.second.tolist()) == list(range(len(held)))
+    kinds = [plan.kind(t) for t in range(cp)]
+    assert kinds[0] == "causal" and kinds.count("kv_first") == r and kinds.count("q_second") == cp - 1 - r
+
+
+def test_ring_exchange_refuses_backends_without_a_log_sum_exp_and_unknown_exchanges():
+    from harness.dist.cp_attention import CPAttentionPlan
+    from harness.runtime.attention import resolve_lse_backend
+
+    with pytest.raises(ValueError, match="cannot run split attention.*exchange='gather'"):
+        resolve_lse_backend("varlen", "cpu")
+    assert resolve_lse_backend("auto", "cpu") == "sdpa"
+    with pytest.raises(ValueError, match="unknown CP exchange 'p2p'; choose one of gather, ring"):
+        CPAttentionPlan.build([0, 8], 2, 0, "cpu", exchange="p2p")
+    assert CPAttentionPlan.build([0, 8], 1, 0, "cpu", exchange="ring").ring is None  # no exchange at cp 1
