@@ -188,4 +188,12 @@ class _RingAttention(torch.autograd.Function):
 def ring_attention(q_TH, k_TH, v_TH, plan: RingPlan, group, *, backend: str = "sdpa", scale=None):
     """This rank's causal attention output for its zig-zag slice, K/V exchanged around ``group``'s
     ring while attention runs (``backend``: one of ``harness.runtime.attention.LSE_BACKENDS``)."""
+    rows = int(plan.first.numel()) * 2
+    if q_TH.shape[0] != rows or k_TH.shape[0] != rows or v_TH.shape[0] != rows:
+        raise ValueError(f"q/k/v hold {q_TH.shape[0]}/{k_TH.shape[0]}/{v_TH.shape[0]} rows; this rank's zig-zag slice "
+                         f"of the plan has {rows} (slice with harness.plan.thd.zigzag_index_array)")
+    if group is None or dist.get_world_size(group) != plan.cp_size:
+        have = "no group" if group is None else f"a group of {dist.get_world_size(group)} ranks"
+        raise ValueError(f"ring exchange of a CP block of {plan.cp_size} ranks got {have}; pass the block's process "
+                         f"group (DynamicGroups.for_block(block_start, {plan.cp_size}))")
     return _RingAttention.apply(q_TH, k_TH, v_TH, plan, group, backend, scale)

@@ -183,3 +183,14 @@ def test_ring_exchange_refuses_backends_without_a_log_sum_exp_and_unknown_exchan
     with pytest.raises(ValueError, match="unknown CP exchange 'p2p'; choose one of gather, ring"):
         CPAttentionPlan.build([0, 8], 2, 0, "cpu", exchange="p2p")
     assert CPAttentionPlan.build([0, 8], 1, 0, "cpu", exchange="ring").ring is None  # no exchange at cp 1
+
+
+def test_ring_attention_refuses_a_wrong_slice_and_a_missing_group():
+    from harness.dist.ring import RingPlan, ring_attention
+
+    plan = RingPlan.build([0, 8, 24], 2, 0, "cpu")  # chunks of 2 and 4 tokens: 12 local rows
+    q = torch.zeros(12, 2, 4)
+    with pytest.raises(ValueError, match="q/k/v hold 12/24/12 rows; this rank's zig-zag slice of the plan has 12"):
+        ring_attention(q, torch.zeros(24, 2, 4), q, plan, None)
+    with pytest.raises(ValueError, match=r"CP block of 2 ranks got no group.*for_block\(block_start, 2\)"):
+        ring_attention(q, q, q, plan, None)
