@@ -88,6 +88,8 @@ def _add_converge(sub) -> None:
     c.add_argument("--steps", type=int, default=50)
     c.add_argument("--model", default="tiny-gpt", help="tiny-gpt or tiny-moe")
     c.add_argument("--scheduler", default="balanced", help="dynamic-CP scheduler for the dcp layout")
+    c.add_argument("--cp-exchange", choices=["gather", "ring"], default="gather",
+                   help="K/V exchange of CP blocks: gather (all-gather; default) or ring (overlapped with attention)")
     c.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: float32 on CPU, bfloat16 on GPU")
     c.add_argument("--lengths", default=None, help="length spec of the corpus (harness.workloads)")

@@ -47,6 +47,9 @@ class TrainConfig:
     dtype: str = "float32"
     """``float32``, or ``bfloat16`` (autocast; fp32 master weights)."""
     device: str = "cpu"
+    cp_exchange: str = "gather"
+    """How CP blocks exchange K/V (``harness.dist.cp_attention.EXCHANGES``): ``gather`` or ``ring``; the
+    attention is the same either way, so the goldens apply to both."""
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
 
     def validate(self, world: int) -> None:
@@ -61,6 +64,10 @@ class TrainConfig:
             raise LayoutError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.steps < 1:
             raise LayoutError(f"steps must be >= 1, got {self.steps}")
+        from harness.dist.cp_attention import EXCHANGES
+
+        if self.cp_exchange not in EXCHANGES:
+            raise LayoutError(f"cp_exchange must be one of {', '.join(EXCHANGES)}, got {self.cp_exchange!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,7 +115,8 @@ def _step(model, groups, batch, layout, lcfg, cfg, cost, device):
     processed = 0
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
     for mb in build_microbatches(samples, sched, me, padding=padding, fixed_length=fixed):
-        aplan = CPAttentionPlan.build(mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, device)
+        aplan = CPAttentionPlan.build(mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, device,
+                                      exchange=cfg.cp_exchange)
         group = groups.for_block(mb.block_start, mb.local_cp_size)
         attention = lambda q, k, v, p=aplan, g=group: cp_attention(q, k, v, p, g)  # noqa: E731
         with autocast:

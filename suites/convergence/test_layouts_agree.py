@@ -10,12 +10,15 @@ from harness.dist.train import train
 pytestmark = pytest.mark.dist_cpu
 
 
-@pytest.fixture(scope="module", params=["tiny-gpt", "tiny-moe"])
+@pytest.fixture(scope="module", params=["tiny-gpt", "tiny-moe", "tiny-gpt@ring"])
 def runs(request, tmp_path_factory):
-    cfg = {"model": request.param, "steps": 3, "max_seqlen_per_rank": 512,
+    """Each model with the all-gather K/V exchange, and tiny-gpt with the ring exchange (every CP
+    block of every layout then passes K/V around its ring)."""
+    model, _, exchange = request.param.partition("@")
+    cfg = {"model": model, "steps": 3, "max_seqlen_per_rank": 512, "cp_exchange": exchange or "gather",
            "corpus": {"sequences_per_batch": 16}}
     out = run_on_ranks(train, world_size=2, tmp_path=tmp_path_factory.mktemp("conv"), args=(cfg,), timeout_s=600)
-    return request.param, out[0]
+    return model, out[0]
 
 
 def test_all_layouts_agree_within_1e_5(runs):
