@@ -88,8 +88,9 @@ def _add_converge(sub) -> None:
     c.add_argument("--steps", type=int, default=50)
     c.add_argument("--model", default="tiny-gpt", help="tiny-gpt or tiny-moe")
     c.add_argument("--scheduler", default="balanced", help="dynamic-CP scheduler for the dcp layout")
-    c.add_argument("--cp-exchange", choices=["gather", "ring"], default="gather",
-                   help="K/V exchange of CP blocks: gather (all-gather; default) or ring (overlapped with attention)")
+    c.add_argument("--cp-exchange", choices=["gather", "ring", "auto"], default="gather",
+                   help="K/V exchange of CP blocks: gather (all-gather; default), ring (overlapped with attention) "
+                        "or auto (ring for blocks of >= 16K tokens per rank on CUDA)")
     c.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: float32 on CPU, bfloat16 on GPU")
     c.add_argument("--lengths", default=None, help="length spec of the corpus (harness.workloads)")
@@ -168,9 +169,10 @@ def parser() -> argparse.ArgumentParser:
     bst.add_argument("--plan", choices=["ahead", "inline"], default=None,
                      help="schedules computed one step ahead in a planner process (default) or inline, on each "
                           "step's critical path")
-    bst.add_argument("--cp-exchange", choices=["gather", "ring"], default=None,
+    bst.add_argument("--cp-exchange", choices=["gather", "ring", "auto"], default=None,
                      help="K/V exchange of CP blocks: gather (default; all-gather before attention) or ring (overlapped "
-                          "with attention, TransformerEngine's p2p); an arm may override it with @gather / @ring")
+                          "with attention, TransformerEngine's p2p) or auto (ring from 16K tokens per rank on CUDA); an arm may "
+                          "override it with @gather / @ring / @auto")
     bst.add_argument("--grad-reduce", choices=list(GRAD_REDUCE_CHOICES), default=None,
                      help="gradient all-reduce: overlap (default; buckets reduced during the last backward) or after")
     bst.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)

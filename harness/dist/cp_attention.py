@@ -15,7 +15,9 @@ expensive), so no rank waits for another inside the block.
 ``exchange`` (``EXCHANGES``) picks how K/V move: ``gather`` (above; the exchange runs before the
 attention kernels) or ``ring`` (``harness.dist.ring``: K/V passed around the block's ring while each
 received block's part of the attention runs, as TransformerEngine's ``p2p`` CP and Megatron's
-static-CP baseline do; needs a backend of ``harness.runtime.attention.LSE_BACKENDS``).
+static-CP baseline do; needs a backend of ``harness.runtime.attention.LSE_BACKENDS``) or ``auto``:
+ring for blocks of at least ``RING_MIN_TOKENS_PER_RANK`` tokens per rank on CUDA, gather otherwise
+(``choose_exchange``).
 """
 
 from __future__ import annotations
@@ -28,9 +30,28 @@ import torch
 from harness.dist.collectives import gather_chunk_keys
 from harness.dist.ring import RingPlan, ring_attention
 from harness.plan.thd import whole_chunks, zigzag_chunks, zigzag_permutation
-from harness.runtime.attention import DeviceChunks, chunk_attention, resolve_lse_backend
+from harness.runtime.attention import DeviceChunks, backend_available, chunk_attention, resolve_lse_backend
 
-EXCHANGES = ("gather", "ring")
+EXCHANGES = ("gather", "ring", "auto")
+
+RING_MIN_TOKENS_PER_RANK = 16384
+"""``auto`` picks the ring from this many tokens per rank. Measured on 4 H200s (flash, bf16, 16 x 128
+heads; ``reports/recorded/README.md``, session 10): the ring was faster in every configuration with
+16K or more tokens per rank (32K tokens at cp 2, one or 8 sequences: efficiency 0.856 / 0.492 vs
+0.820 / 0.425; 128K at cp 2 and 4), mixed at 8K (one sequence 0.708 vs 0.688, 8 sequences 0.235 vs
+0.266) and ~2x slower at 2K (the step benchmark's blocks), where a ring shift outlasts each part."""
+
+
+def choose_exchange(exchange: str, tokens_per_rank: int, device) -> str:
+    """The exchange a block runs: ``gather`` / ``ring`` as asked; ``auto`` = ring on CUDA (with the
+    flash kernels) from ``RING_MIN_TOKENS_PER_RANK`` tokens per rank, else gather."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"unknown CP exchange {exchange!r}; choose one of {', '.join(EXCHANGES)}")
+    if exchange != "auto":
+        return exchange
+    dev = torch.device(device)
+    return ("ring" if dev.type == "cuda" and tokens_per_rank >= RING_MIN_TOKENS_PER_RANK
+            and backend_available("flash", dev) else "gather")
 
 
 @dataclass(frozen=True)
@@ -41,13 +62,12 @@ class CPAttentionPlan:
     cp_rank: int
     cu_seqlens_padded: tuple[int, ...]
     chunks: DeviceChunks | None  # key_index points into the *gathered* (rank-major) K/V; None with ring
-    exchange: str = "gather"
+    exchange: str = "gather"  # as run: gather or ring (``auto`` resolved at build)
     ring: RingPlan | None = None
 
     @classmethod
     def build(cls, cu_seqlens_padded, cp_size: int, cp_rank: int, device, exchange: str = "gather") -> "CPAttentionPlan":
-        if exchange not in EXCHANGES:
-            raise ValueError(f"unknown CP exchange {exchange!r}; choose one of {', '.join(EXCHANGES)}")
+        exchange = choose_exchange(exchange, int(cu_seqlens_padded[-1]) // max(int(cp_size), 1), device)
         if cp_size == 1:  # nothing to exchange: both exchanges run the plain THD attention
             return cls(1, 0, tuple(int(x) for x in cu_seqlens_padded),
                        DeviceChunks.build(whole_chunks(cu_seqlens_padded), device), exchange)

@@ -15,12 +15,13 @@ already has, the one of rank ``j = r - t``:
 Both off-diagonal kinds are the same work (c x 2c per sequence), so zig-zag keeps the ranks in step.
 Parts are merged by log-sum-exp in fp32. The backward recomputes each part's gradients from the
 merged output and log-sum-exp (K/V blocks received in the forward are kept, as the all-gather
-exchange keeps the gathered keys) and sends each block's fp32 dK/dV accumulator around the ring
-once more, so it arrives at its owner holding every rank's contribution, rounded once.
+exchange keeps the gathered keys) and passes each block's fp32 dK/dV accumulator along the ring: it
+starts at the rank after the owner and reaches the owner after P - 1 shifts, holding every other
+rank's contribution; the owner adds its own and rounds once.
 
-Communication is the same bytes as the all-gather forward (P - 1 blocks of K/V) plus P fp32 dK/dV
-blocks in the backward, but it runs on NCCL's stream while the attention kernels run, instead of
-in front of them.
+Communication is the same bytes as the all-gather exchange (P - 1 blocks of K/V forward, P - 1 fp32
+dK/dV blocks backward, as the fp32 reduce-scatter), but it runs on NCCL's stream while the attention
+kernels run, instead of in front of them.
 
 When it pays (4 H200s, bf16, 16 x 128 heads; ``reports/recorded/README.md``, session 10): long
 packs, where each part's attention outlasts a shift (128K tokens at cp 4: per-GPU efficiency 0.929
@@ -150,7 +151,10 @@ class _RingAttention(torch.autograd.Function):
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         acc, pending, recv = None, None, None
-        for t in range(P):
+        # Blocks in the order 1, 2, ..., P - 1, then its own (0): the accumulator of block j starts at
+        # rank j + 1 and reaches its owner after P - 1 shifts, where the owner's own part is added last.
+        order = list(range(1, P)) + [0]
+        for i, t in enumerate(order):
             cur, kind = blocks[t], plan.kind(t)
             if kind == "causal":
                 g = attention_backward_lse(dout, q, cur[:, 0], cur[:, 1], out, lse, plan.causal, causal=True,
@@ -170,19 +174,21 @@ class _RingAttention(torch.autograd.Function):
                                            causal=False, backend=backend, scale=scale)
                 dq.index_add_(0, sec, g[0].to(acc_dtype))
                 part, rows = torch.stack([g[1], g[2]], dim=1), None
-            if t == 0:
-                acc = part.to(acc_dtype)
-            else:  # the block's accumulator arrives from the rank that held the block one step before
+            if i == 0:  # this rank starts the accumulator of the block it received first
+                acc = (part.to(acc_dtype) if rows is None else
+                       torch.zeros(cur.shape, dtype=acc_dtype, device=cur.device).index_add_(0, rows, part.to(acc_dtype)))
+            else:  # it arrives from the rank that held the block one step before
                 _wait(pending)
                 acc = recv
                 if rows is None:
                     acc += part.to(acc_dtype)
                 else:
                     acc.index_add_(0, rows, part.to(acc_dtype))
-            recv = torch.empty_like(acc)
-            pending = _shift(acc, recv, plan, group)  # on to the next rank (after step P - 1: to its owner)
-        _wait(pending)
-        return dq.to(q.dtype), recv[:, 0].to(q.dtype), recv[:, 1].to(q.dtype), None, None, None, None
+            if i < P - 1:
+                recv = torch.empty_like(acc)
+                pending = _shift(acc, recv, plan, group)  # on to the next rank (the last shift: to its owner)
+        # after its own part, acc is this rank's block's gradient summed over the ring, rounded once below
+        return dq.to(q.dtype), acc[:, 0].to(q.dtype), acc[:, 1].to(q.dtype), None, None, None, None
 
 
 def ring_attention(q_TH, k_TH, v_TH, plan: RingPlan, group, *, backend: str = "sdpa", scale=None):

@@ -192,10 +192,12 @@ LSE_BACKENDS = ("flash", "sdpa")
 
 
 def resolve_lse_backend(name: str, device) -> str:
-    """``auto`` -> ``flash`` on CUDA (when the ATen op exists), ``sdpa`` elsewhere; any other backend
-    than ``LSE_BACKENDS`` is an error naming the choices."""
+    """``auto`` -> ``flash`` on CUDA (when the ATen op exists), ``sdpa`` elsewhere; ``varlen`` ->
+    ``flash`` (the same kernels); any other backend than ``LSE_BACKENDS`` is an error naming the choices."""
     if name == "auto":
         name = "flash" if torch.device(device).type == "cuda" and backend_available("flash", device) else "sdpa"
+    elif name == "varlen" and backend_available("flash", device):
+        name = "flash"  # varlen_attn wraps the same flash kernels; their ATen ops give the log-sum-exp
     if name not in LSE_BACKENDS:
         raise ValueError(f"attention backend {name!r} cannot run split attention (ring CP exchange needs the "
                          f"log-sum-exp); use one of auto, {', '.join(LSE_BACKENDS)}, or exchange='gather'")

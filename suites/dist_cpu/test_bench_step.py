@@ -30,8 +30,8 @@ def test_trimmed_mean_drops_the_tails():
 @pytest.mark.parametrize("text, fix", [("dcp", "layout:scheduler"), ("bshd:balanced", r"thd \(static CP\) or dcp"),
                                        ("thd:balanced", "thd:dp-balanced"), ("dcp:fastest", "choose from"),
                                        ("dcp:balanced:tight", "local or domain"),
-                                       ("dcp:balanced@p2p", "exchange must be one of gather, ring"),
-                                       ("thd:dp-balanced@", "exchange must be one of gather, ring")])
+                                       ("dcp:balanced@p2p", "exchange must be one of gather, ring, auto"),
+                                       ("thd:dp-balanced@", "exchange must be one of gather, ring, auto")])
 def test_bad_arms_are_named_with_the_fix(text, fix):
     with pytest.raises(step.BenchConfigError, match=fix):
         step.parse_arm(text)
@@ -51,7 +51,7 @@ def test_bad_arms_are_named_with_the_fix(text, fix):
                                               ({"gc": "off"}, 2, "gc must be manual or auto"),
                                               ({"plan": "async"}, 2, "plan must be 'ahead' or 'inline'"),
                                               ({"grad_reduce": "ddp"}, 2, "grad_reduce must be one of overlap, after"),
-                                              ({"cp_exchange": "p2p"}, 2, "cp_exchange must be one of gather, ring")])
+                                              ({"cp_exchange": "p2p"}, 2, "cp_exchange must be one of gather, ring, auto")])
 def test_bad_config_is_refused_before_any_process_starts(over, world, msg):
     with pytest.raises(step.BenchConfigError, match=msg):
         step.StepBenchConfig.from_dict({**TINY, **over}).validate(world)

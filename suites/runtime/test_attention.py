@@ -180,9 +180,22 @@ def test_ring_exchange_refuses_backends_without_a_log_sum_exp_and_unknown_exchan
     with pytest.raises(ValueError, match="cannot run split attention.*exchange='gather'"):
         resolve_lse_backend("varlen", "cpu")
     assert resolve_lse_backend("auto", "cpu") == "sdpa"
-    with pytest.raises(ValueError, match="unknown CP exchange 'p2p'; choose one of gather, ring"):
+    with pytest.raises(ValueError, match="unknown CP exchange 'p2p'; choose one of gather, ring, auto"):
         CPAttentionPlan.build([0, 8], 2, 0, "cpu", exchange="p2p")
     assert CPAttentionPlan.build([0, 8], 1, 0, "cpu", exchange="ring").ring is None  # no exchange at cp 1
+
+
+def test_auto_exchange_picks_the_ring_only_for_long_blocks_on_cuda(monkeypatch):
+    import harness.dist.cp_attention as cpa
+
+    big = cpa.RING_MIN_TOKENS_PER_RANK
+    assert cpa.choose_exchange("auto", 10 * big, "cpu") == "gather"  # the CPU reference ring is for checking
+    assert cpa.choose_exchange("ring", 1, "cpu") == "ring" and cpa.choose_exchange("gather", 10 * big, "cpu") == "gather"
+    monkeypatch.setattr(cpa, "backend_available", lambda name, device: name == "flash")  # as on a GPU node
+    assert cpa.choose_exchange("auto", big, "cuda") == "ring"
+    assert cpa.choose_exchange("auto", big - 1, "cuda") == "gather"
+    plan = cpa.CPAttentionPlan.build([0, 4 * big], 2, 1, "cpu", exchange="auto")  # built where it runs: CPU
+    assert plan.exchange == "gather" and plan.chunks is not None
 
 
 def test_ring_attention_refuses_a_wrong_slice_and_a_missing_group():
