@@ -94,17 +94,17 @@ def _wait(works) -> None:
 
 
 def _merge(o_acc, lse_acc, o, lse, rows=None) -> None:
-    """Fold one part (o [T', H, D], lse [H, T']) into the fp32 accumulators, at ``rows`` (None: all)."""
+    """Fold one part (o [T', H, D], lse [H, T']) into the fp32 accumulators, at ``rows`` (None: all):
+    out = (1 - w) out + w o with w = exp(lse - logaddexp(lse_acc, lse)) = sigmoid(lse - lse_acc),
+    in place (five kernels for all rows)."""
     la = lse_acc if rows is None else lse_acc.index_select(1, rows)
     oa = o_acc if rows is None else o_acc.index_select(0, rows)
-    m = torch.logaddexp(la, lse)
-    oa = oa * torch.exp(la - m).T.unsqueeze(-1) + o.to(o_acc.dtype) * torch.exp(lse - m).T.unsqueeze(-1)
-    if rows is None:
-        o_acc.copy_(oa)
-        lse_acc.copy_(m)
-    else:
+    w = torch.sigmoid(lse - la).T.unsqueeze(-1)  # [T', H, 1]
+    oa.lerp_(o.to(oa.dtype), w)
+    torch.logaddexp(la, lse, out=la)
+    if rows is not None:
         o_acc.index_copy_(0, rows, oa)
-        lse_acc.index_copy_(1, rows, m)
+        lse_acc.index_copy_(1, rows, la)
 
 
 class _RingAttention(torch.autograd.Function):
