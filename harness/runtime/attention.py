@@ -230,18 +230,21 @@ def _expand_kv(x, heads: int):
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _ref_segments(seg: Segments):
-    qpos = kpos = 0
+def _ref_parts(q_TQ, k_TK, v_TK, seg: Segments, causal: bool, scale: float, acc):
+    """Per non-empty segment of the reference: (q rows, key rows, q, k, v as [H, len, D] in ``acc``,
+    masked scores [H, ql, kl]); K/V heads repeated for GQA, causal mask bottom-right aligned."""
+    H, qp, kp = q_TQ.shape[1], 0, 0
     for ql, kl in zip(seg.q_lens, seg.k_lens):
-        yield qpos, ql, kpos, kl
-        qpos, kpos = qpos + ql, kpos + kl
-
-
-def _ref_mask(ql: int, kl: int, causal: bool, device):
-    if not causal:
-        return None
-    rows = torch.arange(ql, device=device)[:, None] + (kl - ql)  # bottom-right aligned
-    return torch.arange(kl, device=device)[None, :] <= rows
+        if ql and kl:
+            qi = q_TQ[qp:qp + ql].to(acc).transpose(0, 1)
+            ki = _expand_kv(k_TK[kp:kp + kl].to(acc), H).transpose(0, 1)
+            vi = _expand_kv(v_TK[kp:kp + kl].to(acc), H).transpose(0, 1)
+            s = (qi @ ki.transpose(1, 2)) * scale
+            if causal:
+                rows = torch.arange(ql, device=q_TQ.device)[:, None] + (kl - ql)
+                s = s.masked_fill(torch.arange(kl, device=q_TQ.device)[None, :] > rows, float("-inf"))
+            yield slice(qp, qp + ql), slice(kp, kp + kl), qi, ki, vi, s
+        qp, kp = qp + ql, kp + kl
 
 
 def attention_forward_lse(q_TQ, k_TK, v_TK, seg: Segments, *, causal: bool, backend: str, scale=None):
@@ -257,19 +260,10 @@ def attention_forward_lse(q_TQ, k_TK, v_TK, seg: Segments, *, causal: bool, back
         return out, lse
     out = torch.zeros(q_TQ.shape, dtype=acc, device=q_TQ.device)
     lse = torch.full((H, q_TQ.shape[0]), float("-inf"), dtype=acc, device=q_TQ.device)
-    for qp, ql, kp, kl in _ref_segments(seg):
-        if ql == 0 or kl == 0:
-            continue
-        qi = q_TQ[qp:qp + ql].to(acc).transpose(0, 1)
-        ki = _expand_kv(k_TK[kp:kp + kl].to(acc), H).transpose(0, 1)
-        vi = _expand_kv(v_TK[kp:kp + kl].to(acc), H).transpose(0, 1)
-        s = (qi @ ki.transpose(1, 2)) * scale
-        mask = _ref_mask(ql, kl, causal, q_TQ.device)
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
+    for qs, _, _, _, vi, s in _ref_parts(q_TQ, k_TK, v_TK, seg, causal, scale, acc):
         m = torch.logsumexp(s, dim=-1)  # [H, ql]
-        out[qp:qp + ql] = (torch.exp(s - m[..., None]) @ vi).transpose(0, 1)
-        lse[:, qp:qp + ql] = m
+        out[qs] = (torch.exp(s - m[..., None]) @ vi).transpose(0, 1)
+        lse[:, qs] = m
     return out.to(q_TQ.dtype), lse
 
 
@@ -292,23 +286,15 @@ def attention_backward_lse(dout_TQ, q_TQ, k_TK, v_TK, out_TQ, lse_HQ, seg: Segme
     dk = torch.zeros(k_TK.shape, dtype=acc, device=q_TQ.device)
     dv = torch.zeros(v_TK.shape, dtype=acc, device=q_TQ.device)
     Hkv = k_TK.shape[1]
-    for qp, ql, kp, kl in _ref_segments(seg):
-        if ql == 0 or kl == 0:
-            continue
-        qi = q_TQ[qp:qp + ql].to(acc).transpose(0, 1)
-        ki = _expand_kv(k_TK[kp:kp + kl].to(acc), H).transpose(0, 1)
-        vi = _expand_kv(v_TK[kp:kp + kl].to(acc), H).transpose(0, 1)
-        oi = out_TQ[qp:qp + ql].to(acc).transpose(0, 1)
-        gi = dout_TQ[qp:qp + ql].to(acc).transpose(0, 1)
-        s = (qi @ ki.transpose(1, 2)) * scale
-        mask = _ref_mask(ql, kl, causal, q_TQ.device)
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
-        p = torch.exp(s - lse_HQ[:, qp:qp + ql, None])
+    for qs, ks, qi, ki, vi, s in _ref_parts(q_TQ, k_TK, v_TK, seg, causal, scale, acc):
+        oi = out_TQ[qs].to(acc).transpose(0, 1)
+        gi = dout_TQ[qs].to(acc).transpose(0, 1)
+        p = torch.exp(s - lse_HQ[:, qs, None])
         dvi = p.transpose(1, 2) @ gi
         ds = p * (gi @ vi.transpose(1, 2) - (gi * oi).sum(-1, keepdim=True))
-        dq[qp:qp + ql] = ((ds @ ki) * scale).transpose(0, 1)
+        dq[qs] = ((ds @ ki) * scale).transpose(0, 1)
         dki = (ds.transpose(1, 2) @ qi) * scale
-        dk[kp:kp + kl] = dki.reshape(Hkv, H // Hkv, kl, D).sum(1).transpose(0, 1)
-        dv[kp:kp + kl] = dvi.reshape(Hkv, H // Hkv, kl, D).sum(1).transpose(0, 1)
+        kl = dki.shape[1]
+        dk[ks] = dki.reshape(Hkv, H // Hkv, kl, D).sum(1).transpose(0, 1)
+        dv[ks] = dvi.reshape(Hkv, H // Hkv, kl, D).sum(1).transpose(0, 1)
     return dq.to(q_TQ.dtype), dk.to(k_TK.dtype), dv.to(v_TK.dtype)
