@@ -141,3 +141,51 @@ def test_balanced_prediction_is_the_simulated_step_time(batch):
         assert simulate(s).step_time == pytest.approx(predicted, rel=1e-9, abs=1e-6)
         violations = check_schedule(s.microbatches, batch.lengths, **batch.kwargs())
         assert not violations, "\n".join(v.error().args[0] for v in violations[:5])
+
+
+def _widths_reference(builder, theta, leaf):
+    """``_Builder.widths`` as first written: every item's width from scratch, then one pass over all
+    widths per depth (the faster one skips items that cannot widen and counts widths instead)."""
+    from harness.plan.balanced import _Infeasible
+
+    n, limit = builder.n, theta * builder.target
+    width = {}
+    for it in builder.items:
+        w = max(it.cp, leaf)
+        while w < n and it.cost(w) > limit and it.cost(2 * w) < it.cost(w):
+            w *= 2
+        width[it.gid] = w
+    s = leaf
+    while s < n:
+        at = [g for g, w in width.items() if w == s]
+        if at and sum(1 for w in width.values() if w <= s) < n // s:
+            if s == leaf:
+                raise _Infeasible(f"fewer sequences than {n // s} leaves")
+            for g in at:
+                width[g] = 2 * s
+        s *= 2
+    return width
+
+
+@given(batch=batches(max_log_ranks=6, max_sequences=96))
+def test_balanced_widths_match_the_reference(batch):
+    """Node sizes (and the infeasible leaves) of every candidate ``plan_balanced`` may try, under cost
+    models that widen long sequences (communication-free ``L**2``) or rarely do."""
+    from harness.plan.balanced import THETAS, _Builder, _Infeasible, _Item
+    from harness.plan.cost import cp_min
+
+    for cost in COSTS:
+        items = [_Item(g, L, cp_min(L, batch.max_seqlen_per_rank, batch.min_cp_size), cost) for g, L in batch.lengths]
+        builder = _Builder(items, batch.n_ranks, batch.max_seqlen_per_rank, batch.min_cp_size, None, cost)
+        leaf = batch.min_cp_size
+        while leaf <= batch.n_ranks:
+            for theta in THETAS:
+                try:
+                    want = _widths_reference(builder, theta, leaf)
+                except _Infeasible as e:
+                    with pytest.raises(_Infeasible, match=f"^{e}$"):
+                        builder.widths(theta, leaf)
+                    continue
+                got = builder.widths(theta, leaf)
+                assert list(got.items()) == list(want.items())  # the order too: ``plan`` relies on it
+            leaf *= 2
