@@ -59,10 +59,10 @@ THETAS = (0.5, 1.0)  # widen a sequence while its per-rank cost exceeds theta x 
 
 
 class _Item:
-    __slots__ = ("gid", "L", "cp", "work", "comm", "width", "own")
+    __slots__ = ("gid", "L", "cp", "work", "comm", "own")
 
     def __init__(self, gid: int, L: int, cp: int, cost: CostModel):
-        self.gid, self.L, self.cp, self.width = gid, L, cp, cp
+        self.gid, self.L, self.cp = gid, L, cp
         self.work = cost.quadratic * L * L + cost.linear * L + cost.constant
         self.comm = cost.cp_comm * L
         self.own = self.cost(cp)  # at its cp_min, where most plans run it

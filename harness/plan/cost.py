@@ -82,7 +82,7 @@ class CostModel:
     def __post_init__(self) -> None:
         for field in ("quadratic", "linear", "constant", "cp_comm", "per_microbatch", "cp_block"):
             v = getattr(self, field)
-            if not isinstance(v, (int, float)) or v < 0 or v != v:
+            if not isinstance(v, (int, float)) or not 0 <= v < float("inf"):  # NaN fails both
                 raise PlanInputError(f"CostModel.{field} must be a finite number >= 0, got {v!r}")
 
     @classmethod

@@ -97,3 +97,10 @@ def test_a_fixed_cost_per_cp_block_is_simulated_and_bounded():
 def test_quality_is_one_for_a_perfect_schedule():
     s = _sched([[Block(0, 1, (0,)), Block(1, 1, (1,))]], [(0, 50), (1, 50)], 2)
     assert quality(s) == 1.0
+
+
+@pytest.mark.parametrize("field, value", [("quadratic", -1.0), ("linear", float("nan")), ("cp_comm", float("inf")),
+                                          ("per_microbatch", "3")])
+def test_cost_model_refuses_negative_nan_infinite_and_non_numbers(field, value):
+    with pytest.raises(PlanInputError, match=rf"CostModel.{field} must be a finite number >= 0, got"):
+        CostModel(**{field: value})
