@@ -298,12 +298,9 @@ def model_cost(cfg: StepBenchConfig, *, comm: bool = True) -> CostModel:
     """Training FLOPs per sequence of the benchmark model (``comm``: with the K/V exchange term)."""
     from harness.runtime.model import MODELS
 
-    m = MODELS[cfg.model]
-    return CostModel.from_model_shape(
-        num_layers=m.layers, hidden_size=m.hidden, ffn_hidden_size=m.ffn * max(1, m.top_k if m.experts else 1),
-        num_attention_heads=m.heads, num_query_groups=m.kv_heads, gated_mlp=m.mlp == "swiglu",
-        vocab_size=m.vocab, cp_comm_flops_per_byte=cfg.cp_comm_flops_per_byte if comm else 0.0,
-        per_microbatch_flops=cfg.per_microbatch_flops if comm else 0.0, name=cfg.model)
+    return MODELS[cfg.model].training_cost(cp_comm_flops_per_byte=cfg.cp_comm_flops_per_byte if comm else 0.0,
+                                           per_microbatch_flops=cfg.per_microbatch_flops if comm else 0.0,
+                                           name=cfg.model)
 
 
 def model_flops(lengths: list[int], cost: CostModel) -> float:

@@ -85,10 +85,7 @@ def longest_sequence(cfg: TrainConfig) -> int:
 
 
 def model_cost(cfg: TrainConfig) -> CostModel:
-    m = MODELS[cfg.model]
-    return CostModel.from_model_shape(num_layers=m.layers, hidden_size=m.hidden, ffn_hidden_size=m.ffn * max(1, m.top_k),
-                                      num_attention_heads=m.heads, num_query_groups=m.kv_heads, vocab_size=m.vocab,
-                                      name=cfg.model)
+    return MODELS[cfg.model].training_cost(name=cfg.model)
 
 
 def _samples(batch, owners, me, device) -> dict:

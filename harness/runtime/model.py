@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness.plan.cost import CostModel
+
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -64,6 +66,14 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def training_cost(self, **kw) -> CostModel:
+        """The scheduler's FLOP cost model of this model (``CostModel.from_model_shape``): a gated MLP
+        for ``swiglu``, ``top_k`` experts' MLPs per token for MoE; ``kw`` adds its other options."""
+        return CostModel.from_model_shape(
+            num_layers=self.layers, hidden_size=self.hidden, ffn_hidden_size=self.ffn * (self.top_k if self.experts else 1),
+            num_attention_heads=self.heads, num_query_groups=self.kv_heads, gated_mlp=self.mlp == "swiglu",
+            vocab_size=self.vocab, **kw)
 
 
 MLPS = ("swiglu", "gelu")

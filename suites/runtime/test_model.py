@@ -188,3 +188,25 @@ def test_compiled_layer_ranges_compute_the_eager_blocks():
 def test_compile_blocks_refuses_a_non_backend():
     with pytest.raises(TypeError, match="backend"):
         TinyLM(MODELS["tiny-gpt"]).compile_blocks(3)
+
+
+def test_training_cost_prices_the_mlp_the_model_runs():
+    """SwiGLU is three matmuls (gated), GeLU two; a dense model ignores ``top_k``, MoE runs ``top_k``
+    experts' MLPs per token. (The convergence runs once priced tiny-gpt's SwiGLU as two matmuls of
+    twice the width.)"""
+    from harness.plan.cost import CostModel
+    from harness.runtime.model import MODELS, ModelConfig
+
+    def mlp_linear(m: ModelConfig) -> float:  # the MLP's share of the per-token cost
+        no_mlp = CostModel.from_model_shape(num_layers=m.layers, hidden_size=m.hidden, ffn_hidden_size=1,
+                                            num_attention_heads=m.heads, num_query_groups=m.kv_heads,
+                                            gated_mlp=m.mlp == "swiglu", vocab_size=m.vocab)
+        return m.training_cost().linear - no_mlp.linear
+
+    per_matrix = lambda m, width: 3 * 2 * m.layers * m.hidden * width  # noqa: E731  (fwd + bwd = 3 x fwd)
+    gpt, moe = MODELS["tiny-gpt"], MODELS["tiny-moe"]
+    assert gpt.mlp == "swiglu" and gpt.experts == 0 and gpt.top_k == 2
+    assert mlp_linear(gpt) == pytest.approx(3 * per_matrix(gpt, gpt.ffn - 1))
+    assert mlp_linear(moe) == pytest.approx(3 * per_matrix(moe, moe.top_k * moe.ffn - 1))
+    gelu = ModelConfig(mlp="gelu")
+    assert mlp_linear(gelu) == pytest.approx(2 * per_matrix(gelu, gelu.ffn - 1))
