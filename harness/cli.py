@@ -90,7 +90,7 @@ def _add_converge(sub) -> None:
     c.add_argument("--scheduler", default="balanced", help="dynamic-CP scheduler for the dcp layout")
     c.add_argument("--cp-exchange", choices=["gather", "ring", "auto"], default="gather",
                    help="K/V exchange of CP blocks: gather (all-gather; default), ring (overlapped with attention) "
-                        "or auto (ring for blocks of >= 16K tokens per rank on CUDA)")
+                        "or auto (ring on CUDA from 8K tokens per rank at cp 2, 16K above)")
     c.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: float32 on CPU, bfloat16 on GPU")
     c.add_argument("--lengths", default=None, help="length spec of the corpus (harness.workloads)")
@@ -171,7 +171,7 @@ def parser() -> argparse.ArgumentParser:
                           "step's critical path")
     bst.add_argument("--cp-exchange", choices=["gather", "ring", "auto"], default=None,
                      help="K/V exchange of CP blocks: gather (default; all-gather before attention) or ring (overlapped "
-                          "with attention, TransformerEngine's p2p) or auto (ring from 16K tokens per rank on CUDA); an arm may "
+                          "with attention, TransformerEngine's p2p) or auto (ring on CUDA from 8K tokens per rank at cp 2, 16K above); an arm may "
                           "override it with @gather / @ring / @auto")
     bst.add_argument("--grad-reduce", choices=list(GRAD_REDUCE_CHOICES), default=None,
                      help="gradient all-reduce: overlap (default; buckets reduced during the last backward) or after")

@@ -16,8 +16,8 @@ expensive), so no rank waits for another inside the block.
 attention kernels) or ``ring`` (``harness.dist.ring``: K/V passed around the block's ring while each
 received block's part of the attention runs, as TransformerEngine's ``p2p`` CP and Megatron's
 static-CP baseline do; needs a backend of ``harness.runtime.attention.LSE_BACKENDS``) or ``auto``:
-ring for blocks of at least ``RING_MIN_TOKENS_PER_RANK`` tokens per rank on CUDA, gather otherwise
-(``choose_exchange``).
+ring for blocks of at least ``RING_MIN_TOKENS_PER_RANK`` tokens per rank on CUDA (8K at cp 2, 16K
+otherwise: measured), gather otherwise (``choose_exchange``).
 """
 
 from __future__ import annotations
@@ -34,24 +34,29 @@ from harness.runtime.attention import DeviceChunks, backend_available, chunk_att
 
 EXCHANGES = ("gather", "ring", "auto")
 
-RING_MIN_TOKENS_PER_RANK = 16384
-"""``auto`` picks the ring from this many tokens per rank. Measured on 4 H200s (flash, bf16, 16 x 128
-heads; ``reports/recorded/README.md``, session 10): the ring was faster in every configuration with
-16K or more tokens per rank (32K tokens at cp 2, one or 8 sequences: efficiency 0.856 / 0.492 vs
-0.820 / 0.425; 128K at cp 2 and 4), mixed at 8K (one sequence 0.708 vs 0.688, 8 sequences 0.235 vs
-0.266) and ~2x slower at 2K (the step benchmark's blocks), where a ring shift outlasts each part."""
+RING_MIN_TOKENS_PER_RANK = {2: 8192}
+"""``auto`` picks the ring from this many tokens per rank, by block size; ``RING_MIN_TOKENS_DEFAULT``
+for sizes not listed. Measured on H200s (flash, bf16, 16 x 128 heads; ``reports/recorded/README.md``,
+session 10). At cp 2 the ring won every configuration from 8K tokens per rank (8K: one / 4 / 8
+sequences 7.98 / 3.48 / 2.69 ms against 8.86 / 4.33 / 3.62; 16K and 64K as well), was mixed at 4K
+and lost at 2K (2.03 vs 1.38 ms). At cp 4 it won every configuration from 16K per rank (128K tokens:
+efficiency 0.929 vs 0.897; 8 x 16K: 0.643 vs 0.571), was mixed at 8K and ~2x slower at 2K (the step
+benchmark's blocks), where a ring shift outlasts each part."""
+
+RING_MIN_TOKENS_DEFAULT = 16384
 
 
-def choose_exchange(exchange: str, tokens_per_rank: int, device) -> str:
+def choose_exchange(exchange: str, tokens_per_rank: int, device, cp_size: int = 0) -> str:
     """The exchange a block runs: ``gather`` / ``ring`` as asked; ``auto`` = ring on CUDA (with the
-    flash kernels) from ``RING_MIN_TOKENS_PER_RANK`` tokens per rank, else gather."""
+    flash kernels) from ``RING_MIN_TOKENS_PER_RANK`` tokens per rank for a block of ``cp_size``, else
+    gather."""
     if exchange not in EXCHANGES:
         raise ValueError(f"unknown CP exchange {exchange!r}; choose one of {', '.join(EXCHANGES)}")
     if exchange != "auto":
         return exchange
     dev = torch.device(device)
-    return ("ring" if dev.type == "cuda" and tokens_per_rank >= RING_MIN_TOKENS_PER_RANK
-            and backend_available("flash", dev) else "gather")
+    least = RING_MIN_TOKENS_PER_RANK.get(cp_size, RING_MIN_TOKENS_DEFAULT)
+    return "ring" if dev.type == "cuda" and tokens_per_rank >= least and backend_available("flash", dev) else "gather"
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,7 @@ class CPAttentionPlan:
 
     @classmethod
     def build(cls, cu_seqlens_padded, cp_size: int, cp_rank: int, device, exchange: str = "gather") -> "CPAttentionPlan":
-        exchange = choose_exchange(exchange, int(cu_seqlens_padded[-1]) // max(int(cp_size), 1), device)
+        exchange = choose_exchange(exchange, int(cu_seqlens_padded[-1]) // max(int(cp_size), 1), device, cp_size)
         if cp_size == 1:  # nothing to exchange: both exchanges run the plain THD attention
             return cls(1, 0, tuple(int(x) for x in cu_seqlens_padded),
                        DeviceChunks.build(whole_chunks(cu_seqlens_padded), device), exchange)

@@ -188,12 +188,14 @@ def test_ring_exchange_refuses_backends_without_a_log_sum_exp_and_unknown_exchan
 def test_auto_exchange_picks_the_ring_only_for_long_blocks_on_cuda(monkeypatch):
     import harness.dist.cp_attention as cpa
 
-    big = cpa.RING_MIN_TOKENS_PER_RANK
-    assert cpa.choose_exchange("auto", 10 * big, "cpu") == "gather"  # the CPU reference ring is for checking
+    big = cpa.RING_MIN_TOKENS_DEFAULT
+    assert cpa.choose_exchange("auto", 10 * big, "cpu", 4) == "gather"  # the CPU reference ring is for checking
     assert cpa.choose_exchange("ring", 1, "cpu") == "ring" and cpa.choose_exchange("gather", 10 * big, "cpu") == "gather"
     monkeypatch.setattr(cpa, "backend_available", lambda name, device: name == "flash")  # as on a GPU node
-    assert cpa.choose_exchange("auto", big, "cuda") == "ring"
-    assert cpa.choose_exchange("auto", big - 1, "cuda") == "gather"
+    assert cpa.choose_exchange("auto", big, "cuda", 4) == "ring"
+    assert cpa.choose_exchange("auto", big - 1, "cuda", 4) == "gather"
+    assert cpa.choose_exchange("auto", 8192, "cuda", 2) == "ring"  # measured: the ring wins earlier at cp 2
+    assert cpa.choose_exchange("auto", 8191, "cuda", 2) == "gather"
     plan = cpa.CPAttentionPlan.build([0, 4 * big], 2, 1, "cpu", exchange="auto")  # built where it runs: CPU
     assert plan.exchange == "gather" and plan.chunks is not None
 
