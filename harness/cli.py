@@ -170,9 +170,9 @@ def parser() -> argparse.ArgumentParser:
                      help="schedules computed one step ahead in a planner process (default) or inline, on each "
                           "step's critical path")
     bst.add_argument("--cp-exchange", choices=["gather", "ring", "auto"], default=None,
-                     help="K/V exchange of CP blocks: gather (default; all-gather before attention) or ring (overlapped "
-                          "with attention, TransformerEngine's p2p) or auto (ring on CUDA from 8K tokens per rank at cp 2, 16K above); an arm may "
-                          "override it with @gather / @ring / @auto")
+                     help="K/V exchange of CP blocks: gather (default; all-gather before attention), ring "
+                          "(overlapped with attention, TransformerEngine's p2p) or auto (ring on CUDA from 8K tokens "
+                          "per rank at cp 2, 16K above); an arm may override it with @gather / @ring / @auto")
     bst.add_argument("--grad-reduce", choices=list(GRAD_REDUCE_CHOICES), default=None,
                      help="gradient all-reduce: overlap (default; buckets reduced during the last backward) or after")
     bst.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)

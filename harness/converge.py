@@ -192,7 +192,7 @@ def config_from_args(a) -> TrainConfig:
                                                "seed": a.seed}.items() if v is not None})
     cfg = TrainConfig(model=a.model, layouts=tuple(x.strip() for x in a.layouts.split(",") if x.strip()),
                       steps=a.steps, scheduler=a.scheduler, device=a.device, corpus=corpus,
-                      cp_exchange=getattr(a, "cp_exchange", "gather"),
+                      cp_exchange=a.cp_exchange,
                       dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"))
     if a.max_seqlen_per_rank:
         cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank)

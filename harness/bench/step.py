@@ -17,7 +17,7 @@ Arms (``layout:scheduler[:padding][@exchange]``):
   ``dp_balanced`` packing - the baseline;
 - ``dcp:<scheduler>``: dynamic CP with any ``harness.plan.ALGORITHMS`` scheduler (``balanced``,
   ``megatron-dev``, ...); padding ``local`` (``2 x local_cp_size``, default) or ``domain``;
-- ``@gather`` / ``@ring`` after any arm: its CP blocks exchange K/V that way instead of
+- ``@gather`` / ``@ring`` / ``@auto`` after any arm: its CP blocks exchange K/V that way instead of
   ``cp_exchange`` (``harness.dist.cp_attention.EXCHANGES``), so both exchanges run interleaved in one
   job (calibration uses ``cp_exchange``).
 
@@ -150,8 +150,8 @@ class StepBenchConfig:
     """How CP blocks exchange K/V (``harness.dist.cp_attention.EXCHANGES``): ``gather`` (all-gather
     before the attention kernels, fp32 reduce-scatter of dK/dV after) or ``ring`` (K/V passed around
     the block while each received block's attention part runs, as TransformerEngine's ``p2p`` CP and
-    Megatron's static-CP baseline; needs the ``flash`` kernels on CUDA). An arm may override it
-    (``@ring``)."""
+    Megatron's static-CP baseline; needs the ``flash`` kernels on CUDA) or ``auto`` (ring for long
+    blocks, ``harness.dist.cp_attention.choose_exchange``). An arm may override it (``@ring``)."""
     grad_reduce: str = "overlap"
     """Gradient all-reduce over the DP x CP group: ``overlap`` (buckets of 40M elements reduced as
     the step's last backward completes them, ``harness.dist.grad_reduce``; Megatron's

@@ -48,8 +48,8 @@ class TrainConfig:
     """``float32``, or ``bfloat16`` (autocast; fp32 master weights)."""
     device: str = "cpu"
     cp_exchange: str = "gather"
-    """How CP blocks exchange K/V (``harness.dist.cp_attention.EXCHANGES``): ``gather`` or ``ring``; the
-    attention is the same either way, so the goldens apply to both."""
+    """How CP blocks exchange K/V (``harness.dist.cp_attention.EXCHANGES``): ``gather``, ``ring`` or
+    ``auto``; the attention is the same either way, so the goldens apply to all."""
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
 
     def validate(self, world: int) -> None:
