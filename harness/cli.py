@@ -156,8 +156,8 @@ def parser() -> argparse.ArgumentParser:
     bst.add_argument("--lengths", default=None, help="length spec (default lognormal:mean=1024,sigma=1.5,min=128,max=8192)")
     bst.add_argument("--max-seqlen-per-rank", type=int, default=None)
     bst.add_argument("--microbatches", type=int, default=None, help="global batch = this x N x max_seqlen_per_rank tokens (8)")
-    bst.add_argument("--arms", default=None, help="comma list of layout:scheduler[:padding][@exchange] "
-                                                  "(default thd:dp-balanced,dcp:balanced,dcp:megatron-dev)")
+    bst.add_argument("--arms", default=None, help="comma list of layout:scheduler[:padding][@exchange][+scope] "
+                                                  "(scope: segments or chain; default thd:dp-balanced,dcp:balanced,dcp:megatron-dev)")
     bst.add_argument("--warmup", type=int, default=None)
     bst.add_argument("--iters", type=int, default=None)
     bst.add_argument("--profile-iters", type=int, default=None, help="profiled steps per arm for the breakdown (2)")
@@ -187,7 +187,8 @@ def parser() -> argparse.ArgumentParser:
     bst.add_argument("--static-cp", type=int, default=None, help="CP size of the thd baseline (default: world)")
     bst.add_argument("--compile", default=None, choices=COMPILE_CHOICES,
                      help="torch.compile the blocks' per-token segments (default auto: inductor on CUDA, eager on CPU; "
-                          "reduce-overhead: + CUDA graphs, with --token-bucket)")
+                          "reduce-overhead: + CUDA graphs, with --token-bucket; inductor-chain: the whole model as "
+                          "one compiled call per micro-batch, attentions opaque)")
     bst.add_argument("--token-bucket", type=int, default=None,
                      help="pad each rank's micro-batch to a multiple of this many tokens (default 0 = off)")
     bst.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_step.json)")

@@ -2,7 +2,8 @@
 
 One process and one device. For each token shape (``KxL``: K sequences of L tokens in one THD pack,
 no CP) and each variant (``<compile>/<backend>``: ``off`` (eager), ``inductor`` or ``aot_eager``
-for the blocks' per-token segments (``TinyLM.compile_blocks``), and an attention backend of
+for the blocks' per-token segments (``TinyLM.compile_blocks``; ``inductor-chain`` /
+``aot_eager-chain``: the whole model as one compiled call), and an attention backend of
 ``harness.runtime.attention``), it times the forward + backward of the model - ``gpt-12l-h2048`` on
 CUDA in bf16 autocast, ``tiny-gpt`` in fp32 on the CPU - with the gradients accumulated into one
 fp32 buffer, as ``bench step`` runs a micro-batch:
@@ -30,7 +31,8 @@ from pathlib import Path
 from harness.bench.common import table, write_report
 from harness.plan.errors import PlanInputError
 
-COMPILES = ("off", "inductor", "aot_eager")
+COMPILES = ("off", "inductor", "aot_eager", "inductor-chain", "aot_eager-chain")
+"""``-chain``: the whole model as one compiled call, attentions opaque (``TinyLM.compile_blocks(scope="chain")``)."""
 LOSS_SPREAD_MAX = 1e-3
 """Largest relative loss difference allowed between the variants of one shape (bf16 fusion rounding
 measured 2e-6..3e-5 on an H200; a wrong variant is off by far more)."""
@@ -163,7 +165,8 @@ def measure(cfg: MicrobatchConfig) -> dict:
         return run
 
     def use(compile_: str) -> None:  # outside every timed window
-        model.compile_blocks(None if compile_ == "off" else compile_)
+        backend, _, chain = compile_.partition("-")
+        model.compile_blocks(None if compile_ == "off" else backend, scope="chain" if chain else "segments")
 
     rows = []
     for shape in cfg.shapes:

@@ -76,23 +76,32 @@ class Arm:
     padding: str = "local"
     exchange: str | None = None
     """K/V exchange of this arm's CP blocks; None = the config's ``cp_exchange``."""
+    scope: str | None = None
+    """What one compiled call covers for this arm (``TinyLM.compile_blocks(scope=...)``: ``segments``
+    or ``chain``); None = the config's ``compile``."""
 
     @property
     def label(self) -> str:
         return (f"{self.layout}:{self.scheduler}" + ("" if self.padding == "local" else f":{self.padding}")
-                + (f"@{self.exchange}" if self.exchange else ""))
+                + (f"@{self.exchange}" if self.exchange else "") + (f"+{self.scope}" if self.scope else ""))
 
 
 def parse_arm(text: str) -> Arm:
     from harness.dist.cp_attention import EXCHANGES
+    from harness.runtime.model import COMPILE_SCOPES
 
-    body, _, exchange = text.partition("@")
-    if "@" in text and exchange not in EXCHANGES:
+    text = str(text)
+    rest, plus, scope = text.partition("+")
+    if plus and scope not in COMPILE_SCOPES:
+        raise BenchConfigError(f"arm {text!r}: compile scope must be one of {', '.join(COMPILE_SCOPES)} after '+', "
+                               f"got {scope!r}")
+    body, _, exchange = rest.partition("@")
+    if "@" in rest and exchange not in EXCHANGES:
         raise BenchConfigError(f"arm {text!r}: exchange must be one of {', '.join(EXCHANGES)} after '@', got {exchange!r}")
     parts = body.split(":")
     if len(parts) not in (2, 3):
-        raise BenchConfigError(f"arm {text!r} is not layout:scheduler[:padding][@exchange], e.g. thd:dp-balanced or "
-                               f"dcp:balanced@ring")
+        raise BenchConfigError(f"arm {text!r} is not layout:scheduler[:padding][@exchange][+scope], e.g. "
+                               f"thd:dp-balanced, dcp:balanced@ring or dcp:balanced+chain")
     layout, scheduler, padding = parts[0], parts[1], parts[2] if len(parts) == 3 else "local"
     if layout not in ("thd", "dcp"):
         raise BenchConfigError(f"arm {text!r}: layout must be thd (static CP) or dcp (dynamic CP), got {layout!r}")
@@ -102,7 +111,7 @@ def parse_arm(text: str) -> Arm:
         raise BenchConfigError(f"arm {text!r}: unknown scheduler {scheduler!r}; choose from {', '.join(ALGORITHMS)}")
     if padding not in ("local", "domain"):
         raise BenchConfigError(f"arm {text!r}: padding must be local or domain, got {padding!r}")
-    return Arm(layout, scheduler, padding, exchange or None)
+    return Arm(layout, scheduler, padding, exchange or None, scope or None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,7 +191,11 @@ class StepBenchConfig:
     (``TinyLM.compile_blocks``; attention and its collectives stay eager): ``auto`` = ``inductor`` on
     CUDA and eager on CPU, ``off`` = eager, a backend name (``inductor``, ``aot_eager``), or
     ``reduce-overhead`` (inductor, each segment replayed as a CUDA graph; set ``token_bucket``). The
-    eager model is launch-bound on an H200 (one micro-batch enqueues ~1000 kernels)."""
+    eager model is launch-bound on an H200 (one micro-batch enqueues ~1000 kernels).
+    ``inductor-chain`` / ``aot_eager-chain``: the whole model as one compiled call per micro-batch,
+    attentions opaque (``scope="chain"``). An arm's ``+segments`` / ``+chain`` overrides the scope.
+    With ``grad_reduce="overlap"`` the last micro-batch of a chain arm's step runs the segments: a
+    chain's backward hands over every gradient at its end, leaving the all-reduce nothing to overlap."""
     token_bucket: int = 0
     """Pad every rank's micro-batch to a multiple of this many tokens (0 = off; even): the padding
     is counted, and with ``reduce-overhead`` the graphs are recorded once per multiple."""
@@ -235,6 +248,14 @@ class StepBenchConfig:
             raise BenchConfigError(f"compile must be one of {', '.join(COMPILE_CHOICES)}, got {self.compile!r}")
         if self.compile == "reduce-overhead" and self.device != "cuda":
             raise BenchConfigError("compile=reduce-overhead records CUDA graphs; it needs CUDA (use inductor or off)")
+        arms = self.arm_list()
+        if any(a.scope for a in arms) and not self.compile_backend():
+            raise BenchConfigError(f"arms {[a.label for a in arms if a.scope]} choose a compile scope but compile="
+                                   f"{self.compile!r} runs eager (on this device); pick a compile backend, e.g. "
+                                   f"compile=inductor")
+        if self.compile_mode() == "reduce-overhead" and any(a.scope == "chain" for a in arms):
+            raise BenchConfigError("compile=reduce-overhead records CUDA graphs of segments; a '+chain' arm cannot "
+                                   "(its attentions run collectives); drop '+chain' or use compile=inductor")
         if not isinstance(self.token_bucket, int) or self.token_bucket < 0 or self.token_bucket % 2:
             raise BenchConfigError(f"token_bucket must be 0 (off) or an even int, got {self.token_bucket!r}")
 
@@ -244,14 +265,21 @@ class StepBenchConfig:
             return "inductor" if self.device == "cuda" else None
         if self.compile == "reduce-overhead":
             return "inductor"
-        return None if self.compile == "off" else self.compile
+        return None if self.compile == "off" else self.compile.removesuffix("-chain")
 
     def compile_mode(self) -> str | None:
         return "reduce-overhead" if self.compile == "reduce-overhead" else None
 
+    def compile_scope(self) -> str:
+        """``chain`` for the ``-chain`` choices, else ``segments``."""
+        return "chain" if self.compile.endswith("-chain") else "segments"
+
     def compile_label(self) -> str | None:
-        """What the report says: None (eager), a backend, or ``inductor/reduce-overhead``."""
+        """What the report says: None (eager), a backend, ``inductor/reduce-overhead`` or
+        ``inductor/chain``."""
         be, mode = self.compile_backend(), self.compile_mode()
+        if be and self.compile_scope() == "chain":
+            return f"{be}/chain"
         return f"{be}/{mode}" if be and mode else be
 
     def to_dict(self) -> dict:
@@ -265,7 +293,7 @@ class StepBenchConfig:
         return cls(**d)
 
 
-COMPILE_CHOICES = ("auto", "off", "inductor", "aot_eager", "reduce-overhead")
+COMPILE_CHOICES = ("auto", "off", "inductor", "aot_eager", "reduce-overhead", "inductor-chain", "aot_eager-chain")
 GRAD_REDUCE_CHOICES = ("overlap", "after")
 PHASES = ("schedule", "microbatches", "grad_reduce", "optimizer")
 """A step's phases, timed in every measured step: scheduling, rerouting and building the
@@ -423,10 +451,16 @@ def _step(ctx: _Ctx, arm: Arm, lengths: list[int], local: dict, opt, planned=Non
     runners = [_microbatch_runner(ctx, mb, total, arm.exchange or ctx.cfg.cp_exchange)
                for mb in mbs]  # every plan built before the first forward
     marks.mark()
+    backend = ctx.cfg.compile_backend()
+    chain = bool(backend) and (arm.scope or ctx.cfg.compile_scope()) == "chain"
     for k, run in enumerate(runners):
         if ctx.reducer is not None and k == len(runners) - 1:
             ctx.reducer.arm()  # the last backward all-reduces each bucket as soon as it is complete
+            if chain:  # a chain's backward hands every gradient over at its very end: nothing to overlap
+                ctx.model.compile_blocks(backend, ctx.cfg.compile_mode(), "segments")
         run()
+    if chain and ctx.reducer is not None:
+        ctx.model.compile_blocks(backend, ctx.cfg.compile_mode(), "chain")
     local_tokens = sum(mb.data["tokens"].numel() for mb in mbs)
     marks.mark()
     if ctx.reducer is not None:
@@ -511,6 +545,8 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
                      "slots": []} for a in arms}
 
     def load(arm: Arm) -> None:
+        if cfg.compile_backend():
+            ctx.model.compile_blocks(cfg.compile_backend(), cfg.compile_mode(), arm.scope or cfg.compile_scope())
         with torch.no_grad():
             for p, w in zip(ctx.params, weights[arm.label]):
                 p.copy_(w)
@@ -619,6 +655,8 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
             out[arm.label]["schedules"] = x["figures"]
     opts.clear()
     weights.clear()
+    if cfg.compile_backend():  # the next run's calibration runs the config's scope
+        ctx.model.compile_blocks(cfg.compile_backend(), cfg.compile_mode(), cfg.compile_scope())
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -804,7 +842,7 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     mcfg = replace(MODELS[cfg.model], seed=cfg.seed)
-    model = TinyLM(mcfg, device=device).compile_blocks(cfg.compile_backend(), cfg.compile_mode())
+    model = TinyLM(mcfg, device=device).compile_blocks(cfg.compile_backend(), cfg.compile_mode(), cfg.compile_scope())
     params = [p for p in model.parameters()]
     flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
     offset = 0

@@ -248,6 +248,28 @@ _SEGMENTS = {"attn_inputs": _attn_inputs, "head": _head_losses, **_TAILS,
 _compiled_segments: dict = {}
 
 
+def _chain_body(x_TE, layers, head):
+    """Blocks ``layers`` (``(attention inputs, MLP kind, tail weights)`` each) with the attention as
+    ``harness.runtime.opaque.opaque_attention``, as one function for ``torch.compile``
+    (``scope="chain"``): the segments' maths, in the same order, between the same attentions."""
+    from harness.runtime.opaque import opaque_attention
+
+    q, k, v = _attn_inputs(x_TE, *layers[0][0])
+    for j, (_, kind, tail) in enumerate(layers):
+        o = opaque_attention(q, k, v)
+        if j + 1 < len(layers):
+            x_TE, q, k, v = _tail_then_attn_inputs(_TAILS[kind])(x_TE, o, *tail, *layers[j + 1][0])
+        elif head is not None:
+            return _tail_then_head(_TAILS[kind])(x_TE, o, *tail, *head)
+        else:
+            x_TE = _TAILS[kind](x_TE, o, *tail)
+    return x_TE
+
+
+_SEGMENTS["chain"] = _chain_body
+COMPILE_SCOPES = ("segments", "chain")
+
+
 def compiled_segment(name: str, backend: str, mode: str | None = None):
     """The ``torch.compile`` of segment ``name`` (one per process, backend and mode; shapes that
     vary, e.g. the token count, become dynamic after their first change). ``mode="reduce-overhead"``
@@ -269,6 +291,7 @@ class Block(nn.Module):
         self.mlp = MoE(c, layer) if moe else dense_mlp(c)
         self.compiled: str | None = None  # a torch.compile backend (``TinyLM.compile_blocks``) or eager
         self.compile_mode: str | None = None
+        self.compile_scope: str = "segments"
 
     def forward(self, x_TE, pos_T, real_T, attention: Attention, routing=None):
         """``pos_T``: global position ids, or a ``Rotary`` of them (shared by the layers)."""
@@ -287,7 +310,8 @@ class Block(nn.Module):
         return x_TE + self.mlp(self.norm2(x_TE)), x_TE.new_zeros((), dtype=torch.float32)
 
     def _compiled_forward(self, x_TE, rot: Rotary, attention: Attention):
-        x_TE = compiled_chain([self], x_TE, rot, attention, self.compiled, self.compile_mode)
+        x_TE = compiled_chain([self], x_TE, rot, attention, self.compiled, self.compile_mode,
+                              scope=self.compile_scope)
         return x_TE, x_TE.new_zeros((), dtype=torch.float32)
 
     def tail_weights(self) -> tuple[str, tuple]:
@@ -298,16 +322,24 @@ class Block(nn.Module):
 
 
 def compiled_chain(blocks: list[Block], x_TE, rot: Rotary, attention: Attention, backend: str, mode: str | None,
-                   head: tuple | None = None):
+                   head: tuple | None = None, scope: str = "segments"):
     """Dense ``blocks`` (consecutive) through compiled segments, one per stretch between attentions
     (see above): returns the hidden states, or with ``head = (norm_w, head_w, labels_T, real_T, eps)``
-    the loss head's summed cross-entropy computed in the last segment."""
+    the loss head's summed cross-entropy computed in the last segment. ``scope="chain"``: all of it
+    as one compiled call, the attentions inside as opaque operators (``harness.runtime.opaque``)."""
     if not blocks:
         raise ValueError("compiled_chain needs at least one block")
     c = blocks[0].c
 
     def inputs(b: Block) -> tuple:
         return (b.norm1.weight, b.qkv.weight, rot.cos, rot.sin, b.norm1.eps, c.heads, c.kv_heads)
+
+    if scope == "chain":
+        from harness.runtime.opaque import attending
+
+        layers = [(inputs(b), *b.tail_weights()) for b in blocks]
+        with attending(attention):
+            return compiled_segment("chain", backend, mode)(x_TE, layers, head)
 
     q, k, v = compiled_segment("attn_inputs", backend, mode)(x_TE, *inputs(blocks[0]))
     for j, b in enumerate(blocks):
@@ -358,7 +390,7 @@ class TinyLM(nn.Module):
         layers = list(range(self.c.layers) if layers is None else layers)
         if self._chained(layers):
             return compiled_chain([self.blocks[i] for i in layers], x, pos_T, attention, self.compiled,
-                                  self.compile_mode), aux
+                                  self.compile_mode, scope=self.compile_scope), aux
         for i in layers:
             x, a = self.blocks[i](x, pos_T, real_T, attention, routing)
             aux = aux + a
@@ -368,28 +400,41 @@ class TinyLM(nn.Module):
         """Whether ``layers`` run as one compiled chain (compiled, dense, at least one)."""
         return bool(self.compiled and layers and not any(isinstance(self.blocks[i].mlp, MoE) for i in layers))
 
-    def compile_blocks(self, backend: str | None = "inductor", mode: str | None = None) -> TinyLM:
+    def compile_blocks(self, backend: str | None = "inductor", mode: str | None = None,
+                       scope: str = "segments") -> TinyLM:
         """Run the dense blocks' per-token segments and the loss head through ``torch.compile``
         (``backend``; ``None`` = eager again). Attention, its collectives and MoE blocks stay eager.
         Meant for the GPU step benchmark, where the eager model is launch-bound (one micro-batch of
         2048 tokens enqueues ~1000 kernels); the convergence layouts and goldens run eager.
         ``mode="reduce-overhead"`` (CUDA): each segment call replays a CUDA graph recorded per token
         count (pad micro-batches to few counts: ``build_microbatches(token_multiple=...)``); the
-        parameters are marked static so the graphs read them in place (swap weights with ``copy_``)."""
+        parameters are marked static so the graphs read them in place (swap weights with ``copy_``).
+        ``scope="chain"``: every run of consecutive dense blocks (with the loss head after the last
+        block) is *one* compiled call, the attentions inside it opaque operators
+        (``harness.runtime.opaque``): 2 compiled calls per micro-batch instead of 2 (L + 1); not
+        with CUDA graphs (the attention's collectives and host-side plans cannot be recorded)."""
         if backend is not None and not isinstance(backend, str):
             raise TypeError(f"backend must be a torch.compile backend name or None, got {backend!r}")
         if mode not in COMPILE_MODES:
             raise ValueError(f"mode must be one of {COMPILE_MODES}, got {mode!r}")
+        if scope not in COMPILE_SCOPES:
+            raise ValueError(f"scope must be one of {COMPILE_SCOPES}, got {scope!r}")
+        if scope == "chain" and mode == "reduce-overhead":
+            raise ValueError("scope='chain' cannot be recorded as CUDA graphs (mode='reduce-overhead'): the "
+                             "attention inside runs collectives and host-side plans; use scope='segments' for "
+                             "CUDA graphs or another mode for the chain")
         if backend and mode == "reduce-overhead":
             for p in self.parameters():
                 torch._dynamo.mark_static_address(p, guard=False)
         self.compiled, self.compile_mode = backend, (mode if backend else None)
+        self.compile_scope = scope if backend else "segments"
         for b in self.blocks:
-            b.compiled, b.compile_mode = self.compiled, self.compile_mode
+            b.compiled, b.compile_mode, b.compile_scope = self.compiled, self.compile_mode, self.compile_scope
         return self
 
     compiled: str | None = None
     compile_mode: str | None = None
+    compile_scope: str = "segments"
 
     def loss_from_hidden(self, h, labels_T, real_T):
         """Sum of masked next-token cross-entropies from the last block's hidden states."""
@@ -417,7 +462,7 @@ class TinyLM(nn.Module):
                                                                  self.c.rope_base)
             ce = compiled_chain(list(self.blocks), self.embed(tokens_T), rot, attention, self.compiled,
                                 self.compile_mode, head=(self.norm.weight, self.head.weight, labels_T, real,
-                                                         self.norm.eps))
+                                                         self.norm.eps), scope=self.compile_scope)
             return ce, torch.zeros((), device=ce.device)
         x, aux = self.run_layers(self.embed(tokens_T), pos_T, real, attention, routing=routing)
         return self.loss_from_hidden(x, labels_T, real), aux

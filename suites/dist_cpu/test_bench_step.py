@@ -31,7 +31,9 @@ def test_trimmed_mean_drops_the_tails():
                                        ("thd:balanced", "thd:dp-balanced"), ("dcp:fastest", "choose from"),
                                        ("dcp:balanced:tight", "local or domain"),
                                        ("dcp:balanced@p2p", "exchange must be one of gather, ring, auto"),
-                                       ("thd:dp-balanced@", "exchange must be one of gather, ring, auto")])
+                                       ("thd:dp-balanced@", "exchange must be one of gather, ring, auto"),
+                                       ("dcp:balanced+graph", "compile scope must be one of segments, chain"),
+                                       ("dcp:balanced@ring+", "compile scope must be one of segments, chain")])
 def test_bad_arms_are_named_with_the_fix(text, fix):
     with pytest.raises(step.BenchConfigError, match=fix):
         step.parse_arm(text)
@@ -51,7 +53,10 @@ def test_bad_arms_are_named_with_the_fix(text, fix):
                                               ({"gc": "off"}, 2, "gc must be manual or auto"),
                                               ({"plan": "async"}, 2, "plan must be 'ahead' or 'inline'"),
                                               ({"grad_reduce": "ddp"}, 2, "grad_reduce must be one of overlap, after"),
-                                              ({"cp_exchange": "p2p"}, 2, "cp_exchange must be one of gather, ring, auto")])
+                                              ({"cp_exchange": "p2p"}, 2, "cp_exchange must be one of gather, ring, auto"),
+                                              ({"arms": ("dcp:balanced+chain",)}, 2, "runs eager"),
+                                              ({"arms": ("dcp:balanced+chain",), "compile": "reduce-overhead",
+                                                "device": "cuda"}, 2, "cannot")])
 def test_bad_config_is_refused_before_any_process_starts(over, world, msg):
     with pytest.raises(step.BenchConfigError, match=msg):
         step.StepBenchConfig.from_dict({**TINY, **over}).validate(world)
@@ -65,6 +70,12 @@ def test_compile_resolves_per_device():
     graphs = replace(cfg, device="cuda", compile="reduce-overhead")
     assert (graphs.compile_backend(), graphs.compile_mode(), graphs.compile_label()) == \
         ("inductor", "reduce-overhead", "inductor/reduce-overhead")
+    chain = replace(cfg, compile="inductor-chain")
+    assert (chain.compile_backend(), chain.compile_mode(), chain.compile_scope(), chain.compile_label()) == \
+        ("inductor", None, "chain", "inductor/chain")
+    assert cfg.compile_scope() == "segments"
+    assert step.parse_arm("dcp:balanced@ring+chain") == step.Arm("dcp", "balanced", "local", "ring", "chain")
+    assert step.parse_arm("thd:dp-balanced+chain").label == "thd:dp-balanced+chain"
 
 
 def test_global_batches_are_deterministic_bounded_and_clipped_to_the_domain():
@@ -395,3 +406,30 @@ def test_ring_exchange_arms_train_to_the_same_weights_as_gather_arms(tmp_path):
             assert b == pytest.approx(a, rel=1e-7, abs=1e-9), base  # measured: 1.3e-9 (a lost dK/dV part: 2e-5)
         if r["rank"] == 0:
             assert got["dcp:balanced"]["schedules"] == got["dcp:balanced@ring"]["schedules"]
+
+
+def _measure_counting_opaque(rank, world, cfg):
+    from harness.runtime import opaque
+
+    before = opaque.forward_calls()
+    return {**step.measure(rank, world, cfg), "opaque_forwards": opaque.forward_calls() - before}
+
+
+def test_chain_arms_train_to_the_same_weights_as_segment_arms(tmp_path):
+    """``+chain`` arms (the whole model as one compiled call, attentions opaque operators) run
+    interleaved with the same arms compiled as segments (``aot_eager``, pinned cost model): the
+    same maths, so after the same steps each pair holds the same weights up to fp32 rounding, for
+    static CP blocks and dynamic CP alike; the opaque attention really ran."""
+    cost = {"quadratic": 1e-9, "linear": 1e-6, "constant": 1e-5, "per_microbatch": 1e-3, "name": "pinned"}
+    arms = ("thd:dp-balanced", "thd:dp-balanced+chain", "dcp:balanced", "dcp:balanced+chain")
+    cfg = {**TINY, "warmup": 1, "iters": 2, "profile_iters": 0, "cost_model": cost, "device": "cpu", "arms": arms,
+           "compile": "aot_eager"}
+    ranks = run_on_ranks(_measure_counting_opaque, world_size=2, tmp_path=tmp_path, args=(cfg,), timeout_s=300)
+    for r in ranks:
+        got = r["runs"][0]["arms"]
+        assert r["opaque_forwards"] > 0
+        for base in ("thd:dp-balanced", "dcp:balanced"):
+            a, b = got[base]["weights_digest"], got[base + "+chain"]["weights_digest"]
+            assert b == pytest.approx(a, rel=1e-6, abs=1e-8), base
+        if r["rank"] == 0:
+            assert got["dcp:balanced"]["schedules"] == got["dcp:balanced+chain"]["schedules"]

@@ -14,9 +14,11 @@ from harness.bench import microbatch as mb
 
 
 def test_every_variant_of_a_shape_runs_the_same_tokens_and_loss(tmp_path):
-    """Eager and compiled (aot_eager) segments on the same tokens: the same loss (fp32), every
-    repetition timed, rows for each (shape, variant), the order of variants rotating."""
-    cfg = mb.MicrobatchConfig(shapes=("1x40", "3x12"), variants=("off/sdpa", "aot_eager/sdpa"), reps=3, warmup=0)
+    """Eager, compiled (aot_eager) segments and the compiled whole chain on the same tokens: the
+    same loss (fp32), every repetition timed, rows for each (shape, variant), the order of variants
+    rotating."""
+    cfg = mb.MicrobatchConfig(shapes=("1x40", "3x12"), variants=("off/sdpa", "aot_eager/sdpa", "aot_eager-chain/sdpa"),
+                              reps=3, warmup=0)
     res = mb.measure(cfg)
     rows = res["rows"]
     assert [(r["shape"], r["variant"]) for r in rows] == [(s, v) for s in cfg.shapes for v in cfg.variants]
@@ -27,6 +29,7 @@ def test_every_variant_of_a_shape_runs_the_same_tokens_and_loss(tmp_path):
         assert r["loss_spread"] < 1e-5
     by = {(r["shape"], r["variant"]): r["loss"] for r in rows}
     assert by[("1x40", "off/sdpa")] == pytest.approx(by[("1x40", "aot_eager/sdpa")], rel=1e-5)
+    assert by[("1x40", "off/sdpa")] == pytest.approx(by[("1x40", "aot_eager-chain/sdpa")], rel=1e-5)
     assert by[("1x40", "off/sdpa")] != pytest.approx(by[("3x12", "off/sdpa")], rel=1e-3)  # other tokens
 
 

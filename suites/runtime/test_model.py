@@ -97,18 +97,19 @@ def _losses_and_grads(model, lengths, seed=0):
     return ce.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _compiled_matches_eager(backend, mlp, tol):
+def _compiled_matches_eager(backend, mlp, tol, scope="segments"):
     from dataclasses import replace
 
     from torch._dynamo.utils import counters
 
     from harness.runtime import model as model_module
+    from harness.runtime import opaque
 
     m = TinyLM(replace(MODELS["tiny-gpt"], mlp=mlp))
     eager = [_losses_and_grads(m, L, seed) for seed, L in enumerate(([7, 30, 64], [5, 3], [128]))]
     torch._dynamo.reset()  # fresh compilations, so the counter below sees this test's graphs
     model_module._compiled_segments.clear()
-    m.compile_blocks(backend)
+    m.compile_blocks(backend, scope=scope)
     try:  # three token counts: the compiled segments re-specialise (then go dynamic) and stay right
         for seed, L in enumerate(([7, 30, 64], [5, 3], [128])):
             ce, grads = _losses_and_grads(m, L, seed)
@@ -118,9 +119,13 @@ def _compiled_matches_eager(backend, mlp, tol):
                 assert torch.allclose(g, grads0[n], rtol=tol, atol=tol * grads0[n].abs().max().item()), n
         # the compiled path really ran, as one chain: attention inputs, then per stretch between two
         # attentions one segment (MLP + residuals + the next block's inputs), the last with the loss head
-        assert counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])
-        assert {k[0] for k in model_module._compiled_segments} == {"attn_inputs", f"{mlp}+attn_inputs",
-                                                                  f"{mlp}+head"}
+        if scope == "chain":  # one graph for the whole model; every forward graph went back
+            assert {k[0] for k in model_module._compiled_segments} == {"chain"}
+            assert opaque.pending() == 0
+        else:
+            assert counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])
+            assert {k[0] for k in model_module._compiled_segments} == {"attn_inputs", f"{mlp}+attn_inputs",
+                                                                      f"{mlp}+head"}
     finally:
         m.compile_blocks(None)
     ce, grads = _losses_and_grads(m, [7, 30, 64], 0)
@@ -134,13 +139,21 @@ def test_compiled_blocks_compute_the_eager_model(mlp):
     _compiled_matches_eager("aot_eager", mlp, 1e-5)
 
 
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_compiled_chain_computes_the_eager_model(mlp):
+    """``scope="chain"``: the whole model as one compiled graph with opaque attentions, loss and
+    every gradient as eager (fp32 rounding), for three token counts (static, then dynamic shapes)."""
+    _compiled_matches_eager("aot_eager", mlp, 1e-5, scope="chain")
+
+
 @pytest.mark.slow
 def test_compiled_blocks_with_inductor_compute_the_eager_model():
     """Inductor's generated kernels (C++ on the CPU) agree too (slow: ~30 s of compilation)."""
     _compiled_matches_eager("inductor", "gelu", 1e-4)
 
 
-def test_compiled_layer_ranges_compute_the_eager_blocks():
+@pytest.mark.parametrize("scope", ["segments", "chain"])
+def test_compiled_layer_ranges_compute_the_eager_blocks(scope):
     """A pipeline stage's range of blocks (``run_layers(layers=...)``) through the compiled chain
     gives the eager hidden states and gradients; a single block alone too (``Block.forward``)."""
     from dataclasses import replace
@@ -171,7 +184,7 @@ def test_compiled_layer_ranges_compute_the_eager_blocks():
     eager = {k: run(c) for k, c in calls.items()}
     torch._dynamo.reset()
     model_module._compiled_segments.clear()
-    m.compile_blocks("aot_eager")
+    m.compile_blocks("aot_eager", scope=scope)
     try:
         for k, c in calls.items():
             h, gx, grads = run(c)
@@ -180,7 +193,8 @@ def test_compiled_layer_ranges_compute_the_eager_blocks():
             assert grads.keys() == eager[k][2].keys(), k
             for n, gr in grads.items():
                 assert torch.allclose(gr, eager[k][2][n], rtol=1e-5, atol=1e-5 * eager[k][2][n].abs().max().item()), n
-        assert {k[0] for k in model_module._compiled_segments} == {"attn_inputs", "swiglu+attn_inputs", "swiglu"}
+        assert {k[0] for k in model_module._compiled_segments} == (
+            {"chain"} if scope == "chain" else {"attn_inputs", "swiglu+attn_inputs", "swiglu"})
     finally:
         m.compile_blocks(None)
 
