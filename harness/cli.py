@@ -90,7 +90,7 @@ def _add_converge(sub) -> None:
     c.add_argument("--scheduler", default="balanced", help="dynamic-CP scheduler for the dcp layout")
     c.add_argument("--cp-exchange", choices=["gather", "ring", "auto"], default="gather",
                    help="K/V exchange of CP blocks: gather (all-gather; default), ring (overlapped with attention) "
-                        "or auto (ring on CUDA from 8K tokens per rank at cp 2, 16K above)")
+                        "or auto (ring on CUDA from 8K tokens per rank at cp 2 and 4, 16K above)")
     c.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: float32 on CPU, bfloat16 on GPU")
     c.add_argument("--lengths", default=None, help="length spec of the corpus (harness.workloads)")
@@ -172,7 +172,7 @@ def parser() -> argparse.ArgumentParser:
     bst.add_argument("--cp-exchange", choices=["gather", "ring", "auto"], default=None,
                      help="K/V exchange of CP blocks: gather (default; all-gather before attention), ring "
                           "(overlapped with attention, TransformerEngine's p2p) or auto (ring on CUDA from 8K tokens "
-                          "per rank at cp 2, 16K above); an arm may override it with @gather / @ring / @auto")
+                          "per rank at cp 2 and 4, 16K above); an arm may override it with @gather / @ring / @auto")
     bst.add_argument("--grad-reduce", choices=list(GRAD_REDUCE_CHOICES), default=None,
                      help="gradient all-reduce: overlap (default; buckets reduced during the last backward) or after")
     bst.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
@@ -186,7 +186,7 @@ def parser() -> argparse.ArgumentParser:
                      help="micro-batches timed back to back per calibration sample (default 4; 1 = one at a time)")
     bst.add_argument("--static-cp", type=int, default=None, help="CP size of the thd baseline (default: world)")
     bst.add_argument("--compile", default=None, choices=COMPILE_CHOICES,
-                     help="torch.compile the blocks' per-token segments (default auto: inductor on CUDA, eager on CPU; "
+                     help="torch.compile the blocks' per-token segments (default auto: inductor-chain on CUDA, eager on CPU; "
                           "reduce-overhead: + CUDA graphs, with --token-bucket; inductor-chain: the whole model as "
                           "one compiled call per micro-batch, attentions opaque)")
     bst.add_argument("--token-bucket", type=int, default=None,
@@ -198,7 +198,8 @@ def parser() -> argparse.ArgumentParser:
     bm.add_argument("--model", default=None, help="model key (default gpt-12l-h2048; tiny-gpt with --cpu)")
     bm.add_argument("--shapes", default=None, help="comma list of KxL token shapes (default 1x2048,1x1024,4x512,16x128)")
     bm.add_argument("--variants", default=None,
-                    help="comma list of <compile>/<backend> (default off/auto,inductor/varlen,inductor/auto)")
+                    help="comma list of <compile>/<backend> (default off/auto,inductor/varlen,inductor/auto,"
+                         "inductor-chain/auto)")
     bm.add_argument("--reps", type=int, default=None, help="timed repetitions per shape and variant (12)")
     bm.add_argument("--warmup", type=int, default=None, help="untimed calls first (2)")
     bm.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_microbatch.json)")

@@ -86,7 +86,7 @@ class MicrobatchConfig:
 
 
 DEFAULT_SHAPES = {"cuda": ("1x2048", "1x1024", "4x512", "16x128"), "cpu": ("1x128", "4x32")}
-DEFAULT_VARIANTS = {"cuda": ("off/auto", "inductor/varlen", "inductor/auto"), "cpu": ("off/sdpa",)}
+DEFAULT_VARIANTS = {"cuda": ("off/auto", "inductor/varlen", "inductor/auto", "inductor-chain/auto"), "cpu": ("off/sdpa",)}
 
 
 def parse_shape(text: str) -> list[int]:

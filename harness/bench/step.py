@@ -188,12 +188,15 @@ class StepBenchConfig:
     """Where rank 0 keeps one gzipped Chrome trace per arm ('' = none)."""
     compile: str = "auto"
     """``torch.compile`` backend for the dense blocks' per-token segments and the loss head
-    (``TinyLM.compile_blocks``; attention and its collectives stay eager): ``auto`` = ``inductor`` on
-    CUDA and eager on CPU, ``off`` = eager, a backend name (``inductor``, ``aot_eager``), or
+    (``TinyLM.compile_blocks``; attention and its collectives stay eager): ``auto`` = ``inductor-chain``
+    on CUDA and eager on CPU, ``off`` = eager, a backend name (``inductor``, ``aot_eager``: segments), or
     ``reduce-overhead`` (inductor, each segment replayed as a CUDA graph; set ``token_bucket``). The
     eager model is launch-bound on an H200 (one micro-batch enqueues ~1000 kernels).
     ``inductor-chain`` / ``aot_eager-chain``: the whole model as one compiled call per micro-batch,
-    attentions opaque (``scope="chain"``). An arm's ``+segments`` / ``+chain`` overrides the scope.
+    attentions opaque (``scope="chain"``; measured in session 11 against the segments, interleaved:
+    never slower for any arm in 6 runs on 2 and 4 H200s, static CP up to 10% and balanced up to 5%
+    faster; the 4-GPU ratio's median was unchanged, 1.337 both ways). An arm's ``+segments`` /
+    ``+chain`` overrides the scope.
     With ``grad_reduce="overlap"`` the last micro-batch of a chain arm's step runs the segments: a
     chain's backward hands over every gradient at its end, leaving the all-reduce nothing to overlap."""
     token_bucket: int = 0
@@ -271,8 +274,9 @@ class StepBenchConfig:
         return "reduce-overhead" if self.compile == "reduce-overhead" else None
 
     def compile_scope(self) -> str:
-        """``chain`` for the ``-chain`` choices, else ``segments``."""
-        return "chain" if self.compile.endswith("-chain") else "segments"
+        """``chain`` for the ``-chain`` choices and for ``auto`` on CUDA, else ``segments``."""
+        return "chain" if self.compile.endswith("-chain") or (self.compile == "auto" and self.device == "cuda") \
+            else "segments"
 
     def compile_label(self) -> str | None:
         """What the report says: None (eager), a backend, ``inductor/reduce-overhead`` or

@@ -16,8 +16,8 @@ expensive), so no rank waits for another inside the block.
 attention kernels) or ``ring`` (``harness.dist.ring``: K/V passed around the block's ring while each
 received block's part of the attention runs, as TransformerEngine's ``p2p`` CP and Megatron's
 static-CP baseline do; needs a backend of ``harness.runtime.attention.LSE_BACKENDS``) or ``auto``:
-ring for blocks of at least ``RING_MIN_TOKENS_PER_RANK`` tokens per rank on CUDA (8K at cp 2, 16K
-otherwise: measured), gather otherwise (``choose_exchange``).
+ring for blocks of at least ``RING_MIN_TOKENS_PER_RANK`` tokens per rank on CUDA (8K at cp 2 and 4,
+16K for larger blocks: measured), gather otherwise (``choose_exchange``).
 """
 
 from __future__ import annotations
@@ -34,14 +34,16 @@ from harness.runtime.attention import DeviceChunks, backend_available, chunk_att
 
 EXCHANGES = ("gather", "ring", "auto")
 
-RING_MIN_TOKENS_PER_RANK = {2: 8192}
+RING_MIN_TOKENS_PER_RANK = {2: 8192, 4: 8192}
 """``auto`` picks the ring from this many tokens per rank, by block size; ``RING_MIN_TOKENS_DEFAULT``
 for sizes not listed. Measured on H200s (flash, bf16, 16 x 128 heads; ``reports/recorded/README.md``,
 session 10). At cp 2 the ring won every configuration from 8K tokens per rank (8K: one / 4 / 8
 sequences 7.98 / 3.48 / 2.69 ms against 8.86 / 4.33 / 3.62; 16K and 64K as well), was mixed at 4K
-and lost at 2K (2.03 vs 1.38 ms). At cp 4 it won every configuration from 16K per rank (128K tokens:
-efficiency 0.929 vs 0.897; 8 x 16K: 0.643 vs 0.571), was mixed at 8K and ~2x slower at 2K (the step
-benchmark's blocks), where a ring shift outlasts each part."""
+and lost at 2K (2.03 vs 1.38 ms). At cp 4 the second version won every configuration from 8K per
+rank (session 11: 32K tokens in 1 / 8 sequences 15.49 / 6.54 ms against 17.18 / 6.70; 64K: 53.16 /
+12.54 against 55.96 / 15.81; the first version: 128K efficiency 0.929 vs 0.897, 8 x 16K 0.643 vs
+0.571) and was ~2x slower at 2K (the step benchmark's blocks), where a ring shift outlasts each part.
+Sizes not listed (8 and more: not measured) keep ``RING_MIN_TOKENS_DEFAULT``."""
 
 RING_MIN_TOKENS_DEFAULT = 16384
 

@@ -73,7 +73,10 @@ def test_compile_resolves_per_device():
     chain = replace(cfg, compile="inductor-chain")
     assert (chain.compile_backend(), chain.compile_mode(), chain.compile_scope(), chain.compile_label()) == \
         ("inductor", None, "chain", "inductor/chain")
-    assert cfg.compile_scope() == "segments"
+    assert cfg.compile_scope() == "segments"  # CPU: auto = eager
+    auto = replace(cfg, device="cuda")  # CUDA: auto = the whole chain (measured faster for every arm)
+    assert (auto.compile_backend(), auto.compile_scope(), auto.compile_label()) == ("inductor", "chain", "inductor/chain")
+    assert replace(cfg, device="cuda", compile="inductor").compile_scope() == "segments"
     assert step.parse_arm("dcp:balanced@ring+chain") == step.Arm("dcp", "balanced", "local", "ring", "chain")
     assert step.parse_arm("thd:dp-balanced+chain").label == "thd:dp-balanced+chain"
 

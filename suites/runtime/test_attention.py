@@ -192,10 +192,11 @@ def test_auto_exchange_picks_the_ring_only_for_long_blocks_on_cuda(monkeypatch):
     assert cpa.choose_exchange("auto", 10 * big, "cpu", 4) == "gather"  # the CPU reference ring is for checking
     assert cpa.choose_exchange("ring", 1, "cpu") == "ring" and cpa.choose_exchange("gather", 10 * big, "cpu") == "gather"
     monkeypatch.setattr(cpa, "backend_available", lambda name, device: name == "flash")  # as on a GPU node
-    assert cpa.choose_exchange("auto", big, "cuda", 4) == "ring"
-    assert cpa.choose_exchange("auto", big - 1, "cuda", 4) == "gather"
-    assert cpa.choose_exchange("auto", 8192, "cuda", 2) == "ring"  # measured: the ring wins earlier at cp 2
-    assert cpa.choose_exchange("auto", 8191, "cuda", 2) == "gather"
+    assert cpa.choose_exchange("auto", big, "cuda", 8) == "ring"  # sizes not measured: the default
+    assert cpa.choose_exchange("auto", big - 1, "cuda", 8) == "gather"
+    for cp in (2, 4):  # measured: the ring wins from 8K tokens per rank at cp 2 and 4
+        assert cpa.choose_exchange("auto", 8192, "cuda", cp) == "ring"
+        assert cpa.choose_exchange("auto", 8191, "cuda", cp) == "gather"
     plan = cpa.CPAttentionPlan.build([0, 4 * big], 2, 1, "cpu", exchange="auto")  # built where it runs: CPU
     assert plan.exchange == "gather" and plan.chunks is not None
 
