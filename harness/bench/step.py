@@ -194,7 +194,7 @@ class StepBenchConfig:
     eager model is launch-bound on an H200 (one micro-batch enqueues ~1000 kernels).
     ``inductor-chain`` / ``aot_eager-chain``: the whole model as one compiled call per micro-batch,
     attentions opaque (``scope="chain"``; measured in session 11 against the segments, interleaved:
-    never slower for any arm in 6 runs on 2 and 4 H200s, static CP up to 10% and balanced up to 5%
+    no arm's trimmed mean slower in 6 runs on 2 and 4 H200s, static CP up to 10% and balanced up to 5%
     faster; the 4-GPU ratio's median was unchanged, 1.337 both ways). An arm's ``+segments`` /
     ``+chain`` overrides the scope.
     With ``grad_reduce="overlap"`` the last micro-batch of a chain arm's step runs the segments: a
@@ -428,6 +428,17 @@ def _layout_cfg(ctx: _Ctx, arm: Arm):
                         static_cp=ctx.cfg.static_cp or ctx.world, scheduler=arm.scheduler, dcp_padding=arm.padding)
 
 
+def _use_scope(ctx: _Ctx, arm: Arm | None = None, scope: str | None = None) -> str | None:
+    """Compile the model's blocks as ``scope`` (default: ``arm``'s, else the config's); returns the
+    scope now in use (None when the config runs eager)."""
+    cfg = ctx.cfg
+    if not cfg.compile_backend():
+        return None
+    scope = scope or (arm.scope if arm else None) or cfg.compile_scope()
+    ctx.model.compile_blocks(cfg.compile_backend(), cfg.compile_mode(), scope)
+    return scope
+
+
 def _step(ctx: _Ctx, arm: Arm, lengths: list[int], local: dict, opt, planned=None) -> dict:
     """One training step; returns host-side figures (no device synchronisation inside).
     ``planned``: None = plan inline; else a callable returning ``(plan(...)'s result, seconds it
@@ -455,16 +466,13 @@ def _step(ctx: _Ctx, arm: Arm, lengths: list[int], local: dict, opt, planned=Non
     runners = [_microbatch_runner(ctx, mb, total, arm.exchange or ctx.cfg.cp_exchange)
                for mb in mbs]  # every plan built before the first forward
     marks.mark()
-    backend = ctx.cfg.compile_backend()
-    chain = bool(backend) and (arm.scope or ctx.cfg.compile_scope()) == "chain"
+    chain = _use_scope(ctx, arm) == "chain"
     for k, run in enumerate(runners):
         if ctx.reducer is not None and k == len(runners) - 1:
             ctx.reducer.arm()  # the last backward all-reduces each bucket as soon as it is complete
             if chain:  # a chain's backward hands every gradient over at its very end: nothing to overlap
-                ctx.model.compile_blocks(backend, ctx.cfg.compile_mode(), "segments")
+                _use_scope(ctx, scope="segments")
         run()
-    if chain and ctx.reducer is not None:
-        ctx.model.compile_blocks(backend, ctx.cfg.compile_mode(), "chain")
     local_tokens = sum(mb.data["tokens"].numel() for mb in mbs)
     marks.mark()
     if ctx.reducer is not None:
@@ -549,8 +557,6 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
                      "slots": []} for a in arms}
 
     def load(arm: Arm) -> None:
-        if cfg.compile_backend():
-            ctx.model.compile_blocks(cfg.compile_backend(), cfg.compile_mode(), arm.scope or cfg.compile_scope())
         with torch.no_grad():
             for p, w in zip(ctx.params, weights[arm.label]):
                 p.copy_(w)
@@ -659,8 +665,7 @@ def _run_arms(ctx: _Ctx, arms: list[Arm], run: int = 0) -> dict:
             out[arm.label]["schedules"] = x["figures"]
     opts.clear()
     weights.clear()
-    if cfg.compile_backend():  # the next run's calibration runs the config's scope
-        ctx.model.compile_blocks(cfg.compile_backend(), cfg.compile_mode(), cfg.compile_scope())
+    _use_scope(ctx)  # the next run's calibration runs the config's scope
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return out
