@@ -156,6 +156,10 @@ def parser() -> argparse.ArgumentParser:
     bst.add_argument("--lengths", default=None, help="length spec (default lognormal:mean=1024,sigma=1.5,min=128,max=8192)")
     bst.add_argument("--max-seqlen-per-rank", type=int, default=None)
     bst.add_argument("--microbatches", type=int, default=None, help="global batch = this x N x max_seqlen_per_rank tokens (8)")
+    bst.add_argument("--global-batch", default=None,
+                     help="tokens (default: lengths until --microbatches x N x max_seqlen_per_rank tokens), megatron "
+                          "(--microbatches x dp sequences, as Megatron's benchmark_dcp.sh loads: 8 at 4 GPUs with CP 4) "
+                          "or sequences:K")
     bst.add_argument("--arms", default=None, help="comma list of layout:scheduler[:padding][@exchange][+scope] "
                                                   "(scope: segments or chain; default thd:dp-balanced,dcp:balanced,dcp:megatron-dev)")
     bst.add_argument("--warmup", type=int, default=None)
@@ -245,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 keys = ("model", "lengths", "max_seqlen_per_rank", "microbatches", "warmup", "iters", "profile_iters",
                         "dtype", "cp_comm_flops_per_byte", "static_cp", "compile", "token_bucket", "runs", "gc", "plan",
-                        "grad_reduce", "calibration_burst", "cp_exchange")
+                        "grad_reduce", "calibration_burst", "cp_exchange", "global_batch")
                 over = {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
                 if a.no_calibrate:
                     over["calibrate"] = False

@@ -10,7 +10,8 @@ eager, the model is launch-bound on an H200.
 Global batch ``i`` (the same for every arm): lengths drawn with seed ``seed + i`` until the next one
 would pass ``microbatches x N x max_seqlen_per_rank`` tokens (8 full micro-batches of the DP x CP
 domain; lengths longer than the domain holds are clipped to ``N x max_seqlen_per_rank`` and
-counted). Sequence ``g`` is loaded by position ``g % N`` (a DP shard) and rerouted by the schedule.
+counted). ``global_batch="megatron"`` instead takes exactly what Megatron's benchmark script loads:
+``microbatches x dp`` sequences (8 at 4 GPUs with CP 4). Sequence ``g`` is loaded by position ``g % N`` (a DP shard) and rerouted by the schedule.
 
 Arms (``layout:scheduler[:padding][@exchange]``):
 - ``thd:dp-balanced``: static CP of ``static_cp`` ranks (default: the world), Megatron's
@@ -122,7 +123,24 @@ class StepBenchConfig:
     """Length distribution (``harness.workloads`` spec)."""
     max_seqlen_per_rank: int = 2048
     microbatches: int = 8
-    """Global batch = ``microbatches x N x max_seqlen_per_rank`` tokens (at most)."""
+    """Global batch = ``microbatches x N x max_seqlen_per_rank`` tokens (at most), with
+    ``global_batch="tokens"``."""
+    global_batch: str = "tokens"
+    """How big a global batch is (``GLOBAL_BATCH_CHOICES``):
+
+    - ``tokens``: lengths drawn until the next one would pass ``microbatches x N x
+      max_seqlen_per_rank`` tokens: enough for ``microbatches`` full packs of the DP x CP domain
+      (65536 tokens, ~70 sequences at 4 ranks). This project's reading of "8 micro-batches per
+      global batch", and the default.
+    - ``megatron``: ``microbatches x dp`` sequences, where dp = N / ``static_cp``: exactly what
+      Megatron's ``benchmark_dcp.sh`` loads per step. It sets ``GLOBAL_BATCH_SIZE = MICRO_BATCH_SIZE
+      (1) x DP x NUM_MICROBATCHES (8)``, and its ``MockVarlenDataset`` emits one unpacked sequence
+      per sample, so at 4 GPUs with CP 4 a step trains on 8 sequences (~7K tokens) in 1-2 packed
+      micro-batches.
+    - ``sequences:K``: K sequences per global batch.
+
+    The sequence modes take the first sequences of the ``tokens`` mode's draw, so their batches are
+    prefixes of the default ones."""
     static_cp: int = 0
     """CP size of the ``thd`` baseline; 0 = the world size."""
     warmup: int = 10
@@ -235,6 +253,10 @@ class StepBenchConfig:
             raise BenchConfigError(f"static_cp={self.static_cp} must be a power of two <= the world size {world}")
         if not 0 <= self.trim < 0.5:
             raise BenchConfigError(f"trim must be in [0, 0.5), got {self.trim}")
+        n = self.batch_sequences(world)
+        if n is not None and n < world:
+            raise BenchConfigError(f"global_batch={self.global_batch!r} gives {n} sequences per step on {world} ranks; "
+                                   f"every rank needs at least one: use sequences:{world} or more (or 'tokens')")
         if self.dtype not in ("float32", "bfloat16"):
             raise BenchConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.plan not in ("ahead", "inline"):
@@ -261,6 +283,19 @@ class StepBenchConfig:
                                    "(its attentions run collectives); drop '+chain' or use compile=inductor")
         if not isinstance(self.token_bucket, int) or self.token_bucket < 0 or self.token_bucket % 2:
             raise BenchConfigError(f"token_bucket must be 0 (off) or an even int, got {self.token_bucket!r}")
+
+    def batch_sequences(self, world: int) -> int | None:
+        """Sequences per global batch (None for ``global_batch="tokens"``); raises
+        ``BenchConfigError`` naming a bad ``global_batch``."""
+        gb = self.global_batch
+        if gb == "tokens":
+            return None
+        if gb == "megatron":
+            return self.microbatches * max(1, world // (self.static_cp or world))
+        head, _, count = gb.partition(":") if isinstance(gb, str) else ("", "", "")
+        if head == "sequences" and count.isdigit() and int(count) >= 1:
+            return int(count)
+        raise BenchConfigError(f"global_batch must be one of {', '.join(GLOBAL_BATCH_CHOICES)} (K >= 1), got {gb!r}")
 
     def compile_backend(self) -> str | None:
         """The resolved ``compile``: a ``torch.compile`` backend name, or None for eager."""
@@ -297,6 +332,7 @@ class StepBenchConfig:
         return cls(**d)
 
 
+GLOBAL_BATCH_CHOICES = ("tokens", "megatron", "sequences:K")
 COMPILE_CHOICES = ("auto", "off", "inductor", "aot_eager", "reduce-overhead", "inductor-chain", "aot_eager-chain")
 GRAD_REDUCE_CHOICES = ("overlap", "after")
 PHASES = ("schedule", "microbatches", "grad_reduce", "optimizer")
@@ -308,19 +344,23 @@ plus clipping; AdamW."""
 # ---------------------------------------------------------------- workload and model figures
 
 def global_batch_lengths(cfg: StepBenchConfig, world: int, index: int) -> tuple[list[int], int]:
-    """(lengths of global batch ``index``, how many were clipped to the domain)."""
+    """(lengths of global batch ``index``, how many were clipped to the domain); its size follows
+    ``cfg.global_batch``."""
     from harness.workloads import sample
 
     cap, budget = world * cfg.max_seqlen_per_rank, cfg.microbatches * world * cfg.max_seqlen_per_rank
+    count = cfg.batch_sequences(world)
     out, total, clipped, chunk = [], 0, 0, 0
     while True:
         for L in sample(cfg.lengths, 256, seed=(cfg.seed + index) * 7919 + chunk):
             if L > cap:
                 L, clipped = cap, clipped + 1
-            if total + L > budget:
+            if count is None and total + L > budget:
                 return (out or [L]), clipped
             out.append(L)
             total += L
+            if count is not None and len(out) == count:
+                return out, clipped
         chunk += 1
         if chunk > 10_000:
             raise BenchConfigError(f"lengths {cfg.lengths!r} never fill a global batch of {budget} tokens")
@@ -955,7 +995,8 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
     return {**top, "runs": runs, "representative_run": rep, "breakdown_run": profiled, "ratios": ratios, "world": world,
             "device_name": r0["device_name"], "peak_tflops": peak_tflops(cfg, r0["device_name"]),
             "parameters": r0["parameters"], "torch": r0["torch"], "compile": r0.get("compile"),
-            "global_batch": {"sequences_mean": statistics.fmean(len(b["lengths"]) for b in r0["batches"]),
+            "global_batch": {"mode": cfg.global_batch, "sequences": cfg.batch_sequences(world),
+                             "sequences_mean": statistics.fmean(len(b["lengths"]) for b in r0["batches"]),
                              "tokens_mean": statistics.fmean(tokens), "longest": max(max(b["lengths"]) for b in r0["batches"]),
                              "clipped": sum(b["clipped"] for b in r0["batches"])}}
 

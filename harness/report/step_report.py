@@ -8,6 +8,17 @@ PART_COLORS = {"attention": "#4c72b0", "linear": "#55a868", "other": "#8172b2", 
                "idle": "#cccccc"}
 
 
+
+def _batch_size(cfg, gb: dict, gpus: int) -> str:
+    """How the global batch was sized (``StepBenchConfig.global_batch``)."""
+    if cfg.global_batch == "tokens":
+        return f"&lt;= {cfg.microbatches} x {gpus} x {cfg.max_seqlen_per_rank} tokens"
+    n = gb.get("sequences")
+    if cfg.global_batch == "megatron":
+        return (f"{n} sequences (Megatron's benchmark_dcp.sh: {cfg.microbatches} micro-batches x dp, one "
+                f"unpacked sequence per sample)")
+    return f"{n} sequences"
+
 def _fmt(v, f):
     return "-" if v is None else format(v, f)
 
@@ -159,8 +170,7 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
         f'{esc(cfg.model)} ({summary["parameters"] / 1e6:.3g}M parameters), {esc(cfg.dtype)}, blocks '
         f'{"compiled (" + esc(summary["compile"]) + ")" if summary.get("compile") else "eager"}'
         f'{f", micro-batches padded to multiples of {cfg.token_bucket} tokens per rank" if cfg.token_bucket else ""}; lengths '
-        f'{esc(cfg.lengths)}; max_seqlen_per_rank {cfg.max_seqlen_per_rank}; global batch <= {cfg.microbatches} x '
-        f'{gpus} x {cfg.max_seqlen_per_rank} tokens (mean {gb["tokens_mean"]:.0f} tokens in '
+        f'{esc(cfg.lengths)}; max_seqlen_per_rank {cfg.max_seqlen_per_rank}; global batch {_batch_size(cfg, gb, gpus)} (mean {gb["tokens_mean"]:.0f} tokens in '
         f'{gb["sequences_mean"]:.1f} sequences, longest {gb["longest"]}, {gb["clipped"]} clipped); {cfg.warmup} '
         f'warm-up + {cfg.iters} measured steps per arm on identical global batches, interleaved, '
         f'{len(summary["runs"])} run(s); Python GC {esc(cfg.gc)}; gradient all-reduce {esc(cfg.grad_reduce)}; peak for MFU: '

@@ -55,6 +55,11 @@ def test_bad_arms_are_named_with_the_fix(text, fix):
                                               ({"grad_reduce": "ddp"}, 2, "grad_reduce must be one of overlap, after"),
                                               ({"cp_exchange": "p2p"}, 2, "cp_exchange must be one of gather, ring, auto"),
                                               ({"arms": ("dcp:balanced+chain",)}, 2, "runs eager"),
+                                              ({"global_batch": "sequences"}, 2, "global_batch must be one of"),
+                                              ({"global_batch": "sequences:0"}, 2, "global_batch must be one of"),
+                                              ({"global_batch": "megatron-8"}, 2, "global_batch must be one of"),
+                                              ({"global_batch": "sequences:3"}, 4, "use sequences:4 or more"),
+                                              ({"global_batch": "megatron", "microbatches": 1}, 2, "sequences:2"),
                                               ({"arms": ("dcp:balanced+chain",), "compile": "reduce-overhead",
                                                 "device": "cuda"}, 2, "cannot")])
 def test_bad_config_is_refused_before_any_process_starts(over, world, msg):
@@ -90,6 +95,23 @@ def test_global_batches_are_deterministic_bounded_and_clipped_to_the_domain():
     # over many batches the 8192-token tail must be clipped on 2 GPUs (4096 tokens) and not on 4
     assert sum(step.global_batch_lengths(cfg, 2, i)[1] for i in range(40)) > 0
     assert sum(step.global_batch_lengths(cfg, 4, i)[1] for i in range(40)) == 0
+
+
+def test_megatron_global_batch_is_microbatches_times_dp_sequences_and_a_prefix_of_the_default():
+    # benchmark_dcp.sh: GLOBAL_BATCH_SIZE = MICRO_BATCH_SIZE (1) x DP x NUM_MICROBATCHES (8), one
+    # unpacked sequence per sample; dp = world / static CP
+    for world, static_cp, want in [(4, 0, 8), (2, 0, 8), (8, 4, 16), (4, 1, 32)]:
+        cfg = step.StepBenchConfig(global_batch="megatron", static_cp=static_cp)
+        cfg.validate(world)
+        assert cfg.batch_sequences(world) == want
+        for i in range(5):
+            lengths, clipped = step.global_batch_lengths(cfg, world, i)
+            assert len(lengths) == want and max(lengths) <= world * 2048
+            default, _ = step.global_batch_lengths(replace(cfg, global_batch="tokens"), world, i)
+            assert lengths[:len(default)] == default[:len(lengths)]  # the same draw, cut by count
+    assert step.StepBenchConfig().batch_sequences(4) is None
+    cfg = step.StepBenchConfig(global_batch="sequences:300")  # past one 256-length chunk of the draw
+    assert len(step.global_batch_lengths(cfg, 4, 0)[0]) == 300
 
 
 def test_model_flops_count_every_matmul_once_with_causal_attention():
@@ -315,6 +337,21 @@ def test_cli_smoke_writes_json_and_html(tmp_path, capsys):
         assert (a["microbatches"], a["cp_histogram"], a["predicted"]) == (b["microbatches"], b["cp_histogram"],
                                                                          b["predicted"])
         assert b["predicted_ms"] == pytest.approx(a["predicted_ms"])  # a pinned calibrated model is in seconds
+
+
+def test_cli_megatron_global_batch_runs_and_is_reported(tmp_path):
+    from harness.cli import main
+
+    out = tmp_path / "bench_step.json"
+    assert main(["bench", "step", "--cpu", "--iters", "2", "--warmup", "0", "--profile-iters", "0",
+                 "--global-batch", "megatron", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    gb = doc["results"]["global_batch"]
+    assert doc["config"]["global_batch"] == "megatron"
+    assert (gb["mode"], gb["sequences"], gb["sequences_mean"]) == ("megatron", 8, 8)
+    # the 2 measured steps scheduled exactly those 8 sequences: 16 across both steps in every arm
+    assert all(sum(a["cp_histogram"].values()) == 16 for a in doc["results"]["arms"].values())
+    assert "8 sequences (Megatron" in out.with_suffix(".html").read_text()
 
 
 def test_cost_model_files_are_checked(tmp_path):
