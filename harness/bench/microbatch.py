@@ -263,3 +263,103 @@ def main(*, cpu: bool = False, out: Path | None = None, overrides: dict | None =
                         torch=res["torch"])
     print(f"wrote {path}")
     return 1 if bad else 0
+
+
+def opaque_overhead(variants: dict | None = None, *, reps: int = 300, layers: int = 12, inner: int = 20,
+                    device: str = "cpu") -> dict:
+    """Host overhead of the opaque attention operator (``harness.runtime.opaque``) per call, in µs
+    (medians of ``reps`` interleaved repetitions of ``inner`` calls; the order flips every repetition).
+
+    The attention is trivial (``q * k * v`` on ``[4, 1, 4]`` fp32 tensors), so what is timed is the
+    operator's own machinery. Two cases per variant:
+
+    - ``eager``: ``opaque_attention`` forward + ``torch.autograd.grad``, less the same with the
+      attention called directly (``eager_us``) = overhead per call;
+    - ``chain``: a ``torch.compile(fullgraph=True, backend="aot_eager")`` chain of ``layers``
+      ``h = tanh(h + attention(h * y, h, h))``, forward + backward, less the same chain with the
+      attention traced inline, divided by ``layers`` = overhead per layer as the compiled chain pays it.
+
+    ``variants``: name -> a module with ``attending`` and ``opaque_attention`` (default: this
+    checkout's), or the path of a copy of one whose operator namespace is renamed (two variants cannot
+    register the same operator), e.g. an older ``opaque.py`` for an A/B. Every variant's gradients
+    must equal the first's bit for bit; the benchmark refuses otherwise."""
+    import contextlib
+    import gc
+    import importlib.util
+    import sys
+
+    import torch
+
+    from harness.runtime import opaque
+
+    mods = {}
+    for name, m in (variants or {"current": opaque}).items():
+        if isinstance(m, str | Path):  # dynamo resolves a compiled function's globals through sys.modules
+            spec = importlib.util.spec_from_file_location(f"_opaque_variant_{name}", m)
+            m = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = m
+            spec.loader.exec_module(m)
+        mods[name] = m
+    if len(mods) > 6:  # every chain is one code object: dynamo keeps 8 compilations of it, then runs eager
+        raise ValueError(f"at most 6 variants, got {len(mods)}")
+
+    def att(q, k, v):
+        return q * k * v
+
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(4, 1, 4, generator=g, device=device, requires_grad=True) for _ in range(3)]
+    x, y, w = (torch.randn(4, 1, 4, generator=g, device=device, requires_grad=i < 2) for i in range(3))
+
+    def fwd_bwd(fn, inputs, *args):
+        return lambda: torch.autograd.grad(fn(*args or inputs), inputs, w)
+
+    def chain(a):
+        def f(h, y):
+            for _ in range(layers):
+                h = (h + a(h * y, h, h)).tanh()
+            return h
+        return torch.compile(f, backend="aot_eager", fullgraph=True)
+
+    eager = {"attention": fwd_bwd(att, qkv), **{n: fwd_bwd(m.opaque_attention, qkv) for n, m in mods.items()}}
+    chains = {"inline": fwd_bwd(chain(att), (x, y)), **{n: fwd_bwd(chain(m.opaque_attention), (x, y))
+                                                        for n, m in mods.items()}}
+
+    def timed(fns: dict, reps: int, inner: int) -> dict:
+        ts: dict = {k: [] for k in fns}
+        names = list(fns)
+        for r in range(reps):
+            for k in names if r % 2 == 0 else names[::-1]:
+                f = fns[k]
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    f()
+                ts[k].append((time.perf_counter() - t0) / inner * 1e6)
+        return {k: statistics.median(v) for k, v in ts.items()}
+
+    with contextlib.ExitStack() as stack:
+        for m in mods.values():
+            stack.enter_context(m.attending(att))
+        first = next(iter(mods))
+        for fns in (eager, chains):  # the same gradients, bit for bit; then warm up (compiles here)
+            ref = fns[first]()
+            for n in mods:
+                if not all(torch.equal(a, b) for a, b in zip(ref, fns[n]())):
+                    raise AssertionError(f"variant {n!r} computes other gradients than {first!r}")
+            for f in fns.values():
+                for _ in range(20):
+                    f()
+        gc.collect()
+        gc.disable()
+        try:
+            e = timed(eager, reps, inner)
+            c = timed(chains, max(reps // 4, 10), max(inner // 4, 1))
+        finally:
+            gc.enable()
+    rows = [{"variant": n, "eager_us": e[n], "eager_overhead_us": e[n] - e["attention"], "chain_us": c[n],
+             "chain_overhead_us_per_layer": (c[n] - c["inline"]) / layers} for n in mods]
+    print(f"opaque operator overhead ({device}, torch {torch.__version__}): attention alone "
+          f"{e['attention']:.1f} us fwd+bwd, inline {layers}-layer chain {c['inline']:.1f} us")
+    print(table(rows, [("variant", "variant", "s"), ("eager_us", "eager us", ".1f"),
+                       ("eager_overhead_us", "overhead us/call", ".1f"), ("chain_us", "chain us", ".1f"),
+                       ("chain_overhead_us_per_layer", "overhead us/layer", ".1f")]))
+    return {"attention_us": e["attention"], "inline_chain_us": c["inline"], "rows": rows}

@@ -5,7 +5,7 @@ data-dependent lengths), so the compiled segments of ``harness.runtime.model`` s
 attention: a model of L layers makes L + 1 compiled calls forward and as many backward, and on an
 H200 each call costs ~0.25 ms of host time in wrappers. ``opaque_attention(q, k, v)`` hides the
 attention of the current micro-batch (whatever its exchange and backend) behind a custom operator
-(``torch.library.custom_op``) whose fake implementation only states the output's shape, so a whole
+(``dcp_harness::attention``) whose fake implementation only states the output's shape, so a whole
 chain of blocks compiles into one graph (``TinyLM.compile_blocks(scope="chain")``): one compiled
 call forward and one backward per micro-batch.
 
@@ -17,12 +17,26 @@ mode) and keeps that graph under an integer key, which it returns as a CPU scala
 output. The backward operator receives the key (saved for backward like any tensor), takes the graph
 back and runs ``torch.autograd.grad`` on it: the same kernels, collectives and rounding as the eager
 attention, in the same order. A graph whose key tensor dies without a backward (inference, an
-exception) is dropped with it (``weakref.finalize``), so nothing leaks; ``pending()`` counts the
-graphs kept.
+exception) is dropped with it (a weak reference's callback), so nothing leaks; ``pending()`` counts
+the graphs kept.
 
 The attention callable is read when the forward runs, not when it is traced, so one compiled graph
 serves every micro-batch: CP-1 and CP blocks, gather and ring exchanges alike. Backwards may come
 in any order (pipeline schedules): each takes its own graph by key.
+
+Host overhead (``harness.bench.microbatch.opaque_overhead``; NOTES.md, session 11, "Next"): the
+operators are defined with ``torch.library.Library`` and their implementations registered as
+``CompositeExplicitAutograd`` kernels, which the dispatcher calls as they are.
+``torch.library.custom_op`` wrapped every call in several us of Python (a device-type lookup, an
+aliasing check, a ``torch._dynamo`` disable wrapper, and for the backward operator an autograd
+wrapper): ~29 of the ~91 us per layer that a compiled chain paid on the CPU host (now ~64 us). The
+forward's autograd formula is still ``torch.library.register_autograd`` (public; a hand-written
+``Autograd`` kernel would save ~3 us more per layer but needs private redispatch APIs). The backward
+operator has no autograd kernel: ``create_graph=True`` goes through ``_FirstOrderOnly``, which refuses
+a double backward by name. The wrapper's aliasing check (outputs must not share memory with inputs:
+compiled graphs reuse buffers on that promise) is now ``_fresh`` (~2-5 us per layer). Private torch
+APIs: ``torch._C._ForceDispatchKeyGuard`` and ``torch._C._dispatch_tls_local_{include,exclude}_set``
+(session 11: in torch 2.11 and 2.13); the ``torch.library`` calls above are public (since torch 2.4).
 """
 
 from __future__ import annotations
@@ -43,7 +57,8 @@ _FORWARDS = [0]
 
 
 class OpaqueAttentionError(RuntimeError):
-    """``opaque_attention`` used wrongly (no attention installed, a graph used twice)."""
+    """``opaque_attention`` used wrongly (no attention installed, a graph used twice, a double
+    backward, an attention whose output or gradient shares memory with its inputs)."""
 
 
 @contextmanager
@@ -69,45 +84,83 @@ def forward_calls() -> int:
     return _FORWARDS[0]
 
 
-@torch.library.custom_op("dcp_harness::attention", mutates_args=())
+def _fresh(op: str, outputs: tuple, inputs: tuple) -> tuple:
+    """``outputs``, after checking that none shares memory with ``inputs`` or another output (an
+    operator's schema promises fresh outputs; compiled graphs reuse buffers on that promise)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs}
+    for t in outputs:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen and ptr:  # 0: an empty storage, nothing to share
+            raise OpaqueAttentionError(f"{op}: the attention returned a tensor that shares memory with an input or "
+                                       "another output (e.g. a gradient passed straight through); return a copy")
+        seen.add(ptr)
+    return outputs
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     attention = _CURRENT[0]
     if attention is None:
         raise OpaqueAttentionError("opaque_attention ran outside `attending(attention)`: install the "
                                    "micro-batch's attention around the compiled call")
     with torch._C._ForceDispatchKeyGuard(*_EAGER_DISPATCH), torch.enable_grad():
-        leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+        leaves = (q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_())
         out = attention(*leaves)
     _FORWARDS[0] += 1
     key = next(_KEYS)
-    tag = torch.tensor(key, dtype=torch.int64)
-    if out.requires_grad:
-        _GRAPHS[key] = (out, leaves)
-        weakref.finalize(tag, _GRAPHS.pop, key, None)
-    return out.detach().contiguous(), tag
+    tag = torch.full((), key, dtype=torch.int64)  # torch.tensor(key) costs ~1 us more
+    if out.requires_grad:  # the weak reference dies with the entry; its callback drops the entry with the tag
+        _GRAPHS[key] = (out, leaves, weakref.ref(tag, lambda _, key=key: _GRAPHS.pop(key, None)))
+    return _fresh("opaque_attention", (out.detach().contiguous(),), (q, k, v)) + (tag,)
 
 
-@_forward.register_fake
-def _(q, k, v):
-    return q.new_empty(q.shape), torch.empty((), dtype=torch.int64, device="cpu")
-
-
-@torch.library.custom_op("dcp_harness::attention_backward", mutates_args=())
 def _backward(grad_out: torch.Tensor, tag: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     entry = _GRAPHS.pop(int(tag), None)
     if entry is None:
         raise OpaqueAttentionError(f"no forward graph under key {int(tag)}: its backward already ran "
                                    "(retain_graph is not supported through opaque_attention) or it was freed")
-    out, leaves = entry
+    out, leaves, _ = entry
     with torch._C._ForceDispatchKeyGuard(*_EAGER_DISPATCH):
-        grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
-    return tuple(torch.zeros_like(x) if g is None else g.contiguous() for g, x in zip(grads, (q, k, v)))
+        dq, dk, dv = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+    return _fresh("opaque_attention backward", (torch.zeros_like(q) if dq is None else dq.contiguous(),
+                                                torch.zeros_like(k) if dk is None else dk.contiguous(),
+                                                torch.zeros_like(v) if dv is None else dv.contiguous()),
+                  (grad_out, q, k, v))
 
 
-@_backward.register_fake
+_LIB = torch.library.Library("dcp_harness", "FRAGMENT")
+_LIB.define("attention(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define("attention_backward(Tensor grad_out, Tensor tag, Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor, Tensor)",
+            tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.impl("attention", _forward, "CompositeExplicitAutograd")  # every device; called as is, no wrapper
+_LIB.impl("attention_backward", _backward, "CompositeExplicitAutograd")
+_ATTENTION = torch.ops.dcp_harness.attention.default
+_ATTENTION_BACKWARD = torch.ops.dcp_harness.attention_backward.default
+
+
+@torch.library.register_fake("dcp_harness::attention", lib=_LIB)
+def _(q, k, v):
+    return q.new_empty(q.shape), torch.empty((), dtype=torch.int64, device="cpu")
+
+
+@torch.library.register_fake("dcp_harness::attention_backward", lib=_LIB)
 def _(grad_out, tag, q, k, v):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """The backward operator where its gradients need a graph (``create_graph=True``): they get one
+    whose backward refuses by name (the operator itself has no autograd kernel: a Python one costs
+    ~4 us on every call, and the dispatcher's fallback would only warn)."""
+
+    @staticmethod
+    def forward(ctx, grad_out, tag, q, k, v):
+        return _ATTENTION_BACKWARD(grad_out, tag, q, k, v)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise OpaqueAttentionError("a backward through opaque_attention's gradients (create_graph=True, "
+                                   "double backward) is not supported")
 
 
 def _setup_context(ctx, inputs, output):
@@ -116,13 +169,15 @@ def _setup_context(ctx, inputs, output):
 
 def _autograd(ctx, grad_out, _grad_tag):
     q, k, v, tag = ctx.saved_tensors
-    return _backward(grad_out.contiguous(), tag, q, k, v)
+    if torch.is_grad_enabled():  # create_graph=True
+        return _FirstOrderOnly.apply(grad_out.contiguous(), tag, q, k, v)
+    return _ATTENTION_BACKWARD(grad_out.contiguous(), tag, q, k, v)
 
 
-_forward.register_autograd(_autograd, setup_context=_setup_context)
+torch.library.register_autograd("dcp_harness::attention", _autograd, setup_context=_setup_context, lib=_LIB)
 
 
 def opaque_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The installed attention of ``q``, ``k``, ``v`` (``[T, H, D]``), as one operator that
     ``torch.compile`` does not trace."""
-    return _forward(q, k, v)[0]
+    return _ATTENTION(q, k, v)[0]

@@ -64,3 +64,24 @@ def test_variants_that_disagree_on_the_loss_fail_the_command(tmp_path, monkeypat
     monkeypatch.setattr(mb, "LOSS_SPREAD_MAX", -1.0)  # any spread, even 0, now counts as a disagreement
     code = mb.main(cpu=True, out=tmp_path / "mb.json", overrides={"shapes": ("1x8",), "reps": 1, "warmup": 0})
     assert code == 1 and "[FAIL] shape 1x8" in capsys.readouterr().out
+
+
+def test_opaque_overhead_times_every_variant_against_the_plain_attention(capsys):
+    """``opaque_overhead`` (no timing asserted): one row per variant, the same gradients required of
+    every variant (a variant that computes others is refused), and the table printed."""
+    from harness.runtime import opaque
+
+    res = mb.opaque_overhead({"a": opaque, "b": opaque}, reps=2, inner=1, layers=2)
+    assert [r["variant"] for r in res["rows"]] == ["a", "b"]
+    assert all(r["eager_us"] > 0 and r["chain_us"] > 0 for r in res["rows"]) and res["attention_us"] > 0
+    assert "overhead us/layer" in capsys.readouterr().out
+
+    class Doubled:  # another attention: other gradients
+        attending = staticmethod(opaque.attending)
+
+        @staticmethod
+        def opaque_attention(q, k, v):
+            return 2 * opaque.opaque_attention(q, k, v)
+
+    with pytest.raises(AssertionError, match="other gradients"):
+        mb.opaque_overhead({"a": opaque, "doubled": Doubled}, reps=1, inner=1, layers=1)

@@ -58,7 +58,7 @@ def test_compiled_graph_with_two_operators_matches_eager_and_reads_the_attention
     def half(q, k, v):  # another attention: scaled causal
         return 0.5 * _causal(q, k, v)
 
-    compiled = torch.compile(layers, backend="aot_eager")
+    compiled = torch.compile(layers, backend="aot_eager", fullgraph=True)  # one graph: no break at the operator
     for T in (10, 14):
         x = torch.randn(T, 2, 4, dtype=torch.float64, requires_grad=True)
         w1, w2 = (torch.randn(T, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
@@ -110,6 +110,26 @@ def test_misuse_is_refused_by_name():
     loss.backward(retain_graph=True)
     with pytest.raises(OpaqueAttentionError, match="retain_graph"):
         loss.backward()
+
+
+def test_double_backward_and_aliased_outputs_are_refused_by_name():
+    """The operator promises fresh outputs (a compiled graph may reuse an input's buffer after the
+    call): an attention whose output or gradient shares memory with an input is refused, as is a
+    backward through the gradients (``create_graph=True`` still gives first-order gradients)."""
+    qkv = _qkv()
+    with attending(_causal):
+        out = opaque_attention(*qkv)
+    grads = torch.autograd.grad(out.sum(), qkv, create_graph=True)
+    for g, ref in zip(grads, torch.autograd.grad(_causal(*qkv).sum(), qkv)):
+        assert torch.equal(g.detach(), ref)
+    with pytest.raises(OpaqueAttentionError, match="double backward"):
+        torch.autograd.grad(sum(g.sum() for g in grads), qkv)
+    with pytest.raises(OpaqueAttentionError, match="shares memory"), attending(lambda q, k, v: q.view_as(q)):
+        opaque_attention(*qkv)
+    with attending(lambda q, k, v: _causal(q, k, k) + v):  # dV is the incoming gradient, passed straight through
+        out = opaque_attention(*qkv)
+    with pytest.raises(OpaqueAttentionError, match="shares memory"):
+        out.sum().backward()
 
 
 def test_attending_restores_the_previous_attention():
