@@ -207,6 +207,13 @@ def parser() -> argparse.ArgumentParser:
     bm.add_argument("--reps", type=int, default=None, help="timed repetitions per shape and variant (12)")
     bm.add_argument("--warmup", type=int, default=None, help="untimed calls first (2)")
     bm.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_microbatch.json)")
+    bo = bsub.add_parser("opaque", help="host overhead per call of the opaque attention operator (chain compile)")
+    bo.add_argument("--against", type=Path, default=None,
+                    help="an older harness/runtime/opaque.py to time interleaved with this checkout's "
+                         "(e.g. git show REV:harness/runtime/opaque.py > old.py)")
+    bo.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    bo.add_argument("--reps", type=int, default=300, help="interleaved repetitions (300)")
+    bo.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_opaque.json)")
     bp = bsub.add_parser("padding", help="step-wise RL batches: two-segment vs unified padding, builder speed")
     bp.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_padding.json)")
     bt = bsub.add_parser("thd", help="zig-zag index computation speed (CPU)")
@@ -266,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
                     if getattr(a, k):
                         over[k] = tuple(x.strip() for x in getattr(a, k).split(",") if x.strip())
                 return microbatch.main(cpu=a.cpu, out=a.out, overrides=over)
+            if a.bench == "opaque":
+                from harness.bench import microbatch
+
+                return microbatch.opaque_main(against=a.against, device=a.device, reps=a.reps, out=a.out)
             if a.bench == "padding":
                 from harness.bench import padding
 

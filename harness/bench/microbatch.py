@@ -306,9 +306,9 @@ def opaque_overhead(variants: dict | None = None, *, reps: int = 300, layers: in
     def att(q, k, v):
         return q * k * v
 
-    g = torch.Generator().manual_seed(0)
-    qkv = [torch.randn(4, 1, 4, generator=g, device=device, requires_grad=True) for _ in range(3)]
-    x, y, w = (torch.randn(4, 1, 4, generator=g, device=device, requires_grad=i < 2) for i in range(3))
+    g = torch.Generator().manual_seed(0)  # drawn on the CPU (the same values on every device), then moved
+    qkv = [torch.randn(4, 1, 4, generator=g).to(device).requires_grad_() for _ in range(3)]
+    x, y, w = (torch.randn(4, 1, 4, generator=g).to(device).requires_grad_(i < 2) for i in range(3))
 
     def fwd_bwd(fn, inputs, *args):
         return lambda: torch.autograd.grad(fn(*args or inputs), inputs, w)
@@ -344,7 +344,8 @@ def opaque_overhead(variants: dict | None = None, *, reps: int = 300, layers: in
             ref = fns[first]()
             for n in mods:
                 if not all(torch.equal(a, b) for a, b in zip(ref, fns[n]())):
-                    raise AssertionError(f"variant {n!r} computes other gradients than {first!r}")
+                    raise ValueError(f"variant {n!r} computes other gradients than {first!r}: an A/B of the "
+                                     "operator's overhead needs variants that compute the same thing")
             for f in fns.values():
                 for _ in range(20):
                     f()
@@ -363,3 +364,46 @@ def opaque_overhead(variants: dict | None = None, *, reps: int = 300, layers: in
                        ("eager_overhead_us", "overhead us/call", ".1f"), ("chain_us", "chain us", ".1f"),
                        ("chain_overhead_us_per_layer", "overhead us/layer", ".1f")]))
     return {"attention_us": e["attention"], "inline_chain_us": c["inline"], "rows": rows}
+
+
+OPAQUE_NAMESPACE_AB = "dcp_harness_ab"
+"""The operator namespace an older ``opaque.py`` is renamed to for ``opaque_main``'s A/B."""
+
+
+def renamed_opaque_copy(source: Path, dest_dir: Path) -> Path:
+    """A copy of an ``opaque.py`` (e.g. ``git show REV:harness/runtime/opaque.py``) whose operators are
+    registered under ``OPAQUE_NAMESPACE_AB`` instead of ``dcp_harness``, so it can load next to this
+    checkout's; raises ``MicrobatchConfigError`` for a file that defines no ``dcp_harness`` operator."""
+    text = Path(source).read_text()
+    renamed = re.sub(r'dcp_harness(?=::|"|\.attention)', OPAQUE_NAMESPACE_AB, text)
+    if renamed == text or "def opaque_attention" not in text:
+        raise MicrobatchConfigError(f"{source} is not an opaque.py (no dcp_harness operator and opaque_attention "
+                                    f"in it); pass a copy of harness/runtime/opaque.py from another revision")
+    out = Path(dest_dir) / "opaque_against.py"
+    out.write_text(renamed)
+    return out
+
+
+def opaque_main(*, against: Path | None = None, device: str = "cpu", reps: int = 300,
+                out: Path | None = None) -> int:
+    """``dcp-harness bench opaque``: ``opaque_overhead`` of this checkout's operator (and of
+    ``against``, an older ``opaque.py``, interleaved with it); writes ``reports/bench_opaque.json``."""
+    import tempfile
+
+    import torch
+
+    from harness.runtime import opaque
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MicrobatchConfigError("device cuda: no CUDA GPU is visible; use --device cpu")
+    if not isinstance(reps, int) or reps < 1:
+        raise MicrobatchConfigError(f"reps must be an int >= 1, got {reps!r}")
+    with tempfile.TemporaryDirectory() as tmp:
+        variants = {"current": opaque}
+        if against is not None:
+            variants = {"against": renamed_opaque_copy(against, Path(tmp)), **variants}
+        res = opaque_overhead(variants, reps=reps, device=device)
+    config = {"against": str(against) if against else None, "device": device, "reps": reps}
+    path = write_report("opaque", config, res, out, torch=torch.__version__)
+    print(f"wrote {path}")
+    return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -83,5 +84,28 @@ def test_opaque_overhead_times_every_variant_against_the_plain_attention(capsys)
         def opaque_attention(q, k, v):
             return 2 * opaque.opaque_attention(q, k, v)
 
-    with pytest.raises(AssertionError, match="other gradients"):
+    with pytest.raises(ValueError, match="other gradients"):
         mb.opaque_overhead({"a": opaque, "doubled": Doubled}, reps=1, inner=1, layers=1)
+
+
+def test_bench_opaque_cli_times_an_older_operator_against_this_one(tmp_path, capsys):
+    """``dcp-harness bench opaque --against FILE``: the file (here this checkout's own opaque.py, as
+    a fresh clone may lack older revisions) is loaded under a renamed operator namespace next to the
+    checkout's, both rows come out and the JSON is written; a file that is not an ``opaque.py`` is
+    refused by name, writing nothing."""
+    from harness.cli import main
+    from harness.runtime import opaque
+
+    old = Path(opaque.__file__)
+    out = tmp_path / "bench_opaque.json"
+    assert main(["bench", "opaque", "--against", str(old), "--reps", "2", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "opaque" and [r["variant"] for r in doc["results"]["rows"]] == ["against", "current"]
+    assert doc["config"]["against"] == str(old)
+    renamed = mb.renamed_opaque_copy(old, tmp_path).read_text()
+    assert "dcp_harness_ab::attention" in renamed and "dcp_harness::" not in renamed
+    bad = tmp_path / "not_opaque.py"
+    bad.write_text("x = 1\n")
+    assert main(["bench", "opaque", "--against", str(bad), "--reps", "1", "--out", str(tmp_path / "b.json")]) == 2
+    assert "is not an opaque.py" in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
