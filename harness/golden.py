@@ -38,9 +38,14 @@ def path_for(suite: str, case_id: str, hw: str = "any", root: Path = GOLDEN_DIR)
 
 
 def producer(command: str = "") -> dict[str, Any]:
+    """Who wrote a file: ``git_rev`` (HEAD, short; ``+dirty`` when tracked files differ from it, so a
+    result is never attributed to a commit whose code it did not run), versions, the command."""
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, timeout=10).stdout.strip() or None
+        if rev and subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=10).stdout.strip():
+            rev += "+dirty"
     except (OSError, subprocess.SubprocessError):
         rev = None
     from harness import __version__

@@ -38,6 +38,24 @@ def test_write_is_atomic_and_records_producer(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["case.any.json"]  # no temp file left
 
 
+def test_producer_marks_a_tree_that_differs_from_its_commit(tmp_path, monkeypatch):
+    """A result written from edited tracked files must not be attributed to the clean commit."""
+    import subprocess
+
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "f.py").write_text("x = 1\n")
+    subprocess.run(git + ["add", "f.py"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["commit", "-qm", "c"], cwd=tmp_path, check=True)
+    monkeypatch.setattr(golden, "ROOT", tmp_path)
+    clean = golden.producer()["git_rev"]
+    assert clean and not clean.endswith("+dirty")
+    (tmp_path / "untracked.txt").write_text("ignored\n")  # untracked files do not change the code that ran
+    assert golden.producer()["git_rev"] == clean
+    (tmp_path / "f.py").write_text("x = 2\n")
+    assert golden.producer()["git_rev"] == clean + "+dirty"
+
+
 def test_a_changed_schedule_fails_the_golden_check(tmp_path, monkeypatch):
     """A committed golden with one slot edited: the plugin's check names the differing element."""
     from harness.pytest_plugin import Golden
