@@ -37,14 +37,19 @@ def path_for(suite: str, case_id: str, hw: str = "any", root: Path = GOLDEN_DIR)
     return root / suite / f"{case_id}.{hw}.json"
 
 
+CODE_PATHS = ("harness", "suites", "conftest.py", "pyproject.toml")
+"""What ``producer`` checks for local changes: the code a result depends on."""
+
+
 def producer(command: str = "") -> dict[str, Any]:
-    """Who wrote a file: ``git_rev`` (HEAD, short; ``+dirty`` when tracked files differ from it, so a
-    result is never attributed to a commit whose code it did not run), versions, the command."""
+    """Who wrote a file: ``git_rev`` (HEAD, short; ``+dirty`` when tracked code differs from it -
+    ``CODE_PATHS``, not the goldens and reports that runs write - so a result is never attributed to a
+    commit whose code it did not run), versions, the command."""
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, timeout=10).stdout.strip() or None
-        if rev and subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                  capture_output=True, text=True, timeout=10).stdout.strip():
+        if rev and subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip():
             rev += "+dirty"
     except (OSError, subprocess.SubprocessError):
         rev = None

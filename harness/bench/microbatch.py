@@ -285,6 +285,7 @@ def opaque_overhead(variants: dict | None = None, *, reps: int = 300, layers: in
     must equal the first's bit for bit; the benchmark refuses otherwise."""
     import contextlib
     import gc
+    import hashlib
     import importlib.util
     import sys
 
@@ -295,10 +296,14 @@ def opaque_overhead(variants: dict | None = None, *, reps: int = 300, layers: in
     mods = {}
     for name, m in (variants or {"current": opaque}).items():
         if isinstance(m, str | Path):  # dynamo resolves a compiled function's globals through sys.modules
-            spec = importlib.util.spec_from_file_location(f"_opaque_variant_{name}", m)
-            m = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = m
-            spec.loader.exec_module(m)
+            modname = f"_opaque_variant_{hashlib.sha1(Path(m).read_bytes()).hexdigest()[:12]}"
+            if modname in sys.modules:  # loaded before in this process: its operators are registered already
+                m = sys.modules[modname]
+            else:
+                spec = importlib.util.spec_from_file_location(modname, m)
+                m = importlib.util.module_from_spec(spec)
+                sys.modules[spec.name] = m
+                spec.loader.exec_module(m)
         mods[name] = m
     if len(mods) > 6:  # every chain is one code object: dynamo keeps 8 compilations of it, then runs eager
         raise ValueError(f"at most 6 variants, got {len(mods)}")
@@ -325,16 +330,23 @@ def opaque_overhead(variants: dict | None = None, *, reps: int = 300, layers: in
                                                         for n, m in mods.items()}}
 
     def timed(fns: dict, reps: int, inner: int) -> dict:
+        """Per-repetition times (us per call); the order rotates so every function takes every slot."""
         ts: dict = {k: [] for k in fns}
         names = list(fns)
         for r in range(reps):
-            for k in names if r % 2 == 0 else names[::-1]:
+            for k in names[r % len(names):] + names[:r % len(names)]:
                 f = fns[k]
                 t0 = time.perf_counter()
                 for _ in range(inner):
                     f()
                 ts[k].append((time.perf_counter() - t0) / inner * 1e6)
-        return {k: statistics.median(v) for k, v in ts.items()}
+        return ts
+
+    def paired(ts: dict, name: str, base: str, per: int = 1) -> tuple[float, float, float]:
+        """Median and quartiles of ``name`` minus ``base`` within each repetition, over ``per``."""
+        d = sorted((a - b) / per for a, b in zip(ts[name], ts[base]))
+        q = statistics.quantiles(d, n=4) if len(d) > 1 else [d[0]] * 3
+        return statistics.median(d), q[0], q[2]
 
     with contextlib.ExitStack() as stack:
         for m in mods.values():
@@ -356,26 +368,41 @@ def opaque_overhead(variants: dict | None = None, *, reps: int = 300, layers: in
             c = timed(chains, max(reps // 4, 10), max(inner // 4, 1))
         finally:
             gc.enable()
-    rows = [{"variant": n, "eager_us": e[n], "eager_overhead_us": e[n] - e["attention"], "chain_us": c[n],
-             "chain_overhead_us_per_layer": (c[n] - c["inline"]) / layers} for n in mods]
+    rows = []
+    for n in mods:
+        eo, eq1, eq3 = paired(e, n, "attention")
+        co, cq1, cq3 = paired(c, n, "inline", layers)
+        rows.append({"variant": n, "eager_us": statistics.median(e[n]), "eager_overhead_us": eo,
+                     "eager_overhead_iqr_us": [eq1, eq3], "chain_us": statistics.median(c[n]),
+                     "chain_overhead_us_per_layer": co, "chain_overhead_iqr_us_per_layer": [cq1, cq3],
+                     "eager_iqr": f"{eq1:.1f}..{eq3:.1f}", "chain_iqr": f"{cq1:.1f}..{cq3:.1f}"})
+    e, c = {k: statistics.median(v) for k, v in e.items()}, {k: statistics.median(v) for k, v in c.items()}
     print(f"opaque operator overhead ({device}, torch {torch.__version__}): attention alone "
           f"{e['attention']:.1f} us fwd+bwd, inline {layers}-layer chain {c['inline']:.1f} us")
     print(table(rows, [("variant", "variant", "s"), ("eager_us", "eager us", ".1f"),
-                       ("eager_overhead_us", "overhead us/call", ".1f"), ("chain_us", "chain us", ".1f"),
-                       ("chain_overhead_us_per_layer", "overhead us/layer", ".1f")]))
+                       ("eager_overhead_us", "overhead us/call", ".1f"), ("eager_iqr", "IQR", "s"),
+                       ("chain_us", "chain us", ".1f"), ("chain_overhead_us_per_layer", "overhead us/layer", ".1f"),
+                       ("chain_iqr", "IQR", "s")]))
+    print("  overheads: medians (and interquartile ranges) of the paired differences within each repetition; "
+          "differences between variants smaller than the IQRs are noise")
     return {"attention_us": e["attention"], "inline_chain_us": c["inline"], "rows": rows}
 
 
 OPAQUE_NAMESPACE_AB = "dcp_harness_ab"
-"""The operator namespace an older ``opaque.py`` is renamed to for ``opaque_main``'s A/B."""
+"""The prefix of the operator namespace an older ``opaque.py`` is renamed to for ``opaque_main``'s
+A/B (``dcp_harness_ab_<hash of the file>``: two different files never share operators, and loading
+the same file again reuses its module)."""
 
 
 def renamed_opaque_copy(source: Path, dest_dir: Path) -> Path:
     """A copy of an ``opaque.py`` (e.g. ``git show REV:harness/runtime/opaque.py``) whose operators are
-    registered under ``OPAQUE_NAMESPACE_AB`` instead of ``dcp_harness``, so it can load next to this
+    registered under ``OPAQUE_NAMESPACE_AB``_<hash> instead of ``dcp_harness``, so it can load next to this
     checkout's; raises ``MicrobatchConfigError`` for a file that defines no ``dcp_harness`` operator."""
+    import hashlib
+
     text = Path(source).read_text()
-    renamed = re.sub(r'dcp_harness(?=::|"|\.attention)', OPAQUE_NAMESPACE_AB, text)
+    namespace = f"{OPAQUE_NAMESPACE_AB}_{hashlib.sha1(text.encode()).hexdigest()[:10]}"
+    renamed = re.sub(r'dcp_harness(?=::|"|\.attention)', namespace, text)
     if renamed == text or "def opaque_attention" not in text:
         raise MicrobatchConfigError(f"{source} is not an opaque.py (no dcp_harness operator and opaque_attention "
                                     f"in it); pass a copy of harness/runtime/opaque.py from another revision")

@@ -293,9 +293,10 @@ class StepBenchConfig:
         if gb == "megatron":
             return self.microbatches * max(1, world // (self.static_cp or world))
         head, _, count = gb.partition(":") if isinstance(gb, str) else ("", "", "")
-        if head == "sequences" and count.isdigit() and int(count) >= 1:
+        if head == "sequences" and count.isascii() and count.isdigit() and 1 <= int(count) <= MAX_BATCH_SEQUENCES:
             return int(count)
-        raise BenchConfigError(f"global_batch must be one of {', '.join(GLOBAL_BATCH_CHOICES)} (K >= 1), got {gb!r}")
+        raise BenchConfigError(f"global_batch must be one of {', '.join(GLOBAL_BATCH_CHOICES)} "
+                               f"(1 <= K <= {MAX_BATCH_SEQUENCES}), got {gb!r}")
 
     def compile_backend(self) -> str | None:
         """The resolved ``compile``: a ``torch.compile`` backend name, or None for eager."""
@@ -333,6 +334,8 @@ class StepBenchConfig:
 
 
 GLOBAL_BATCH_CHOICES = ("tokens", "megatron", "sequences:K")
+MAX_BATCH_SEQUENCES = 65536
+"""Most sequences ``global_batch="sequences:K"`` takes (Megatron's benchmark: 8 x dp)."""
 COMPILE_CHOICES = ("auto", "off", "inductor", "aot_eager", "reduce-overhead", "inductor-chain", "aot_eager-chain")
 GRAD_REDUCE_CHOICES = ("overlap", "after")
 PHASES = ("schedule", "microbatches", "grad_reduce", "optimizer")

@@ -84,17 +84,25 @@ def forward_calls() -> int:
     return _FORWARDS[0]
 
 
-def _fresh(op: str, outputs: tuple, inputs: tuple) -> tuple:
-    """``outputs``, after checking that none shares memory with ``inputs`` or another output (an
-    operator's schema promises fresh outputs; compiled graphs reuse buffers on that promise)."""
+def _fresh(op: str, outputs: tuple, inputs: tuple, *, copy: bool = False) -> tuple:
+    """``outputs``, none sharing memory with ``inputs`` or another output (an operator's schema
+    promises fresh outputs; compiled graphs reuse buffers on that promise). An aliased output is
+    refused by name, or with ``copy`` (the backward's gradients, which autograd may hand out as views
+    of one buffer, e.g. of a stacked K/V) replaced by a copy."""
     seen = {t.untyped_storage().data_ptr() for t in inputs}
+    fresh = []
     for t in outputs:
         ptr = t.untyped_storage().data_ptr()
         if ptr in seen and ptr:  # 0: an empty storage, nothing to share
-            raise OpaqueAttentionError(f"{op}: the attention returned a tensor that shares memory with an input or "
-                                       "another output (e.g. a gradient passed straight through); return a copy")
+            if not copy:
+                raise OpaqueAttentionError(f"{op}: the attention returned a tensor that shares memory with an "
+                                           "input or another output (e.g. an input passed straight through); "
+                                           "return a copy")
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
         seen.add(ptr)
-    return outputs
+        fresh.append(t)
+    return tuple(fresh)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,12 +113,13 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.T
     with torch._C._ForceDispatchKeyGuard(*_EAGER_DISPATCH), torch.enable_grad():
         leaves = (q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_())
         out = attention(*leaves)
+    result = _fresh("opaque_attention", (out.detach().contiguous(),), (q, k, v))  # refused: nothing kept
     _FORWARDS[0] += 1
     key = next(_KEYS)
     tag = torch.full((), key, dtype=torch.int64)  # torch.tensor(key) costs ~1 us more
     if out.requires_grad:  # the weak reference dies with the entry; its callback drops the entry with the tag
         _GRAPHS[key] = (out, leaves, weakref.ref(tag, lambda _, key=key: _GRAPHS.pop(key, None)))
-    return _fresh("opaque_attention", (out.detach().contiguous(),), (q, k, v)) + (tag,)
+    return result + (tag,)
 
 
 def _backward(grad_out: torch.Tensor, tag: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -118,14 +127,16 @@ def _backward(grad_out: torch.Tensor, tag: torch.Tensor, q: torch.Tensor, k: tor
     entry = _GRAPHS.pop(int(tag), None)
     if entry is None:
         raise OpaqueAttentionError(f"no forward graph under key {int(tag)}: its backward already ran "
-                                   "(retain_graph is not supported through opaque_attention) or it was freed")
+                                   "(retain_graph is not supported through opaque_attention), or its key tensor "
+                                   "died: a saved_tensors_hooks pack that copies saved tensors (CPU offloading) "
+                                   "frees the graph; keep opaque_attention outside such hooks")
     out, leaves, _ = entry
     with torch._C._ForceDispatchKeyGuard(*_EAGER_DISPATCH):
         dq, dk, dv = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
     return _fresh("opaque_attention backward", (torch.zeros_like(q) if dq is None else dq.contiguous(),
                                                 torch.zeros_like(k) if dk is None else dk.contiguous(),
                                                 torch.zeros_like(v) if dv is None else dv.contiguous()),
-                  (grad_out, q, k, v))
+                  (grad_out, q, k, v), copy=True)
 
 
 _LIB = torch.library.Library("dcp_harness", "FRAGMENT")

@@ -38,21 +38,29 @@ def test_write_is_atomic_and_records_producer(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["case.any.json"]  # no temp file left
 
 
-def test_producer_marks_a_tree_that_differs_from_its_commit(tmp_path, monkeypatch):
-    """A result written from edited tracked files must not be attributed to the clean commit."""
+def test_producer_marks_a_tree_whose_code_differs_from_its_commit(tmp_path, monkeypatch):
+    """A result written from edited code must not be attributed to the clean commit; rewritten
+    goldens (what ``--update-golden`` does file after file) and untracked files do not count."""
     import subprocess
 
-    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t", "-c", "commit.gpgsign=false"]
+    for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY"):  # set when run from a hook
+        monkeypatch.delenv(var, raising=False)
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t", "-c", "commit.gpgsign=false", "-c",
+           "core.hooksPath=/dev/null"]
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-    (tmp_path / "f.py").write_text("x = 1\n")
-    subprocess.run(git + ["add", "f.py"], cwd=tmp_path, check=True)
+    (tmp_path / "harness").mkdir()
+    (tmp_path / "golden").mkdir()
+    (tmp_path / "harness" / "f.py").write_text("x = 1\n")
+    (tmp_path / "golden" / "g.json").write_text("{}\n")
+    subprocess.run(git + ["add", "harness", "golden"], cwd=tmp_path, check=True)
     subprocess.run(git + ["commit", "-qm", "c"], cwd=tmp_path, check=True)
     monkeypatch.setattr(golden, "ROOT", tmp_path)
     clean = golden.producer()["git_rev"]
     assert clean and not clean.endswith("+dirty")
-    (tmp_path / "untracked.txt").write_text("ignored\n")  # untracked files do not change the code that ran
+    (tmp_path / "untracked.txt").write_text("ignored\n")
+    (tmp_path / "golden" / "g.json").write_text('{"regenerated": 1}\n')
     assert golden.producer()["git_rev"] == clean
-    (tmp_path / "f.py").write_text("x = 2\n")
+    (tmp_path / "harness" / "f.py").write_text("x = 2\n")
     assert golden.producer()["git_rev"] == clean + "+dirty"
 
 

@@ -5,6 +5,7 @@ attention backend (the CPU variant here: tiny-gpt, fp32, sdpa; the GPU figures a
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,8 +103,13 @@ def test_bench_opaque_cli_times_an_older_operator_against_this_one(tmp_path, cap
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "opaque" and [r["variant"] for r in doc["results"]["rows"]] == ["against", "current"]
     assert doc["config"]["against"] == str(old)
+    row = doc["results"]["rows"][1]
+    lo, hi = row["chain_overhead_iqr_us_per_layer"]
+    assert lo <= row["chain_overhead_us_per_layer"] <= hi
     renamed = mb.renamed_opaque_copy(old, tmp_path).read_text()
-    assert "dcp_harness_ab::attention" in renamed and "dcp_harness::" not in renamed
+    assert re.search(r"dcp_harness_ab_[0-9a-f]{10}::attention", renamed) and "dcp_harness::" not in renamed
+    # a second A/B in the same process reuses the loaded copy (its operators cannot register twice)
+    assert main(["bench", "opaque", "--against", str(old), "--reps", "2", "--out", str(out)]) == 0
     bad = tmp_path / "not_opaque.py"
     bad.write_text("x = 1\n")
     assert main(["bench", "opaque", "--against", str(bad), "--reps", "1", "--out", str(tmp_path / "b.json")]) == 2

@@ -114,8 +114,10 @@ def test_misuse_is_refused_by_name():
 
 def test_double_backward_and_aliased_outputs_are_refused_by_name():
     """The operator promises fresh outputs (a compiled graph may reuse an input's buffer after the
-    call): an attention whose output or gradient shares memory with an input is refused, as is a
-    backward through the gradients (``create_graph=True`` still gives first-order gradients)."""
+    call): an attention whose output shares memory with an input is refused, and counts no forward;
+    a gradient that shares memory (passed straight through, or views of one stacked buffer) is
+    copied, giving eager's gradients; a backward through the gradients is refused
+    (``create_graph=True`` still gives first-order gradients)."""
     qkv = _qkv()
     with attending(_causal):
         out = opaque_attention(*qkv)
@@ -124,12 +126,20 @@ def test_double_backward_and_aliased_outputs_are_refused_by_name():
         assert torch.equal(g.detach(), ref)
     with pytest.raises(OpaqueAttentionError, match="double backward"):
         torch.autograd.grad(sum(g.sum() for g in grads), qkv)
+    calls = opaque.forward_calls()
     with pytest.raises(OpaqueAttentionError, match="shares memory"), attending(lambda q, k, v: q.view_as(q)):
         opaque_attention(*qkv)
-    with attending(lambda q, k, v: _causal(q, k, k) + v):  # dV is the incoming gradient, passed straight through
-        out = opaque_attention(*qkv)
-    with pytest.raises(OpaqueAttentionError, match="shares memory"):
-        out.sum().backward()
+    assert opaque.forward_calls() == calls and opaque.pending() == 0
+    for att in (lambda q, k, v: _causal(q, k, k) + v,  # dV is the incoming gradient, passed straight through
+                lambda q, k, v: _causal(q, *torch.stack([k, v]))):  # dK, dV: views of one buffer
+        with attending(att):
+            out = opaque_attention(*qkv)
+        grad_out = torch.randn_like(out)
+        got = torch.autograd.grad(out, qkv, grad_out)
+        for g, ref in zip(got, torch.autograd.grad(att(*qkv), qkv, grad_out)):
+            assert torch.equal(g, ref)
+        ptrs = [g.untyped_storage().data_ptr() for g in got] + [grad_out.untyped_storage().data_ptr()]
+        assert len(set(ptrs)) == 4
 
 
 def test_attending_restores_the_previous_attention():
