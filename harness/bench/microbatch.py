@@ -429,6 +429,8 @@ def opaque_main(*, against: Path | None = None, device: str = "cpu", reps: int =
         variants = {"current": opaque}
         if against is not None:
             variants = {"against": renamed_opaque_copy(against, Path(tmp)), **variants}
+        print(f"bench opaque: {', '.join(variants)} on {device}, {reps} interleaved repetitions (compiles first; "
+              f"~1 min at the default)", flush=True)
         res = opaque_overhead(variants, reps=reps, device=device)
     config = {"against": str(against) if against else None, "device": device, "reps": reps}
     path = write_report("opaque", config, res, out, torch=torch.__version__)

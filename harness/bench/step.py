@@ -11,7 +11,8 @@ Global batch ``i`` (the same for every arm): lengths drawn with seed ``seed + i`
 would pass ``microbatches x N x max_seqlen_per_rank`` tokens (8 full micro-batches of the DP x CP
 domain; lengths longer than the domain holds are clipped to ``N x max_seqlen_per_rank`` and
 counted). ``global_batch="megatron"`` instead takes exactly what Megatron's benchmark script loads:
-``microbatches x dp`` sequences (8 at 4 GPUs with CP 4). Sequence ``g`` is loaded by position ``g % N`` (a DP shard) and rerouted by the schedule.
+``microbatches x dp`` sequences (8 at 4 GPUs with CP 4). Sequence ``g`` is loaded by position
+``g % N`` (a DP shard) and rerouted by the schedule.
 
 Arms (``layout:scheduler[:padding][@exchange]``):
 - ``thd:dp-balanced``: static CP of ``static_cp`` ranks (default: the world), Megatron's
@@ -130,7 +131,7 @@ class StepBenchConfig:
 
     - ``tokens``: lengths drawn until the next one would pass ``microbatches x N x
       max_seqlen_per_rank`` tokens: enough for ``microbatches`` full packs of the DP x CP domain
-      (65536 tokens, ~70 sequences at 4 ranks). This project's reading of "8 micro-batches per
+      (65536 tokens, ~75 sequences at 4 ranks). This project's reading of "8 micro-batches per
       global batch", and the default.
     - ``megatron``: ``microbatches x dp`` sequences, where dp = N / ``static_cp``: exactly what
       Megatron's ``benchmark_dcp.sh`` loads per step. It sets ``GLOBAL_BATCH_SIZE = MICRO_BATCH_SIZE

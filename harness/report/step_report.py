@@ -8,7 +8,6 @@ PART_COLORS = {"attention": "#4c72b0", "linear": "#55a868", "other": "#8172b2", 
                "idle": "#cccccc"}
 
 
-
 def _batch_size(cfg, gb: dict, gpus: int) -> str:
     """How the global batch was sized (``StepBenchConfig.global_batch``)."""
     if cfg.global_batch == "tokens":
@@ -18,6 +17,7 @@ def _batch_size(cfg, gb: dict, gpus: int) -> str:
         return (f"{n} sequences (Megatron's benchmark_dcp.sh: {cfg.microbatches} micro-batches x dp, one "
                 f"unpacked sequence per sample)")
     return f"{n} sequences"
+
 
 def _fmt(v, f):
     return "-" if v is None else format(v, f)
