@@ -4,6 +4,7 @@
   dcp-harness schedule ...             schedule one global batch; table, occupancy map, --json
   dcp-harness converge ...             train bshd / thd / dcp side by side; report, goldens, wandb
   dcp-harness nightly                  both models, more steps, GPUs if present; history + trend plots
+  dcp-harness faults                   the fault catalogue: real dynamic-CP bugs re-created, each must be caught
   dcp-harness bench schedule           scheduler latency and quality benchmark -> reports/
   dcp-harness bench thd                zig-zag index speed (CPU) -> reports/
   dcp-harness bench padding            step-wise batch padding and builder speed (CPU) -> reports/
@@ -24,6 +25,7 @@ from pathlib import Path
 from harness import __version__
 from harness.bench.step import COMPILE_CHOICES, GRAD_REDUCE_CHOICES
 from harness.golden import GoldenError
+from harness.io import OutputPathError
 from harness.plan import ALGORITHMS, CostModel, PlanInputError, check_schedule, gpt_benchmark_cost
 
 
@@ -120,6 +122,39 @@ def _cmd_converge(a) -> int:
     return 0 if res.verdict == "PASS" else 1
 
 
+def _add_faults(sub) -> None:
+    f = sub.add_parser("faults", help="run the fault catalogue: every re-created bug must be caught",
+                       description="Run every scenario clean (no check may fire), then every fault of the catalogue "
+                                   "(harness.faults) with its seam replaced; print which check caught it, where, "
+                                   "with what margin. Exit 1 if a fault is missed or a clean run alarms.")
+    f.add_argument("--only", nargs="+", metavar="NAME", default=None, help="run only these faults")
+    f.add_argument("--list", action="store_true", help="list the faults (name, layer, check, source) and exit")
+    f.add_argument("--json", type=Path, default=None, help="result JSON (default reports/faults.json)")
+    f.add_argument("--html", type=Path, default=None, help="HTML report (default reports/faults.html)")
+
+
+def _cmd_faults(a) -> int:
+    from harness.bench.common import REPORTS
+    from harness.faults import FAULTS, select
+    from harness.faults.run import run_catalogue, verdict, write
+    from harness.io import writable
+    from harness.report.faults_report import console
+
+    if a.list:
+        for f in FAULTS:
+            print(f"{f.name:36s} {f.layer:10s} {f.check:20s} {f.source}")
+        return 0
+    faults = select(a.only)
+    json_path, html_path = writable(a.json or REPORTS / "faults.json"), writable(a.html or REPORTS / "faults.html")
+    print(f"dcp-harness faults: {len(faults)} faults; clean runs first, then each fault with its seam replaced")
+    result = run_catalogue([f.name for f in faults])
+    print()
+    print(console(result))
+    write(result, json_path, html_path)
+    print(f"wrote {json_path} and {html_path}")
+    return 0 if verdict(result) else 1
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dcp-harness", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -130,8 +165,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", type=Path, default=None, help="report root (default reports/)")
     r.add_argument("--steps", type=int, default=50, help="convergence steps (default 50, which has a golden)")
     r.add_argument("--no-convergence", action="store_true", help="skip the convergence comparison")
+    r.add_argument("--no-faults", action="store_true", help="skip the fault catalogue (dcp-harness faults)")
     _add_schedule(sub)
     _add_converge(sub)
+    _add_faults(sub)
     n = sub.add_parser("nightly", help="both models, more steps, GPUs when present; history with trend plots")
     n.add_argument("--steps", type=int, default=100)
     n.add_argument("--models", default="tiny-gpt,tiny-moe")
@@ -235,12 +272,15 @@ def main(argv: list[str] | None = None) -> int:
             from harness.bench.common import REPORTS
 
             conv = None if a.no_convergence else {**main_job.DEFAULT_CONVERGENCE, "steps": a.steps}
-            code, _ = main_job.run(quick_batches=a.batches, out_root=a.out or REPORTS, convergence=conv)
+            code, _ = main_job.run(quick_batches=a.batches, out_root=a.out or REPORTS, convergence=conv,
+                                   faults=not a.no_faults)
             return code
         if a.command == "schedule":
             return _cmd_schedule(a)
         if a.command == "converge":
             return _cmd_converge(a)
+        if a.command == "faults":
+            return _cmd_faults(a)
         if a.command == "nightly":
             from harness import nightly
 
@@ -293,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"wrote {make_wikipedia_sample(a.source, a.n, a.seed)}")
             return 0
-    except (PlanInputError, GoldenError) as e:
+    except (PlanInputError, GoldenError, OutputPathError) as e:
         print(f"dcp-harness: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

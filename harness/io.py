@@ -9,12 +9,43 @@ from pathlib import Path
 from typing import Any
 
 
+class OutputPathError(ValueError):
+    """An output path that cannot be written (names the path and why)."""
+
+
+def writable(path: str | Path) -> Path:
+    """``path`` if a file can be written there (its folder exists or can be made, and is writable),
+    checked before a long job starts; else ``OutputPathError``."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputPathError(f"{path} is a directory; give a file path")
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputPathError(f"cannot create the folder of {path}: {e.strerror or e}") from None
+    try:  # a real probe: os.access says yes to root even where the file system refuses
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OutputPathError(f"cannot write {path}: {e.strerror or e} in {folder}") from None
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Replace ``path`` with ``data`` so that readers see the old file or the new one, never half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a report must be readable like any file
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

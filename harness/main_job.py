@@ -4,6 +4,8 @@
    layout within 1e-5 of bshd and of the committed golden at every step (``harness.converge``).
 2. Scheduler comparison (``bench schedule`` on a quick grid) and a rank-by-rank picture of one batch.
 3. The edge-case catalogue (spec 2.8 and the differential suite's findings).
+4. The fault catalogue (``harness.faults``): every re-created integration bug must be caught by its
+   check, and no check may fire on the clean runs ("faults caught: N/N").
 Writes ``reports/run-<timestamp>/`` (``index.html``, ``summary.md``, ``results.json``, and
 ``convergence/`` with the metrics JSONL and offline wandb runs) into a temporary folder renamed at the
 end, so an interrupted run leaves earlier reports intact, and prints a PASS / FAIL verdict.
@@ -21,6 +23,8 @@ from pathlib import Path
 from harness.bench import schedule as bench_schedule
 from harness.bench.common import REPORTS
 from harness.edge_cases import run_all
+from harness.faults.run import run_catalogue
+from harness.faults.run import verdict as fault_verdict
 from harness.golden import producer
 from harness.io import atomic_write_json, atomic_write_text
 from harness.plan import gpt_benchmark_cost, schedule, simulate
@@ -47,7 +51,8 @@ def _timeline() -> dict:
 DEFAULT_CONVERGENCE = {"model": "tiny-gpt", "steps": 50, "world": 4}
 
 
-def run(*, quick_batches: int = 3, out_root: Path = REPORTS, convergence: dict | None = DEFAULT_CONVERGENCE) -> tuple[int, Path]:
+def run(*, quick_batches: int = 3, out_root: Path = REPORTS, convergence: dict | None = DEFAULT_CONVERGENCE,
+        faults: bool = True) -> tuple[int, Path]:
     from harness import converge
     from harness.dist.train import TrainConfig
 
@@ -60,27 +65,31 @@ def run(*, quick_batches: int = 3, out_root: Path = REPORTS, convergence: dict |
         if convergence:
             c = dict(convergence)
             world = c.pop("world")
-            print(f"[1/4] convergence: {c['model']}, {world} gloo ranks, {c['steps']} steps, layouts bshd / thd / dcp")
+            print(f"[1/5] convergence: {c['model']}, {world} gloo ranks, {c['steps']} steps, layouts bshd / thd / dcp")
             golden = "require" if convergence == DEFAULT_CONVERGENCE else "auto"  # the default has a committed golden
             conv = converge.run(TrainConfig(**c), world=world, golden=golden, run_dir=tmp / "convergence",
                                 progress=lambda s: print(s, flush=True))
-        return _rest(t0, quick_batches, tmp, out_root, conv)
+        return _rest(t0, quick_batches, tmp, out_root, conv, faults)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _rest(t0, quick_batches, tmp, out_root, conv):
-    print(f"[2/4] scheduler comparison ({quick_batches} global batches per configuration)")
+def _rest(t0, quick_batches, tmp, out_root, conv, with_faults=True):
+    print(f"[2/5] scheduler comparison ({quick_batches} global batches per configuration)")
     bench = bench_schedule.run(quick=True, batches=quick_batches, progress=lambda s: print(s, flush=True))
-    print("[3/4] edge cases (spec 2.8 and the differential suite's findings)")
+    print("[3/5] edge cases (spec 2.8 and the differential suite's findings)")
     edges = run_all()
     for e in edges:
         ours_ok = all(o["ok"] for o in e["ours"].values())
         up = e["upstream"]
         print(f"  {e['key']:20s} harness {'OK  ' if ours_ok else 'FAIL'}  megatron-core: "
               f"{'not installed' if up is None else up['kind']}")
-    print("[4/4] report")
+    faults = None
+    if with_faults:
+        print("[4/5] fault catalogue: clean runs, then every re-created bug with its seam replaced")
+        faults = run_catalogue(progress=lambda s: print(s, flush=True))
+    print("[5/5] report")
     timeline = _timeline()
     checks = list(conv.checks) if conv else []
     checks += [c for c in bench["checks"] if "latency" not in c["target"]]
@@ -89,9 +98,13 @@ def _rest(t0, quick_batches, tmp, out_root, conv):
                 "shown": f"{sum(o['ok'] for o in e['ours'].values())}/{len(e['ours'])}",
                 "pass": all(o["ok"] for o in e["ours"].values())}
                for e in edges]
+    if faults is not None:
+        checks.append({"target": "fault catalogue: every re-created bug caught by its check, no alarm on the clean "
+                                 "runs", "value": faults["caught"],
+                       "shown": f"faults caught: {faults['caught']}/{faults['total']}", "pass": fault_verdict(faults)})
     verdict = "PASS" if all(c["pass"] for c in checks) else "FAIL"
     result = {"verdict": verdict, "checks": checks + [c for c in bench["checks"] if "latency" in c["target"]],
-              "bench": bench, "edge_cases": edges, "timeline": timeline, "convergence": conv,
+              "bench": bench, "edge_cases": edges, "faults": faults, "timeline": timeline, "convergence": conv,
               "producer": producer("dcp-harness run"), "finished": dt.datetime.now().isoformat(timespec="seconds")}
     path = _write(result, tmp, out_root)
     print(f"\nreport: {path / 'index.html'}\nsummary: {path / 'summary.md'}")

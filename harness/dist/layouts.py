@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.plan import CostModel, Schedule, cp_min, schedule
+from harness.plan import CostModel, Schedule, cp_min, schedule, validate_schedule
 from harness.plan.errors import PlanInputError
 from harness.plan.layout import Block
 from harness.plan.thd import pad_length, padding_divisor
@@ -76,3 +76,20 @@ def plan(layout: str, lengths: list[int], cfg: LayoutConfig, cost: CostModel | N
     return Schedule.from_blocks(mbs_layout, lengths=lengths, n_ranks=N,
                                 max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest * mbs // C),
                                 algorithm="bshd"), "fixed", longest
+
+
+def sample_id_groups(sched: Schedule) -> list[list[list[int]]]:
+    """The schedule as Megatron hands it to every rank: micro-batch -> slot -> gids, one fresh list
+    per slot (``sample_id_groups``)."""
+    return [[list(b.gids) for b in mb for _ in range(b.size)] for mb in sched.layout]
+
+
+def deliver(sched: Schedule) -> Schedule:
+    """What every rank runs: the blocks it rebuilds from the ``sample_id_groups`` it was handed
+    (``Schedule.from_microbatches``), validated (``validate_schedule`` raises ``ScheduleError``
+    naming the invariant, micro-batch and ranks before any rank runs a wrong block)."""
+    out = Schedule.from_microbatches(sample_id_groups(sched), lengths=list(sched.lengths.items()), n_ranks=sched.n_ranks,
+                                     max_seqlen_per_rank=sched.max_seqlen_per_rank, min_cp_size=sched.min_cp_size,
+                                     vpp_group=sched.vpp_group, algorithm=sched.algorithm, cost=sched.cost)
+    validate_schedule(out)
+    return out

@@ -90,6 +90,14 @@ def _microbatch(seqs, gids, cp):
     return p, tok, lab, pos, real, owner
 
 
+def route_column(layer: int, stage_range: tuple[int, int]) -> int:
+    """The column of the rollout's ``[tokens, layers, top_k]`` routes that feeds the router of global
+    ``layer`` on a stage building ``stage_range`` = (first layer, count): the layer number itself, since
+    the routes hold every layer (a seam that ``harness.faults`` replaces to re-create an off-by-one
+    stage offset)."""
+    return layer
+
+
 def _reference(cfg, seqs, mbs, routes, total):
     """Single process, no PP / CP: replayed loss and gradients."""
     model, dev = training_model(cfg), _device(cfg)
@@ -129,8 +137,9 @@ def _run(mode, cfg, rank, seqs, mbs, routes, total, groups):
         realf = t["real"].float()
         store = ReplayStore()
         rows = thd_routes([routes[g] for g in gids], p.cu_seqlens_padded, cp, c_rank)
-        for layer in routers_on_stage(layer_ranges(MODEL.layers, pp)[p_rank], model.moe_layers()):
-            store.put(layer, m, c_rank, torch.as_tensor(rows[:, layer], device=dev))
+        stage = layer_ranges(MODEL.layers, pp)[p_rank]
+        for layer in routers_on_stage(stage, model.moe_layers()):
+            store.put(layer, m, c_rank, torch.as_tensor(rows[:, route_column(layer, stage[0])], device=dev))
         routing = Routing(mode, store if mode == "replay" else None, microbatch=m, cp_rank=c_rank)
         aplan = CPAttentionPlan.build(p.cu_seqlens_padded, cp, c_rank, dev)
         attn = lambda q, k, v: cp_attention(q, k, v, aplan, group)  # noqa: E731

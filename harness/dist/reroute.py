@@ -81,6 +81,13 @@ def _stacked(sample: Mapping[str, torch.Tensor], length: int) -> torch.Tensor:
     return torch.stack(cols, dim=1)
 
 
+def block_sequences(block, position: int) -> tuple[int, ...]:
+    """The sequences ``position`` packs for its ``block``, in pack order: the block's gids. Every rank
+    of a block must agree on them (the zig-zag slices and the CP attention assume one pack); a seam
+    that ``harness.faults`` replaces to re-create a rerouted batch that drops or misorders one."""
+    return block.gids
+
+
 @dataclass(frozen=True)
 class ThdMicroBatch:
     """This rank's share of one micro-batch: its zig-zag slice of the block's packed THD buffer."""
@@ -93,7 +100,7 @@ class ThdMicroBatch:
     cu_seqlens: tuple[int, ...]
     cu_seqlens_padded: tuple[int, ...]
     max_seqlen: int
-    data: dict[str, torch.Tensor]  # key -> [T_local]
+    data: dict[str, torch.Tensor]  # key -> [T_local]; ``SAMPLE_KEYS`` plus ``seq`` (each token's gid)
 
     @property
     def num_tokens(self) -> int:
@@ -115,7 +122,8 @@ def build_microbatches(samples: Mapping[int, Mapping[str, torch.Tensor]], schedu
     out = []
     for m, mb in enumerate(schedule.layout):
         (b,) = [b for b in mb if b.start <= position < b.start + b.size]
-        lengths = [schedule.lengths[g] for g in b.gids]
+        gids = tuple(block_sequences(b, position))
+        lengths = [schedule.lengths[g] for g in gids]
         if padding == "fixed":
             if fixed_length < max(lengths) or fixed_length % (2 * b.size if b.size > 1 else 1):
                 raise RerouteError(f"fixed_length={fixed_length} must hold {max(lengths)} tokens and be a "
@@ -132,11 +140,12 @@ def build_microbatches(samples: Mapping[int, Mapping[str, torch.Tensor]], schedu
                 grow = -p.cu_seqlens_padded[-1] % (token_multiple * b.size)
                 cup = p.cu_seqlens_padded[:-1] + [p.cu_seqlens_padded[-1] + grow]
                 p = type(p)(p.cu_seqlens, cup, max(p.max_seqlen, cup[-1] - cup[-2]))
-        full = {k: torch.cat([_padded(samples[g], k, p.cu_seqlens_padded[i + 1] - p.cu_seqlens_padded[i])
-                              for i, g in enumerate(b.gids)]) for k in SAMPLE_KEYS}
-        idx = torch.as_tensor(zigzag_index_array(p.cu_seqlens_padded, b.size, position - b.start),
-                              device=full["tokens"].device)
-        out.append(ThdMicroBatch(m, b.gids, b.start, b.size, position - b.start, tuple(p.cu_seqlens),
+        widths = [p.cu_seqlens_padded[i + 1] - p.cu_seqlens_padded[i] for i in range(len(gids))]
+        full = {k: torch.cat([_padded(samples[g], k, w) for g, w in zip(gids, widths)]) for k in SAMPLE_KEYS}
+        dev = full["tokens"].device
+        full["seq"] = torch.cat([torch.full((w,), g, dtype=torch.int64, device=dev) for g, w in zip(gids, widths)])
+        idx = torch.as_tensor(zigzag_index_array(p.cu_seqlens_padded, b.size, position - b.start), device=dev)
+        out.append(ThdMicroBatch(m, gids, b.start, b.size, position - b.start, tuple(p.cu_seqlens),
                                  tuple(p.cu_seqlens_padded), p.max_seqlen, {k: v[idx] for k, v in full.items()}))
     return out
 

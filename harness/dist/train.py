@@ -14,20 +14,21 @@ Rank 0 prints one progress line per step and appends the step's metrics to ``cfg
 from __future__ import annotations
 
 import json
-import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from harness.corpus import CorpusConfig, global_batch
+from harness.dist import layouts
+from harness.dist.audit import GroupAuditError, audit_groups
 from harness.dist.cp_attention import CPAttentionPlan, cp_attention
 from harness.dist.groups import DynamicGroups, ParallelLayout
-from harness.dist.layouts import LAYOUTS, LayoutConfig, LayoutError, plan, static_cp_for
-from harness.dist.reroute import build_microbatches, reroute
-from harness.plan import CostModel, cp_min
+from harness.dist.layouts import LAYOUTS, LayoutConfig, LayoutError, static_cp_for
+from harness.dist.probes import Probes
+from harness.dist.reroute import ThdMicroBatch, build_microbatches, reroute
+from harness.plan import CostModel, ScheduleError
 from harness.runtime.model import MODELS, TinyLM
 
 
@@ -51,6 +52,9 @@ class TrainConfig:
     """How CP blocks exchange K/V (``harness.dist.cp_attention.EXCHANGES``): ``gather``, ``ring`` or
     ``auto``; the attention is the same either way, so the goldens apply to all."""
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    probes: bool = False
+    """Record what the fault catalogue's checks read (``harness.dist.probes``) on every rank and
+    return it with the rows."""
 
     def validate(self, world: int) -> None:
         if self.model not in MODELS:
@@ -73,7 +77,7 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
+    def from_dict(cls, d: dict) -> TrainConfig:
         d = dict(d)
         d["corpus"] = CorpusConfig(**d.get("corpus", {}))
         d["layouts"] = tuple(d.get("layouts", LAYOUTS))
@@ -99,37 +103,46 @@ def _samples(batch, owners, me, device) -> dict:
     return out
 
 
-def _step(model, groups, batch, layout, lcfg, cfg, cost, device):
-    """Forward/backward of one global batch; returns (loss sum, aux sum, processed tokens, #mb, cp hist)."""
-    lengths = [len(x) - 1 for x in batch]
-    sched, padding, fixed = plan(layout, lengths, lcfg, cost)
-    N, me = lcfg.n_ranks, groups.layout.position(groups.rank)
-    owners = {g: g % N for g in range(len(batch))}
-    samples = reroute(_samples(batch, owners, me, device), owners, sched, me, group=groups.group(N))
-    total = float(sum(lengths))
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    aux_sum = torch.zeros((), device=device, dtype=torch.float64)
-    processed = 0
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
-    for mb in build_microbatches(samples, sched, me, padding=padding, fixed_length=fixed):
-        aplan = CPAttentionPlan.build(mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, device,
-                                      exchange=cfg.cp_exchange)
-        group = groups.for_block(mb.block_start, mb.local_cp_size)
-        attention = lambda q, k, v, p=aplan, g=group: cp_attention(q, k, v, p, g)  # noqa: E731
-        with autocast:
-            ce, aux = model.token_losses(mb.data["tokens"], mb.data["labels"], mb.data["loss_mask"],
-                                         mb.data["position_ids"], attention)
-        ((ce + aux) / total).backward()
-        loss_sum += ce.detach().double()
-        aux_sum += aux.detach().double()
-        processed += mb.data["tokens"].numel()
-    hist: dict[int, int] = {}
-    for s in sched.cp_size_of().values():
-        hist[s] = hist.get(s, 0) + 1
-    return loss_sum, aux_sum, processed, sched.num_microbatches, hist, total
+# ---------------------------------------------------------------------------------------- seams
+# The steps below are module-level functions that ``_step`` looks up when it runs, so that
+# ``harness.faults`` can replace one for the length of a run (``harness.faults.seam.replaced``) to
+# re-create a real integration bug; nothing else changes them.
+
+def rope_positions(mb: ThdMicroBatch) -> torch.Tensor:
+    """RoPE position ids of the rank's slice: each token's position in *its sequence* (carried from
+    the sample through padding and the zig-zag slice), not its place in the rank's buffer."""
+    return mb.data["position_ids"]
 
 
-def _reduce_grads(model, group) -> float:
+def labels_for(mb: ThdMicroBatch) -> torch.Tensor:
+    """Next-token labels of the rank's slice, shifted per sequence *before* the CP split."""
+    return mb.data["labels"]
+
+
+def attention_plan(mb: ThdMicroBatch, device, exchange: str) -> CPAttentionPlan:
+    """The CP attention plan of a micro-batch: its sequences' boundaries (``cu_seqlens_padded``)."""
+    return CPAttentionPlan.build(mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, device, exchange=exchange)
+
+
+def cp_group_for(groups: DynamicGroups, mb: ThdMicroBatch):
+    """The process group of the micro-batch's own CP block (looked up per micro-batch, never kept)."""
+    return groups.for_block(mb.block_start, mb.local_cp_size)
+
+
+def loss_denominator(mbs: list[ThdMicroBatch], group) -> float:
+    """Tokens of the global batch: every rank counts the real tokens of *its slices* (CP ranks hold
+    disjoint parts of a sequence) and the counts are summed over the DP x CP ranks."""
+    dev = mbs[0].data["loss_mask"].device if mbs else torch.device("cpu")
+    count = torch.zeros(1, dtype=torch.float64, device=dev)
+    for mb in mbs:
+        count += mb.data["loss_mask"].sum().double()
+    dist.all_reduce(count, group=group)
+    return float(count)
+
+
+def all_reduce_flat(model, group) -> float:
+    """SUM-all-reduce every gradient of ``model`` over ``group`` in one flat buffer; returns the
+    reduced gradient norm."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
@@ -140,7 +153,54 @@ def _reduce_grads(model, group) -> float:
     return float(flat.double().norm())
 
 
-def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, groups, lcfg, device, log) -> list[dict]:
+def reduce_gradients(model, groups: DynamicGroups, lcfg: LayoutConfig) -> float:
+    """SUM-all-reduce every gradient over the DP x CP ranks (the loss is already divided by the global
+    token count); returns the reduced gradient norm."""
+    return all_reduce_flat(model, groups.group(lcfg.n_ranks))
+
+
+# ------------------------------------------------------------------------------------------ step
+
+def _step(model, groups, batch, layout, lcfg, cfg, cost, device, probe=None):
+    """Forward/backward of one global batch; returns (loss sum, aux sum, processed tokens, #mb, cp hist,
+    loss denominator).
+    ``probe``: a ``harness.dist.probes.StepProbe`` that records per-sequence losses and token counts."""
+    lengths = [len(x) - 1 for x in batch]
+    sched, padding, fixed = layouts.plan(layout, lengths, lcfg, cost)
+    sched = layouts.deliver(sched)
+    N, me = lcfg.n_ranks, groups.layout.position(groups.rank)
+    everyone = groups.group(N)
+    owners = {g: g % N for g in range(len(batch))}
+    samples = reroute(_samples(batch, owners, me, device), owners, sched, me, group=everyone)
+    mbs = build_microbatches(samples, sched, me, padding=padding, fixed_length=fixed)
+    cp_groups = [cp_group_for(groups, mb) for mb in mbs]
+    audit_groups(groups, mbs, cp_groups, everyone)
+    total = loss_denominator(mbs, everyone)
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    aux_sum = torch.zeros((), device=device, dtype=torch.float64)
+    processed = 0
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    for mb, group in zip(mbs, cp_groups):
+        aplan = attention_plan(mb, device, cfg.cp_exchange)
+        attention = lambda q, k, v, p=aplan, g=group: cp_attention(q, k, v, p, g)  # noqa: E731
+        with autocast:
+            out = model.token_losses(mb.data["tokens"], labels_for(mb), mb.data["loss_mask"], rope_positions(mb),
+                                     attention, per_token=probe is not None)
+        ce, aux = out[0], out[1]
+        if probe is not None:
+            probe.add(mb, out[2])
+        ((ce + aux) / total).backward()
+        loss_sum += ce.detach().double()
+        aux_sum += aux.detach().double()
+        processed += mb.data["tokens"].numel()
+    hist: dict[int, int] = {}
+    for s in sched.cp_size_of().values():
+        hist[s] = hist.get(s, 0) + 1
+    return loss_sum, aux_sum, processed, sched.num_microbatches, hist, total
+
+
+def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, groups, lcfg, device, log,
+                 probes=None) -> list[dict]:
     torch.manual_seed(cfg.corpus.seed)
     model = TinyLM(MODELS[cfg.model]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -148,17 +208,28 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, groups, l
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         batch = global_batch(cfg.corpus, step)
-        loss_sum, aux_sum, processed, nmb, hist, total = _step(model, groups, batch, layout, lcfg, cfg, cost, device)
-        grad_norm = _reduce_grads(model, everyone)
+        probe = probes.step(step, batch) if probes is not None else None
+        try:
+            loss_sum, aux_sum, processed, nmb, hist, denom = _step(model, groups, batch, layout, lcfg, cfg, cost,
+                                                                   device, probe)
+        except (ScheduleError, GroupAuditError) as e:  # raised alike on every rank: say where
+            e.step, e.layout = step, layout
+            raise
+        total = float(sum(len(x) - 1 for x in batch))
+        grad_norm = reduce_gradients(model, groups, lcfg)
+        if probes is not None:
+            probes.after_reduce(step, model, grad_norm)
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if probes is not None:
+            probes.after_update(step, model)
         stats = torch.tensor([float(loss_sum), float(aux_sum), float(processed)], dtype=torch.float64, device=device)
         dist.all_reduce(stats, group=everyone)
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=everyone)
-        row = {"layout": layout, "step": step, "loss": float(stats[0]) / total, "aux_loss": float(stats[1]) / total,
+        row = {"layout": layout, "step": step, "loss": float(stats[0]) / denom, "aux_loss": float(stats[1]) / denom,
                "grad_norm": grad_norm, "tokens": int(total), "processed_tokens": int(stats[2]),
                "padding_fraction": 1.0 - total / float(stats[2]), "step_time": float(elapsed),
                "tokens_per_s": total / float(elapsed), "microbatches": nmb,
@@ -190,5 +261,10 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
             with open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    out = {layout: train_layout(layout, rank, world, cfg, groups, lcfg, device, log) for layout in cfg.layouts}
-    return {"rank": rank, "static_cp": lcfg.static_cp, "longest": longest, "layouts": out if rank == 0 else {}}
+    probes = {layout: Probes() for layout in cfg.layouts} if cfg.probes else {}
+    out = {layout: train_layout(layout, rank, world, cfg, groups, lcfg, device, log, probes.get(layout))
+           for layout in cfg.layouts}
+    result = {"rank": rank, "static_cp": lcfg.static_cp, "longest": longest, "layouts": out if rank == 0 else {}}
+    if cfg.probes:
+        result["probes"] = {layout: p.result() for layout, p in probes.items()}
+    return result

@@ -51,7 +51,11 @@ def _key(tid) -> str:
     return tid.to_string() if hasattr(tid, "to_string") else str(tid)
 
 
-def _check_step_wise(out: dict, n: int) -> None:
+def check_step_wise_fields(out: dict, n: int) -> None:
+    """The step-wise rules (spec C.2): flags and trajectory ids present and as long as the batch, the
+    last sample a final step, every trajectory's steps adjacent and closed by ``is_last_step``. The
+    advantage broadcast (``harness.plan.stepwise.trajectory_ordinals``) is correct only on batches that
+    pass; ``harness.faults`` replaces this function to re-create the batches that did not."""
     for field in ("is_last_step", "trajectory_ids"):
         if out.get(field) is None:
             raise GeneratorOutputError(f"step_wise=True but `{field}` is missing from the generator output")
@@ -117,4 +121,4 @@ def validate_generator_output(num_prompts: int, out: dict, step_wise: bool = Fal
     if len(kinds) > 1:
         raise GeneratorOutputError("rewards must be all per-token lists (List[List[float]]) or all scalars (List[float])")
     if step_wise:
-        _check_step_wise(out, n)
+        check_step_wise_fields(out, n)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from harness.report import plots
+from harness.report import faults_report, plots
 from harness.report.html import Raw, esc, figure_png, page, table
 
 TABLE_KEYS = [("scheduler", "scheduler"), ("latency_ms", "latency ms"), ("quality", "quality (GPT cost)"),
@@ -58,7 +58,7 @@ def render(result: dict) -> tuple[str, str]:
 
         conv_html = section(conv, None)
     body = [
-        "<h1>dcp-harness: convergence, scheduler comparison, edge cases</h1>",
+        "<h1>dcp-harness: convergence, scheduler comparison, edge cases, fault catalogue</h1>",
         f'<p class="meta">{esc(stamp)} &middot; git {esc(result["producer"].get("git_rev"))} &middot; '
         f'{esc(result["producer"]["versions"])} &middot; {bench["batches"]} global batches per configuration</p>',
         f'<p><span class="verdict {"pass" if ok else "fail"}">{result["verdict"]}</span></p>',
@@ -76,6 +76,7 @@ def render(result: dict) -> tuple[str, str]:
         "(or has finished).</p>",
         result["timeline"]["img"],
         "<h2>Edge cases (spec 2.8 and defects found by the differential suite)</h2>", _edge_table(edges),
+        faults_report.section(result["faults"]) if result.get("faults") else "",
         "<h2>Per configuration</h2>", _config_tables(bench["rows"]),
     ]
     md = [f"# dcp-harness run: {result['verdict']}", "", f"{stamp}, git {result['producer'].get('git_rev')}", "",
@@ -86,6 +87,8 @@ def render(result: dict) -> tuple[str, str]:
         from harness.report.convergence_report import markdown
 
         md += ["", markdown(conv)]
+    if result.get("faults"):
+        md += ["", faults_report.markdown(result["faults"])]
     md += ["", "| distribution | ranks | seqs | scheduler | latency ms | quality | q(L^2/cp) | #mb | invalid |",
            "|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['distribution']} | {r['ranks']} | {r['sequences']} | {r['scheduler']} | {r['latency_ms']:.2f} | "

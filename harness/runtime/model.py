@@ -441,9 +441,12 @@ class TinyLM(nn.Module):
         if self.compiled:
             head = compiled_segment("head", self.compiled, self.compile_mode)
             return head(h, self.norm.weight, self.head.weight, labels_T, real_T, self.norm.eps)
+        return self.token_ce(h, labels_T, real_T).sum()
+
+    def token_ce(self, h, labels_T, real_T):
+        """Masked next-token cross-entropy of every local token (eager; padding gives 0)."""
         logits = self.head(self.norm(h)).float()
-        ce = F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none")
-        return (ce * real_T).sum()
+        return F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none") * real_T
 
     def forward(self, tokens_T, pos_T, real_T, attention: Attention, routing=None):
         """Hidden states of the local tokens and the auxiliary (router z) loss summed over real
@@ -451,9 +454,19 @@ class TinyLM(nn.Module):
         x, aux = self.run_layers(self.embed(tokens_T), pos_T, real_T, attention, routing=routing)
         return self.norm(x), aux
 
-    def token_losses(self, tokens_T, labels_T, mask_T, pos_T, attention: Attention, routing=None):
+    def token_losses(self, tokens_T, labels_T, mask_T, pos_T, attention: Attention, routing=None,
+                     per_token: bool = False):
         """(sum of masked next-token cross-entropies over the local tokens, aux loss); ``mask_T``
-        marks the real tokens (padding has mask 0). ``routing``: a ``harness.runtime.replay.Routing``."""
+        marks the real tokens (padding has mask 0). ``routing``: a ``harness.runtime.replay.Routing``.
+        ``per_token=True`` (eager models): also each local token's cross-entropy, detached, as a third
+        element (the sum is the same expression either way)."""
+        if per_token:
+            if self.compiled:
+                raise ValueError("per_token=True needs the eager model (compile_blocks(None))")
+            real = mask_T.to(torch.float32)
+            x, aux = self.run_layers(self.embed(tokens_T), pos_T, real, attention, routing=routing)
+            ce_T = self.token_ce(x, labels_T, real)
+            return ce_T.sum(), aux, ce_T.detach()
         if self.compile_mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # one micro-batch = one generation of the graphs
         real = mask_T.to(torch.float32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -62,6 +63,33 @@ def test_main_job_writes_a_complete_report(tmp_path):
     (run,) = [p for p in tmp_path.iterdir() if p.name.startswith("run-")]
     html = (run / "index.html").read_text()
     assert html.count("data:image/png;base64,") == 6 and "Edge cases" in html and "Convergence" in html
+    n = len(__import__("harness.faults", fromlist=["FAULTS"]).FAULTS)
+    assert "Fault catalogue" in html and f"faults caught: {n}/{n}" in (run / "summary.md").read_text()
     assert (run / "convergence" / "metrics.jsonl").read_text().count("\n") == 9
     assert json.loads((run / "results.json").read_text())["verdict"] == "PASS"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run-")]  # no half-written folder
+
+
+def test_faults_cli_lists_validates_before_running_and_writes_readable_reports(tmp_path):
+    from harness.faults import FAULTS
+
+    r = cli("faults", "--list")
+    assert r.returncode == 0 and all(f.name in r.stdout for f in FAULTS)
+    r = cli("faults", "--only", "stale-cp-group", "nosuch")
+    assert r.returncode == 2 and "unknown fault(s) 'nosuch'; the catalogue has: rope-positions-per-rank" in r.stderr
+    assert "Traceback" not in r.stderr and "clean runs first" not in r.stdout  # refused before any run
+    (tmp_path / "file").write_text("x")
+    r = cli("faults", "--json", str(tmp_path / "file" / "out.json"))
+    assert r.returncode == 2 and "cannot " in r.stderr and "Traceback" not in r.stderr
+    out, page = tmp_path / "f.json", tmp_path / "f.html"
+    r = cli("faults", "--only", "stepwise-cumsum-interleaved", "pr2000-inverted-empty-slot-assert",
+            "--json", str(out), "--html", str(page))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "faults caught: 2/2" in r.stdout and "stepwise-advantages" in r.stdout
+    doc = json.loads(out.read_text())
+    assert doc["caught"] == doc["total"] == 2 and doc["clean_ok"]
+    assert "Fault catalogue" in page.read_text()
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for p in (out, page):
+        assert p.stat().st_mode & 0o777 == 0o666 & ~mask  # the umask's mode, not the temporary file's 0600

@@ -224,3 +224,21 @@ def test_training_cost_prices_the_mlp_the_model_runs():
     assert mlp_linear(moe) == pytest.approx(3 * per_matrix(moe, moe.top_k * moe.ffn - 1))
     gelu = ModelConfig(mlp="gelu")
     assert mlp_linear(gelu) == pytest.approx(2 * per_matrix(gelu, gelu.ffn - 1))
+
+
+def test_per_token_losses_sum_to_the_summed_loss_bit_for_bit():
+    """``token_losses(per_token=True)`` (the fault catalogue's probes) returns the same sum, and each
+    padding token's entry is 0."""
+    from harness.runtime.attention import thd_attention
+    from harness.runtime.model import MODELS, TinyLM
+
+    torch.manual_seed(0)
+    model = TinyLM(MODELS["tiny-gpt"])
+    x, y = torch.randint(0, 256, (24,)), torch.randint(0, 256, (24,))
+    mask = torch.ones(24, dtype=torch.int64)
+    mask[20:] = 0
+    attention = lambda q, k, v: thd_attention(q, k, v, [0, 24])  # noqa: E731
+    ce, aux = model.token_losses(x, y, mask, torch.arange(24), attention)
+    ce2, aux2, ce_T = model.token_losses(x, y, mask, torch.arange(24), attention, per_token=True)
+    assert torch.equal(ce, ce2) and torch.equal(aux, aux2) and torch.equal(ce_T.sum(), ce.detach())
+    assert ce_T.shape == (24,) and not ce_T.requires_grad and torch.all(ce_T[20:] == 0)

@@ -1,0 +1,72 @@
+"""Probes of a training run for the fault catalogue's checks (``TrainConfig.probes``).
+
+On every rank, per layout: at the first step, every real token the rank trained as (gid, position in
+its sequence, cross-entropy) - read from the micro-batch's ``seq`` and ``position_ids`` columns, which
+travel with the token, so a token is attributed to where it came from whatever the runtime did to it -
+and every parameter's reduced gradient before clipping; after every step, the reduced gradient norm and a digest of the parameters
+(replicas must stay identical). The records are small for the tiny models (~0.5 MB a rank).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+class StepProbe:
+    """Every real token's (gid, position in its sequence, cross-entropy) of one step on one rank."""
+
+    def __init__(self):
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def add(self, mb, ce_T: torch.Tensor) -> None:
+        real = mb.data["loss_mask"].bool()
+        self.parts.append((mb.data["seq"][real].cpu(), mb.data["position_ids"][real].cpu(), ce_T[real].double().cpu()))
+
+    def result(self) -> dict:
+        """``seq``, ``pos``, ``ce``: one entry per real token this rank trained (lists, in rank order)."""
+        if not self.parts:
+            return {"seq": [], "pos": [], "ce": []}
+        seq, pos, ce = (torch.cat(x) for x in zip(*self.parts))
+        return {"seq": seq.tolist(), "pos": pos.tolist(), "ce": ce.tolist()}
+
+
+def param_digest(model) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Probes:
+    """What one rank records while training one layout (see the module doc)."""
+
+    def __init__(self, sequence_steps: int = 1):
+        self.sequence_steps = sequence_steps
+        self.sequences: list[dict] = []
+        self.grads: dict[str, list] | None = None
+        self.grad_norms: list[float] = []
+        self.digests: list[str] = []
+
+    def step(self, step: int, batch) -> StepProbe | None:
+        if step >= self.sequence_steps:
+            return None
+        probe = StepProbe()
+        self.sequences.append({"step": step, "lengths": {g: len(x) - 1 for g, x in enumerate(batch)}, "probe": probe})
+        return probe
+
+    def after_reduce(self, step: int, model, grad_norm: float) -> None:
+        self.grad_norms.append(grad_norm)
+        if step == 0:
+            self.grads = {n: p.grad.detach().cpu().double().numpy().copy() for n, p in model.named_parameters()
+                          if p.grad is not None}
+
+    def after_update(self, step: int, model) -> None:
+        self.digests.append(param_digest(model))
+
+    def result(self) -> dict:
+        return {"sequences": [{"step": s["step"], "lengths": s["lengths"], **s["probe"].result()}
+                              for s in self.sequences],
+                "grads": self.grads, "grad_norms": self.grad_norms, "digests": self.digests}

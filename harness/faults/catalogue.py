@@ -1,0 +1,172 @@
+"""The fault catalogue: real bugs of dynamic-CP, router-replay and step-wise stacks, re-created in
+this harness, each with where it comes from, the layer it breaks, the seam it replaces and the check
+that must catch it.
+
+Adding a fault: write ``make_<name>(original) -> replacement`` next to the others (the replacement has
+the seam's signature; keep its state in the closure), register its seam in ``harness.faults.seam.SEAMS``
+if it is new, and append a ``Fault`` below with the cheapest check that catches it. The default suite
+then runs it (``suites/faults``) and ``dcp-harness faults`` reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from harness.faults import rl_faults as rl
+from harness.faults import schedule_faults as sf
+from harness.faults import train_faults as tf
+from harness.faults.checks import CHECKS
+from harness.faults.seam import SEAMS, replaced
+from harness.plan.errors import PlanInputError
+
+LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "groups", "replay", "step-wise")
+SCENARIOS = ("train", "train-small-batch", "replay", "plan", "stepwise")
+
+
+class UnknownFaultError(PlanInputError):
+    """A fault name that is not in the catalogue."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    name: str
+    """Id: the pytest id, the report key and the ``--only`` name."""
+    title: str
+    source: str
+    """The upstream report it re-creates: project, PR or issue, and what went wrong."""
+    url: str
+    layer: str
+    """What it breaks (``LAYERS``)."""
+    seam: str
+    """``module:function`` replaced for the length of the run (``harness.faults.seam.SEAMS``)."""
+    make: Callable[[Callable], Callable] = field(repr=False)
+    """``make(original) -> faulty function`` with the seam's signature."""
+    check: str
+    """The cheapest check that catches it (``harness.faults.checks.CHECKS``)."""
+    expect: str
+    """A regular expression the check's alarm message must match."""
+    scenario: str = "train"
+    """Which run exercises it (``SCENARIOS``; ``harness.faults.scenarios``)."""
+
+    @contextmanager
+    def applied(self) -> Iterator[Callable]:
+        """The fault, active for the ``with`` block only."""
+        with replaced(self.seam, self.make, label=self.name) as fn:
+            yield fn
+
+
+MEGATRON = "https://github.com/NVIDIA/Megatron-LM/pull/"
+VERL = "https://github.com/verl-project/verl/pull/"
+SKYRL = "https://github.com/NovaSky-AI/SkyRL/pull/"
+
+FAULTS: tuple[Fault, ...] = (
+    Fault(name="rope-positions-per-rank", title="RoPE positions numbered per rank, not per sequence",
+          source="Megatron-LM PR #3405: RoPE computed wrong position offsets with THD + dynamic CP (also #5243)",
+          url=MEGATRON + "3405", layer="attention", seam="harness.dist.train:rope_positions",
+          make=tf.make_rope_per_rank, check="step1-gradients", expect=r"step-1 gradient of .* differs"),
+    Fault(name="labels-rolled-after-split", title="labels shifted after the CP split",
+          source="verl PR #4250: labels rolled after CP selection, loss misaligned at chunk boundaries",
+          url=VERL + "4250", layer="loss", seam="harness.dist.train:labels_for", make=tf.make_labels_after_split,
+          check="step1-gradients", expect=r"step-1 gradient of .* differs"),
+    Fault(name="loss-tokens-per-cp-rank", title="loss divided by tokens counted once per CP rank",
+          source="verl PR #5869: token count for loss normalisation summed although CP ranks duplicate tokens "
+                 "(also prime-rl PR #2562)",
+          url=VERL + "5869", layer="loss", seam="harness.dist.train:loss_denominator",
+          make=tf.make_loss_tokens_per_cp_rank, check="step1-gradients", expect=r"step-1 gradient of .* differs"),
+    Fault(name="grad-reduce-dp-only", title="gradients reduced over DP only, CP ranks left out",
+          source="verl PR #6049 / #5993: the pure DP group used where DP x CP (with_context_parallel) belongs",
+          url=VERL + "6049", layer="gradients", seam="harness.dist.train:reduce_gradients",
+          make=tf.make_grad_reduce_dp_only, check="replica-consistency", expect=r"parameters differ between ranks"),
+    Fault(name="grad-reduce-wrong-scale", title="gradients averaged over DP x CP after a global-token loss",
+          source="verl PR #4250: loss scale wrong with CP, gradient norm differs from the run without CP",
+          url=VERL + "4250", layer="gradients", seam="harness.dist.train:reduce_gradients",
+          make=tf.make_grad_reduce_average, check="step1-gradients", expect=r"step-1 gradient of .* differs"),
+    Fault(name="reroute-drops-sequence", title="a rerouted block loses its last sequence",
+          source="Megatron-LM PR #6816: the rerouted batch the real dataloader produces was never tested",
+          url=MEGATRON + "6816", layer="reroute", seam="harness.dist.reroute:block_sequences",
+          make=tf.make_drop_last_sequence, check="token-accounting", expect=r"not trained exactly once"),
+    Fault(name="reroute-misorders-sequences", title="the ranks of a CP block pack its sequences in different orders",
+          source="Megatron-LM PR #2000 spec invariant: a block's slots hold the same gids in the same order",
+          url=MEGATRON + "2000", layer="reroute", seam="harness.dist.reroute:block_sequences",
+          make=tf.make_misorder_sequences, check="step1-gradients", expect=r"step-1 gradient of .* differs"),
+    Fault(name="pack-without-cu-seqlens", title="attention over the pack as one sequence (cu_seqlens lost)",
+          source="Megatron-LM PR #6816 bug 1: rerouted sub-samples without cu_seqlens / max_seqlen",
+          url=MEGATRON + "6816", layer="attention", seam="harness.dist.train:attention_plan",
+          make=tf.make_pack_without_cu_seqlens, check="step1-gradients", expect=r"step-1 gradient of .* differs"),
+    Fault(name="zigzag-r-plus-cp", title="zig-zag chunks (r, r + cp) in the data, (r, 2cp - 1 - r) in attention",
+          source="TransformerEngine thd_get_partitioned_indices: rank r holds chunks r and 2cp - 1 - r",
+          url="https://github.com/NVIDIA/TransformerEngine/blob/main/transformer_engine/common/fused_attn/"
+              "context_parallel.cu", layer="reroute", seam="harness.dist.reroute:zigzag_index_array",
+          make=tf.make_zigzag_r_plus_cp, check="step1-gradients", expect=r"step-1 gradient of .* differs"),
+    Fault(name="stale-cp-group", title="the previous micro-batch's CP group kept",
+          source="Megatron-LM PR #2000: attention.py did not restore the CP group after a dynamic-CP forward "
+                 "(also PR #6821 / issue #5352: RoPE given the static CP group)",
+          url=MEGATRON + "2000", layer="groups", seam="harness.dist.train:cp_group_for", make=tf.make_stale_group,
+          check="group-audit", expect=r"group audit: rank \d+, micro-batch \d+"),
+    Fault(name="pr2000-negative-index-wrap", title="VPP block walk wraps to the last slot at i = -1",
+          source="Megatron-LM PR #2000 review, data_schedule_utils.py line 921: `while sid0 in group[i] and i >= 0`",
+          url=MEGATRON + "2000", layer="plan", seam="harness.plan.layout:blocks_from_slots",
+          make=sf.make_negative_index_wrap, check="schedule-invariants", expect=r"invariant 'slot-count'"),
+    Fault(name="pr2000-aliased-slots", title="slot lists built as [[]] * N and extended in place",
+          source="Megatron-LM PR #2000 review, data_schedule_utils.py line 818: `[[]] * len(...)`",
+          url=MEGATRON + "2000", layer="plan", seam="harness.dist.layouts:sample_id_groups",
+          make=sf.make_aliased_slots, check="schedule-invariants", expect=r"invariant 'block-shape'"),
+    Fault(name="pr2000-inverted-empty-slot-assert", title="expansion room check always passes",
+          source="Megatron-LM PR #2000 review, data_schedule_utils.py line 811: the empty-slot assertion is "
+                 "inverted (vacuous)",
+          url=MEGATRON + "2000", layer="plan", seam="harness.plan.megatron_pr2000:fill_free_ranks",
+          make=sf.make_vacuous_room_check, check="schedule-invariants", expect=r"invariant 'slot-count'",
+          scenario="plan"),
+    Fault(name="fewer-sequences-than-ranks", title="CP silently off for a batch smaller than the domain",
+          source="verl PR #5869: dynamic_cp_split_batch returned early when sequences < dp_size",
+          url=VERL + "5869", layer="plan", seam="harness.dist.layouts:deliver",
+          make=tf.make_cp_inactive_for_small_batches, check="token-accounting", expect=r"\(4\.00x\)",
+          scenario="train-small-batch"),
+    Fault(name="replay-pp-offset-off-by-one", title="a PP stage replays the previous layer's routes",
+          source="SkyRL PR #1335: _get_current_pp_stage_layer_range decides each stage's replay rows",
+          url=SKYRL + "1335", layer="replay", seam="harness.dist.replay:route_column",
+          make=rl.make_stage_offset_off_by_one, check="replay-routes", expect=r"tokens replayed other experts",
+          scenario="replay"),
+    Fault(name="replay-cp-halves-swapped", title="replayed CP rows taken as [back, front]",
+          source="SkyRL PR #1335: CP route slicing must take TE's front and back halves (PR #1273 did not)",
+          url=SKYRL + "1335", layer="replay", seam="harness.dist.replay:thd_routes",
+          make=rl.make_swapped_cp_halves, check="replay-routes", expect=r"tokens replayed other experts",
+          scenario="replay"),
+    Fault(name="stepwise-cumsum-interleaved", title="cumsum advantage broadcast on interleaved trajectories",
+          source="SkyRL PR #1281: step-wise validation; the cumsum broadcast assumes contiguous trajectories",
+          url=SKYRL + "1281", layer="step-wise", seam="harness.plan.generator_output:check_step_wise_fields",
+          make=rl.make_no_contiguity_rule, check="stepwise-advantages", expect=r"another trajectory's advantage",
+          scenario="stepwise"),
+)
+"""The catalogue, in report order."""
+
+BY_NAME = {f.name: f for f in FAULTS}
+
+
+def get(name: str) -> Fault:
+    if name not in BY_NAME:
+        raise UnknownFaultError(f"unknown fault {name!r}; the catalogue has: {', '.join(BY_NAME)}")
+    return BY_NAME[name]
+
+
+def select(names=None) -> list[Fault]:
+    """The faults named (all when ``names`` is empty or None), in catalogue order; unknown names are one
+    ``UnknownFaultError`` listing them and the catalogue."""
+    if not names:
+        return list(FAULTS)
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise UnknownFaultError(f"unknown fault(s) {', '.join(map(repr, unknown))}; the catalogue has: "
+                                f"{', '.join(BY_NAME)}")
+    wanted = set(names)
+    return [f for f in FAULTS if f.name in wanted]
+
+
+def _self_check() -> None:
+    for f in FAULTS:
+        assert f.layer in LAYERS and f.check in CHECKS and f.seam in SEAMS and f.scenario in SCENARIOS, f.name
+
+
+_self_check()

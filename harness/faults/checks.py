@@ -1,0 +1,156 @@
+"""The checks that judge a run, in the order the catalogue reports them (cheapest first), and the
+``Alarm`` a check raises when a run breaks it.
+
+In-run checks stop the run where they fire (every rank raises the same error): ``schedule-invariants``
+(``harness.plan.validate_schedule`` on the blocks every rank runs, in ``harness.dist.layouts.deliver``)
+and ``group-audit`` (``harness.dist.audit``). The others compare a run's probes
+(``harness.dist.probes``) with the clean bshd run of the same scenario, or need no reference at all
+(``token-accounting``, ``replica-consistency``). Numeric checks carry a tolerance; their margin is
+observed deviation / tolerance (fp32 on CPU: the clean dynamic-CP run stays within ~2e-7 of bshd on
+every one of them, so 1e-5 leaves ~50x for noise and every fault is ~1e3x past it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+CHECKS: dict[str, str] = {
+    "schedule-invariants": "every block the ranks run satisfies harness.plan.INVARIANTS (in the run, before the step)",
+    "group-audit": "every micro-batch's CP-aware calls get exactly its block's process group (in the run)",
+    "token-accounting": "at step 1 every position of every sequence is trained exactly once over all ranks",
+    "replica-consistency": "after every step all ranks hold bit-identical parameters",
+    "step1-gradients": "at step 1 every parameter's reduced gradient on every rank equals the bshd run's (relative)",
+    "token-loss": "at step 1 each sequence's token losses equal the bshd run's (relative L2 over its tokens)",
+    "grad-norm": "every step's reduced gradient norm equals the bshd run's (relative)",
+    "loss-curve": "every step's loss equals the bshd run's (absolute)",
+    "replay-routes": "under replay every real token's experts equal the rollout's, per layer (exact)",
+    "replay-gradients": "replayed loss and gradients equal a single-process replayed reference (relative)",
+    "stepwise-advantages": "every response token gets its own trajectory's advantage, or the batch is refused",
+}
+TOLERANCES = {"token-loss": 1e-5, "step1-gradients": 1e-5, "grad-norm": 1e-5, "loss-curve": 1e-5,
+              "replay-gradients": 1e-5}
+
+
+@dataclass
+class Alarm:
+    check: str
+    message: str
+    where: dict = field(default_factory=dict)
+    observed: float | None = None
+    tolerance: float | None = None
+
+    @property
+    def margin(self) -> float | None:
+        """observed deviation / tolerance (numeric checks only)."""
+        if self.observed is None or not self.tolerance:
+            return None
+        return self.observed / self.tolerance
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "margin": self.margin}
+
+
+# ------------------------------------------------------------------------ train scenario checks
+def _tokens(ranks: list[dict], layout: str) -> tuple[dict, dict]:
+    """({gid: {position: [cross-entropies]}}, {gid: length}) at step 1 over every rank."""
+    seen: dict[int, dict[int, list[float]]] = {}
+    for r in ranks:
+        s = r["probes"][layout]["sequences"][0]
+        for g, p, ce in zip(s["seq"], s["pos"], s["ce"]):
+            seen.setdefault(int(g), {}).setdefault(int(p), []).append(ce)
+    lengths = {int(g): L for g, L in ranks[0]["probes"][layout]["sequences"][0]["lengths"].items()}
+    return seen, lengths
+
+
+def token_accounting(ref, got, layout) -> Alarm | None:
+    seen, lengths = _tokens(got, layout)
+    bad = {}
+    for g, L in lengths.items():
+        pos = seen.get(g, {})
+        off = [p for p in range(L) if len(pos.get(p, ())) != 1] + [p for p in pos if not 0 <= p < L]
+        if off:
+            bad[g] = off
+    if not bad:
+        return None
+    g = min(bad)
+    n_pos, trained = len(bad[g]), sum(len(v) for v in seen.get(g, {}).values())
+    return Alarm("token-accounting", f"{len(bad)} of {len(lengths)} sequences not trained exactly once at step 1: "
+                 f"sequence {g} ({lengths[g]} tokens) had {n_pos} positions trained other than once, "
+                 f"{trained} token losses in all ({trained / lengths[g]:.2f}x)",
+                 {"step": 1, "sequence": g, "sequences": len(bad)})
+
+
+def token_loss(ref, got, layout) -> Alarm | None:
+    seen, lengths = _tokens(got, layout)
+    want, _ = _tokens(ref, "bshd")
+    rel = {}
+    for g, L in lengths.items():
+        a = np.array([sum(seen.get(g, {}).get(p, [0.0])) for p in range(L)])
+        b = np.array([sum(want[g][p]) for p in range(L)])
+        rel[g] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    g = max(rel, key=rel.get)
+    tol = TOLERANCES["token-loss"]
+    if rel[g] <= tol:
+        return None
+    n = sum(v > tol for v in rel.values())
+    return Alarm("token-loss", f"{n} of {len(rel)} sequences' step-1 token losses differ from bshd: sequence {g} "
+                 f"({lengths[g]} tokens) by {rel[g]:.3g} relative (L2 over its tokens; > {tol:g})",
+                 {"step": 1, "sequence": g, "sequences": n}, rel[g], tol)
+
+
+def replica_consistency(ref, got, layout) -> Alarm | None:
+    digests = [r["probes"][layout]["digests"] for r in got]
+    for step in range(len(digests[0])):
+        seen = {d[step] for d in digests}
+        if len(seen) > 1:
+            odd = [r for r, d in enumerate(digests) if d[step] != digests[0][step]]
+            return Alarm("replica-consistency", f"after step {step + 1} the parameters differ between ranks: ranks "
+                         f"{odd} do not match rank 0 ({len(seen)} distinct replicas)",
+                         {"step": step + 1, "ranks": odd})
+    return None
+
+
+def step1_gradients(ref, got, layout) -> Alarm | None:
+    want = ref[0]["probes"]["bshd"]["grads"]
+    worst = (0.0, None, None)
+    for rank, r in enumerate(got):
+        for name, g in r["probes"][layout]["grads"].items():
+            w = np.asarray(want[name])
+            rel = float(np.linalg.norm(np.asarray(g) - w) / max(np.linalg.norm(w), 1e-30))
+            worst = max(worst, (rel, rank, name), key=lambda x: x[0])
+    tol = TOLERANCES["step1-gradients"]
+    if worst[0] <= tol:
+        return None
+    return Alarm("step1-gradients", f"step-1 gradient of {worst[2]} on rank {worst[1]} differs from bshd by "
+                 f"{worst[0]:.3g} relative (> {tol:g})", {"step": 1, "rank": worst[1], "parameter": worst[2]},
+                 worst[0], tol)
+
+
+def _per_step(name, ref_vals, vals, relative: bool) -> Alarm | None:
+    tol = TOLERANCES[name]
+    devs = [abs(a - b) / (max(abs(b), 1e-30) if relative else 1.0) for a, b in zip(vals, ref_vals)]
+    if len(vals) != len(ref_vals):
+        return Alarm(name, f"{len(vals)} steps against bshd's {len(ref_vals)}", {})
+    k = int(np.argmax(devs))
+    if devs[k] <= tol:
+        return None
+    kind = "relative" if relative else "absolute"
+    return Alarm(name, f"step {k + 1}: {vals[k]:.6g} vs bshd {ref_vals[k]:.6g} ({kind} {devs[k]:.3g} > {tol:g})",
+                 {"step": k + 1}, devs[k], tol)
+
+
+def grad_norm(ref, got, layout) -> Alarm | None:
+    return _per_step("grad-norm", ref[0]["probes"]["bshd"]["grad_norms"], got[0]["probes"][layout]["grad_norms"],
+                     True)
+
+
+def loss_curve(ref, got, layout) -> Alarm | None:
+    return _per_step("loss-curve", [r["loss"] for r in ref[0]["rows"]["bshd"]],
+                     [r["loss"] for r in got[0]["rows"][layout]], False)
+
+
+TRAIN_CHECKS = {"token-accounting": token_accounting, "replica-consistency": replica_consistency,
+                "token-loss": token_loss, "step1-gradients": step1_gradients, "grad-norm": grad_norm,
+                "loss-curve": loss_curve}

@@ -1,0 +1,49 @@
+"""Re-creations of SkyRL router-replay and step-wise bugs (PR #1273 -> #1335, #1281)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def make_stage_offset_off_by_one(original):
+    """Routes of a later PP stage read one layer too early: the stage's layer offset is off by one
+    (SkyRL ``_get_current_pp_stage_layer_range``; the offset and the count of dense layers on a stage
+    decide which rows each router replays)."""
+    def route_column(layer, stage_range):
+        col = original(layer, stage_range)
+        return col - 1 if stage_range[0] > 0 else col
+    return route_column
+
+
+def make_swapped_cp_halves(original):
+    """Replayed rows of a CP rank taken as [back, front] per sequence instead of TE's [front, back]
+    (chunk 2cp - 1 - r before chunk r): SkyRL's CP slicing before PR #1335 got the halves of the
+    load-balanced split wrong, so every token replays another token's experts."""
+    def thd_routes(samples, cu_seqlens_padded, cp_size=1, cp_rank=0):
+        rows = original(samples, cu_seqlens_padded, cp_size, cp_rank)
+        if cp_size == 1:
+            return rows
+        parts, offset = [], 0
+        for a, b in zip(cu_seqlens_padded[:-1], cu_seqlens_padded[1:]):
+            half = (b - a) // (2 * cp_size)
+            front, back = rows[offset:offset + half], rows[offset + half:offset + 2 * half]
+            parts += [back, front]
+            offset += 2 * half
+        return np.concatenate(parts) if parts else rows
+    return thd_routes
+
+
+def make_no_contiguity_rule(original):
+    """Step-wise validation without the rules that trajectories are contiguous and closed by
+    ``is_last_step`` (SkyRL before PR #1281): the cumsum advantage broadcast then hands steps of an
+    interleaved batch (A0, B0, A1*, B1*) another trajectory's advantage, silently."""
+    from harness.plan.generator_output import GeneratorOutputError, as_flag
+
+    def check_step_wise_fields(out, n):
+        for field in ("is_last_step", "trajectory_ids"):
+            if out.get(field) is None:
+                raise GeneratorOutputError(f"step_wise=True but `{field}` is missing from the generator output")
+        last = [as_flag(x, f"is_last_step[{i}]") for i, x in enumerate(out["is_last_step"])]
+        if not last[-1]:
+            raise GeneratorOutputError("is_last_step[-1] must be True")
+    return check_step_wise_fields

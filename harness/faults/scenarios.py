@@ -1,0 +1,259 @@
+"""The runs that exercise the faults, each with and without its fault, and how they are judged.
+
+- ``train`` / ``train-small-batch``: tiny GPT, 4 gloo ranks, 2 steps, 128 tokens per rank, so that
+  every step mixes CP blocks of 1, 2 and 4 ranks (16 sequences a batch; the small batch has 3
+  sequences of 200-400 tokens, fewer than the ranks). The clean run trains bshd and dcp; a fault run
+  trains dcp only, with the fault active on every rank, and is judged against the clean bshd run.
+- ``replay``: router replay under PP 2 x CP 2 (``harness.dist.replay.replay_check``).
+- ``plan``: PR #2000's scheduler on the input that triggers the vacuous room check (N = 10,
+  [8000, 7000] at 2048 tokens per rank), run as upstream's driver runs it; judged by ``check_schedule``.
+- ``stepwise``: a contiguous and an interleaved step-wise batch through validation and the advantage
+  broadcast; judged against each row's own trajectory (by id).
+A scenario returns ``(alarms, observations)``; an in-run alarm ends the run where it fired.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import tempfile
+from contextlib import nullcontext
+
+from harness.faults.checks import TRAIN_CHECKS, Alarm
+
+WORLD = 4
+TRAIN = {"model": "tiny-gpt", "steps": 2, "max_seqlen_per_rank": 128, "scheduler": "megatron-dev", "probes": True,
+         "corpus": {"sequences_per_batch": 16}}
+TRAIN_CONFIGS = {"train": TRAIN,
+                 "train-small-batch": {**TRAIN, "corpus": {"sequences_per_batch": 3,
+                                                           "lengths": "uniform:min=200,max=400"}}}
+REPLAY = {"pp": 2, "cp": 2}
+WORLD_TIMEOUT_S = 60.0
+
+
+def _fault(name):
+    from harness.faults.catalogue import get
+
+    return get(name).applied() if name else nullcontext()
+
+
+def _train_run(rank: int, world: int, cfg: dict, fault: str | None) -> dict:
+    """One train run on one rank: its rows and probes, or the in-run alarm every rank raised."""
+    from harness.dist.audit import GroupAuditError
+    from harness.dist.train import train
+    from harness.plan import ScheduleError
+
+    try:
+        with _fault(fault), contextlib.redirect_stdout(io.StringIO()):  # no per-step lines
+            out = train(rank, world, cfg)
+    except ScheduleError as e:
+        return {"alarm": Alarm("schedule-invariants", str(e), {"layout": getattr(e, "layout", None),
+                                                              "step": getattr(e, "step", 0) + 1,
+                                                              "microbatch": e.microbatch, "ranks": e.ranks}).to_dict()}
+    except GroupAuditError as e:
+        return {"alarm": Alarm("group-audit", str(e), {"layout": getattr(e, "layout", None),
+                                                      "step": getattr(e, "step", 0) + 1, "microbatch": e.microbatch,
+                                                      "rank": e.rank}).to_dict()}
+    return {"rows": out["layouts"], "probes": out["probes"]}
+
+
+def _replay_run(rank: int, world: int, cfg: dict, fault: str | None) -> dict:
+    from harness.dist.replay import replay_check
+
+    with _fault(fault):
+        return replay_check(rank, world, cfg)
+
+
+def batch_world(rank: int, world: int, spec: dict) -> list[dict]:
+    """One rank of a world that runs ``spec["runs"]`` (fault names; None = clean) one after the other.
+    In-run alarms are raised alike on every rank, so the world goes on to the next run; any other
+    error ends the world (the caller then runs the faults one world each)."""
+    import time
+
+    scenario, out = spec["scenario"], []
+    for fault in spec["runs"]:
+        t = time.perf_counter()
+        if scenario == "replay":
+            res = _replay_run(rank, world, REPLAY, fault)
+        else:
+            layouts = ["bshd", "dcp"] if fault is None else ["dcp"]
+            res = _train_run(rank, world, {**TRAIN_CONFIGS[scenario], "layouts": layouts}, fault)
+        out.append({**res, "seconds": time.perf_counter() - t})
+    return out
+
+
+def _world(fn, spec, workdir):
+    from harness.dist.launch import run_on_ranks
+
+    return run_on_ranks(fn, world_size=WORLD, tmp_path=workdir, args=(spec,), timeout_s=WORLD_TIMEOUT_S)
+
+
+def _in_run(ranks: list[dict]) -> list[Alarm]:
+    alarms = [r["alarm"] for r in ranks if r.get("alarm")]
+    if not alarms:
+        return []
+    a = alarms[0]
+    return [Alarm(a["check"], a["message"], a["where"])]
+
+
+def judge_train(ref: list[dict], ranks: list[dict], layout: str = "dcp") -> list[Alarm]:
+    alarms = _in_run(ranks)
+    if alarms:
+        return alarms
+    return [a for check in TRAIN_CHECKS.values() if (a := check(ref, ranks, layout))]
+
+
+def judge_replay(ranks: list[dict]) -> list[Alarm]:
+    from harness.faults.checks import TOLERANCES
+
+    alarms = []
+    bad = [(r["rank"], r["replay_mismatches"]) for r in ranks if r["replay_mismatches"]]
+    if bad:
+        n, total = sum(b[1] for b in bad), sum(r["tokens_checked"] for r in ranks)
+        alarms.append(Alarm("replay-routes", f"{n} of {total} (token, layer) checks: tokens replayed other experts "
+                            f"than the rollout chose (first: rank {bad[0][0]}, {bad[0][1]} tokens)",
+                            {"rank": bad[0][0], "tokens": n}))
+    worst = max(((v, r["rank"], name) for r in ranks for name, v in r["grad_rel"].items()), default=(0.0, 0, ""))
+    tol = TOLERANCES["replay-gradients"]
+    if worst[0] > tol:
+        alarms.append(Alarm("replay-gradients", f"replayed gradient of {worst[2]} on rank {worst[1]} differs from the "
+                            f"single-process reference by {worst[0]:.3g} relative (> {tol:g})",
+                            {"rank": worst[1], "parameter": worst[2]}, worst[0], tol))
+    return alarms
+
+
+def _failure_line(e) -> str:
+    """'rank r: <the last line of its traceback>' of the rank that failed first."""
+    rep = e.reports[e.rank]
+    last = rep.traceback.strip().splitlines()[-1] if rep.traceback else str(e).splitlines()[0]
+    return f"rank {e.rank}: {last[:300]}"
+
+
+def run_batch(scenario: str, faults: list[str], workdir) -> dict:
+    """The clean run and then every fault of a world scenario (``train``, ``train-small-batch``,
+    ``replay``), in one world (one start-up: ~2 s of imports per world). If that world dies (a fault
+    that breaks it in a way no check anticipates), every run goes again in a world of its own.
+    Returns ``{None: clean outcome, name: outcome}``, an outcome being ``{"alarms", "seconds", "error"}``."""
+    from harness.dist.launch import RankFailure
+
+    runs = [None, *faults]
+    try:
+        per_rank = _world(batch_world, {"scenario": scenario, "runs": runs}, workdir)
+        results = [[r[i] for r in per_rank] for i in range(len(runs))]
+        errors = [None] * len(runs)
+    except RankFailure:
+        results, errors = [], []
+        for fault in runs:
+            try:
+                results.append([r[0] for r in _world(batch_world, {"scenario": scenario, "runs": [fault]}, workdir)])
+                errors.append(None)
+            except RankFailure as e:
+                results.append(None)
+                errors.append(_failure_line(e))
+    ref = results[0]
+    out = {}
+    for fault, ranks, err in zip(runs, results, errors):
+        if ranks is None or (ref is None and scenario != "replay"):
+            out[fault] = {"alarms": [], "seconds": 0.0, "error": err or "the clean run failed"}
+            continue
+        alarms = judge_replay(ranks) if scenario == "replay" else judge_train(ref, ranks)
+        out[fault] = {"alarms": alarms, "seconds": max(r["seconds"] for r in ranks), "error": None}
+    return out
+
+
+# --------------------------------------------------------------------------------------- plan
+PLAN_TRIGGER = {"lengths": [8000, 7000], "n_ranks": 10, "max_seqlen_per_rank": 2048}
+
+
+def run_plan(fault: str | None, workdir=None) -> list[Alarm]:
+    """PR #2000's driver on the trigger input; a refusal (an error before any schedule exists) is
+    the correct outcome there, an invalid schedule is an alarm."""
+    from harness.plan.layout import Schedule, layout_from_sizes
+    from harness.plan.megatron_pr2000 import schedule_pr2000
+    from harness.plan.validate import check_schedule
+
+    t = PLAN_TRIGGER
+    pairs = list(enumerate(t["lengths"]))
+    with _fault(fault):
+        try:
+            mbs = schedule_pr2000(pairs, t["n_ranks"], t["max_seqlen_per_rank"])
+        except (AssertionError, ValueError):
+            return []
+    sched = Schedule([layout_from_sizes(mb) for mb in mbs], dict(pairs), t["n_ranks"], t["max_seqlen_per_rank"])
+    bad = check_schedule(sched)
+    if not bad:
+        return []
+    return [Alarm("schedule-invariants", str(bad[0].error()) + f" ({len(bad)} violations)",
+                  {"microbatch": bad[0].microbatch, "ranks": list(bad[0].ranks)})]
+
+
+# ----------------------------------------------------------------------------------- stepwise
+def _stepwise_batch(order: list[tuple[str, int, bool]]) -> dict:
+    n = len(order)
+    return {"prompt_token_ids": [[1, 2]] * n, "response_ids": [[3, 4, 5]] * n, "loss_masks": [[1, 1, 1]] * n,
+            "rewards": [[0.0, 0.0, 0.0]] * n, "trajectory_ids": [t for t, _, _ in order],
+            "is_last_step": [last for _, _, last in order]}
+
+
+STEPWISE = {"values": {"A": 2.0, "B": -1.0, "C": 0.5},
+            "contiguous": [("A", 0, False), ("A", 1, True), ("B", 0, False), ("B", 1, False), ("B", 2, True),
+                           ("C", 0, True)],
+            "interleaved": [("A", 0, False), ("B", 0, False), ("A", 1, True), ("B", 1, False), ("C", 0, True),
+                            ("B", 2, True)]}
+
+
+def run_stepwise(fault: str | None, workdir=None) -> list[Alarm]:
+    """Validation, then the broadcast of each trajectory's advantage (given per last-step row, in
+    order) to its steps; every row must carry its own trajectory's value or the batch be refused."""
+    import numpy as np
+
+    from harness.plan.generator_output import GeneratorOutputError, validate_generator_output
+    from harness.plan.stepwise import broadcast_step_advantages
+
+    values, alarms = STEPWISE["values"], []
+    with _fault(fault):
+        for kind in ("contiguous", "interleaved"):
+            order = STEPWISE[kind]
+            out = _stepwise_batch(order)
+            try:
+                validate_generator_output(len({t for t, _, _ in order}), out, step_wise=True)
+            except GeneratorOutputError:
+                continue  # refused: nothing was trained on it
+            last_vals = [values[t] for t, _, last in order if last]
+            adv = broadcast_step_advantages(last_vals, out["is_last_step"], np.ones((len(order), 3)))[:, 0]
+            wrong = [(i, t, float(adv[i])) for i, (t, _, _) in enumerate(order) if adv[i] != values[t]]
+            if wrong:
+                i, t, got = wrong[0]
+                alarms.append(Alarm("stepwise-advantages", f"{kind} batch: {len(wrong)} of {len(order)} steps carry "
+                                    f"another trajectory's advantage (row {i}, trajectory {t!r}: {got:g}, its own "
+                                    f"{values[t]:g})", {"batch": kind, "row": i, "rows": len(wrong)}))
+    return alarms
+
+
+# --------------------------------------------------------------------------- seam self-test
+def passthrough_world(rank: int, world: int, spec: dict) -> dict:
+    """The catalogue's self-test: every seam in ``spec["seams"]`` replaced by a pass-through that
+    counts its calls, then a ``train`` (``spec["cfg"]``) or ``replay`` run. A seam that is never
+    called is dead (its faults would change nothing); a pass-through must not change the result."""
+    from harness.faults.seam import replaced
+
+    counts: dict[str, int] = {}
+
+    def counting(seam):
+        def make(original):
+            def passthrough(*args, **kwargs):
+                counts[seam] = counts.get(seam, 0) + 1
+                return original(*args, **kwargs)
+            return passthrough
+        return make
+
+    with contextlib.ExitStack() as stack:
+        for seam in spec["seams"]:
+            stack.enter_context(replaced(seam, counting(seam), label="pass-through"))
+        run = _replay_run if spec["kind"] == "replay" else _train_run
+        out = run(rank, world, spec["cfg"], None)
+    return {"counts": counts, "out": out}
+
+
+def workdir():
+    return tempfile.mkdtemp(prefix="dcp-faults-")

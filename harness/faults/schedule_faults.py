@@ -1,0 +1,65 @@
+"""Re-creations of the three PR #2000 review findings (Megatron-LM, data_schedule_utils.py lines 811,
+818, 921) applied to the schedule the ranks run.
+
+On the inputs PR #2000's own callers produce, all three are latent (spec 2.8 bugs 1-3: "benign by
+accident"); each fault here is the same mechanism where it does change the schedule, and says where.
+"""
+
+from __future__ import annotations
+
+from harness.plan.layout import Block
+
+
+def make_negative_index_wrap(original):
+    """Block sizes found by walking the slots leftwards and counting while the slot holds the block's
+    first gid, the bound tested *after* the slot was read and counted: at i = -1 Python reads the last
+    slot. That is the effect the review describes for ``while sid0 in group[i] and i >= 0`` ("this
+    inflates cp_size"); CPython's ``and`` happens to test the bound before counting, so PR #2000 itself
+    never counts it, but a port that tests the bound last (``i >= -1``, a do-while) does. It changes the
+    result exactly when the last slot holds the first block's gid: a micro-batch that is one block over
+    the whole domain, counted N + 1 wide."""
+    def blocks_from_slots(slots):
+        slots = [list(s) for s in slots]
+        out, i = [], len(slots) - 1
+        while i >= 0:
+            sid0 = slots[i][0] if slots[i] else None
+            ids, size = tuple(slots[i]), 0
+            while sid0 is not None and sid0 in slots[i] and i >= -1:
+                size, i = size + 1, i - 1
+            if size == 0:
+                size, i = 1, i - 1
+            out.append(Block(i + 1, size, ids))
+        return out[::-1]
+    return blocks_from_slots
+
+
+def make_aliased_slots(original):
+    """The slot lists built as ``[[]] * N`` (PR #2000 line 818) and filled with ``slots[p] += gids``:
+    ``+=`` extends the one shared list, so every slot of a micro-batch lists every gid of it. Latent
+    upstream (nothing appends to those lists); here the hand-off appends."""
+    def sample_id_groups(sched):
+        out = []
+        for mb in sched.layout:
+            slots = [[]] * sched.n_ranks
+            for b in mb:
+                for p in b.ranks:
+                    slots[p] += list(b.gids)
+            out.append(slots)
+        return out
+    return sample_id_groups
+
+
+def make_vacuous_room_check(original):
+    """PR #2000 line 811: ``assert not all(work for work in slots[e:e + needed])`` is always true (slot
+    e is empty), so a group is doubled even when fewer positions are free than it needs; the intended
+    check is that all ``needed`` target slots are empty. On a power-of-two domain there is always room;
+    on the domains PR #2000 accepts (any even DP x CP size) the doubled group runs past the last rank
+    (spec 2.8 bug 2: N = 10, [8000, 7000] at 2048 tokens per rank)."""
+    def fill_free_ranks(sizes, n_ranks):
+        free = n_ranks - sum(sizes)
+        while free > 0 and sizes:
+            m = min(sizes)
+            grow = min(2 * m, n_ranks) - m
+            sizes[sizes.index(m)] = m + grow  # no room check: the vacuous assertion always passes
+            free -= grow
+    return fill_free_ranks

@@ -1,0 +1,79 @@
+"""Seams: the named places where a fault replaces one function of the harness for the length of a run.
+
+A seam is a module-level function that its caller looks up *when it runs* (a module global, not a
+name bound at import time elsewhere), so replacing the module attribute changes what the run does and
+nothing else. ``replaced(seam, make)`` installs ``make(original)`` and always puts the original back,
+also when the run raises; it refuses to stack a second replacement on a seam, so two faults can never
+be active at once by accident. Nothing outlives the ``with`` block: no flag, no registry entry.
+
+>>> from harness.faults.seam import replaced, resolve
+>>> module, attr, original = resolve("harness.dist.train:labels_for")
+>>> with replaced("harness.dist.train:labels_for", lambda orig: (lambda mb: orig(mb))):
+...     module.labels_for is original
+False
+>>> module.labels_for is original
+True
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+SEAMS: dict[str, str] = {
+    "harness.dist.train:rope_positions": "RoPE position ids of a rank's slice of a micro-batch",
+    "harness.dist.train:labels_for": "next-token labels of a rank's slice",
+    "harness.dist.train:attention_plan": "the CP attention plan of a micro-batch (its cu_seqlens)",
+    "harness.dist.train:cp_group_for": "the process group a micro-batch's CP-aware calls get",
+    "harness.dist.train:loss_denominator": "the token count the summed loss is divided by",
+    "harness.dist.train:reduce_gradients": "the gradient all-reduce after the micro-batches",
+    "harness.dist.reroute:block_sequences": "the sequences a rank packs for its block, in pack order",
+    "harness.dist.reroute:zigzag_index_array": "the zig-zag slice of the packed data a rank keeps",
+    "harness.dist.layouts:deliver": "the blocks every rank runs, rebuilt from the sample_id_groups it is handed",
+    "harness.dist.layouts:sample_id_groups": "the Megatron-shaped schedule (micro-batch -> slot -> gids) handed to ranks",
+    "harness.plan.layout:blocks_from_slots": "slot lists -> CP blocks (how a rank finds its block and local_cp_size)",
+    "harness.plan.megatron_pr2000:fill_free_ranks": "PR #2000's expansion of CP groups into free positions",
+    "harness.dist.replay:route_column": "which layer of the rollout's routes feeds a router on a PP stage",
+    "harness.dist.replay:thd_routes": "the replayed route rows of one CP rank (zig-zag front / back halves)",
+    "harness.plan.generator_output:check_step_wise_fields": "step-wise validation of a generator's output",
+}
+"""Every seam a fault may use: ``"module:function"`` -> what it decides."""
+
+
+class SeamError(RuntimeError):
+    """A seam that does not exist, is not registered, or is already replaced."""
+
+
+def resolve(seam: str):
+    """(module, attribute name, current value) of a registered seam."""
+    if seam not in SEAMS:
+        raise SeamError(f"{seam!r} is not a registered seam; seams are {', '.join(sorted(SEAMS))}")
+    module_name, _, attr = seam.partition(":")
+    module = importlib.import_module(module_name)
+    if not callable(getattr(module, attr, None)):
+        raise SeamError(f"seam {seam!r}: {module_name} has no function {attr!r}")
+    return module, attr, getattr(module, attr)
+
+
+@contextmanager
+def replaced(seam: str, make: Callable[[Callable], Callable], *, label: str = "fault") -> Iterator[Callable]:
+    """Install ``make(original)`` at ``seam`` for the ``with`` block; yields the replacement."""
+    module, attr, original = resolve(seam)
+    if getattr(original, "__harness_fault__", None):
+        raise SeamError(f"seam {seam!r} is already replaced by {original.__harness_fault__!r}")
+    replacement = make(original)
+    try:
+        replacement.__harness_fault__ = label
+    except AttributeError:  # a builtin or bound method: wrap it so that the marker can be set
+        inner = replacement
+
+        def replacement(*args, **kwargs):
+            return inner(*args, **kwargs)
+
+        replacement.__harness_fault__ = label
+    setattr(module, attr, replacement)
+    try:
+        yield replacement
+    finally:
+        setattr(module, attr, original)

@@ -1,0 +1,154 @@
+"""Re-creations of integration bugs in the training runtime (``harness.dist.train`` / ``reroute``).
+
+Each ``make_*`` takes the seam's original function and returns the faulty one; state a fault needs
+(a group kept from the previous micro-batch, the DP-only groups) lives in that closure, so it is
+created fresh for every run and dropped with it. Shape legend: ``T`` a rank's local tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def make_rope_per_rank(original):
+    """RoPE positions numbered along the rank's own slice: each sequence's local part counts from 0 on
+    every CP rank (Megatron-LM PR #3405 / #5243: THD + CP offsets lost; positions [0, 3, 0, 3] where
+    [0, 3, 4, 7] belong). Right for CP 1 blocks, wrong wherever a sequence is split."""
+    def rope_positions(mb):
+        cu, cp = mb.cu_seqlens_padded, mb.local_cp_size
+        local = [(cu[i + 1] - cu[i]) // cp for i in range(len(cu) - 1)]
+        dev = mb.data["tokens"].device
+        return torch.cat([torch.arange(n, dtype=torch.int64, device=dev) for n in local])
+    return rope_positions
+
+
+def make_labels_after_split(original):
+    """Labels made by rolling the rank's *local* tokens by one after the CP split (verl PR #4250): at
+    every chunk and sequence boundary the label is the next token of the rank's buffer, not of the
+    sequence."""
+    def labels_for(mb):
+        return torch.roll(mb.data["tokens"], -1)
+    return labels_for
+
+
+def make_loss_tokens_per_cp_rank(original):
+    """The loss divided by tokens that every rank counts for the *whole* sequences of its block,
+    summed over DP x CP: a sequence in a CP block of s ranks is counted s times (verl PR #5869,
+    prime-rl PR #2562: 'CP overcounts global tokens')."""
+    def loss_denominator(mbs, group):
+        dev = mbs[0].data["loss_mask"].device if mbs else torch.device("cpu")
+        count = torch.tensor([float(sum(mb.cu_seqlens[-1] for mb in mbs))], dtype=torch.float64, device=dev)
+        dist.all_reduce(count, group=group)
+        return float(count)
+    return loss_denominator
+
+
+def make_grad_reduce_dp_only(original):
+    """Gradients all-reduced over the data-parallel group of the static layout only (ranks with the
+    same index in their static CP group): the CP ranks' partial gradients are never summed (the
+    ``get_data_parallel_group()`` vs ``with_context_parallel=True`` mix-up of verl PR #6049 / #5993)."""
+    state: dict = {}
+
+    def reduce_gradients(model, groups, lcfg):
+        C = lcfg.static_cp
+        if "mine" not in state:  # every rank creates every group, in one order (a collective)
+            for c in range(C):
+                ranks = [groups.layout.rank_of(c + C * d) for d in range(lcfg.n_ranks // C)]
+                g = dist.new_group(ranks)
+                if groups.rank in ranks:
+                    state["mine"] = g
+        from harness.dist.train import all_reduce_flat
+
+        return all_reduce_flat(model, state["mine"])
+    return reduce_gradients
+
+
+def make_grad_reduce_average(original):
+    """Gradients averaged over the DP x CP ranks (DDP's ``average_in_collective``) although the loss is
+    already divided by the global token count: every gradient is 1/N of the right one."""
+    def reduce_gradients(model, groups, lcfg):
+        original(model, groups, lcfg)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        for g in grads:
+            g.div_(lcfg.n_ranks)
+        return float(torch.cat([g.reshape(-1) for g in grads]).double().norm())
+    return reduce_gradients
+
+
+def make_drop_last_sequence(original):
+    """A rerouted block that loses its last sequence (an off-by-one over the received samples; cf.
+    Megatron-LM PR #6816: the rerouted batch schema the real dataloader produces was never tested)."""
+    def block_sequences(block, position):
+        gids = tuple(original(block, position))
+        return gids[:-1] if len(gids) > 1 else gids
+    return block_sequences
+
+
+def make_misorder_sequences(original):
+    """The ranks of one CP block pack its sequences in different orders (each starts at its own index
+    in the block, as an arrival-ordered receive does): the zig-zag slices no longer belong to one pack
+    (spec 2.7 invariant 3: 'identical order inside the list')."""
+    def block_sequences(block, position):
+        gids = tuple(original(block, position))
+        k = (position - block.start) % len(gids) if gids else 0
+        return gids[k:] + gids[:k]
+    return block_sequences
+
+
+def make_pack_without_cu_seqlens(original):
+    """The attention told the pack is one sequence: the rerouted batch lost ``cu_seqlens`` /
+    ``max_seqlen`` (Megatron-LM PR #6816, bug 1), so tokens attend across sequence boundaries."""
+    def attention_plan(mb, device, exchange):
+        from harness.dist.cp_attention import CPAttentionPlan
+
+        return CPAttentionPlan.build([0, mb.cu_seqlens_padded[-1]], mb.local_cp_size, mb.cp_rank, device,
+                                     exchange=exchange)
+    return attention_plan
+
+
+def make_zigzag_r_plus_cp(original):
+    """The data sliced with chunks (r, r + cp) of each sequence while the attention assumes TE's
+    (r, 2cp - 1 - r): every rank attends as if it held other tokens."""
+    def zigzag_index_array(cu_seqlens_padded, cp_size, cp_rank):
+        cu = np.asarray(cu_seqlens_padded, dtype=np.int64)
+        if cp_size == 1:
+            return np.arange(cu[-1], dtype=np.int64)
+        out = []
+        for a, b in zip(cu[:-1], cu[1:]):
+            c = (b - a) // (2 * cp_size)
+            for k in (cp_rank, cp_rank + cp_size):
+                out.append(np.arange(a + k * c, a + (k + 1) * c, dtype=np.int64))
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+    return zigzag_index_array
+
+
+def make_stale_group(original):
+    """The CP group of the previous micro-batch kept for the next one: a module that stored the
+    dynamic group and was not restored after its forward (PR #2000's ``attention.py`` fix; Megatron-LM
+    PR #6821 / issue #5352: RoPE given the static CP group under runtime CP)."""
+    state = {"previous": None}
+
+    def cp_group_for(groups, mb):
+        group = original(groups, mb)
+        previous, state["previous"] = state["previous"], group
+        return group if previous is None else previous
+    return cp_group_for
+
+
+def make_cp_inactive_for_small_batches(original):
+    """A global batch with fewer sequences than DP x CP ranks skips the dynamic-CP split: every rank
+    runs the whole batch with CP off (verl PR #5869: ``dynamic_cp_split_batch`` returned early).
+    No loss or gradient changes (the token count grows with the duplicates); the work is done N times."""
+    def deliver(sched):
+        from harness.plan.layout import Block, Schedule
+
+        if len(sched.lengths) >= sched.n_ranks:
+            return original(sched)
+        gids = tuple(sorted(sched.lengths))
+        return Schedule.from_blocks([[Block(p, 1, gids) for p in range(sched.n_ranks)]],
+                                    lengths=list(sched.lengths.items()), n_ranks=sched.n_ranks,
+                                    max_seqlen_per_rank=sched.max_seqlen_per_rank, algorithm=sched.algorithm,
+                                    cost=sched.cost)
+    return deliver

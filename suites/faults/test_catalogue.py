@@ -1,0 +1,125 @@
+"""The fault catalogue's own contract: complete entries, documented live seams, nothing left behind,
+typed errors, and checks that can fail (each check fed a run that breaks it)."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import numpy as np
+import pytest
+
+from harness.faults import CHECKS, FAULTS, LAYERS, SEAMS, SeamError, UnknownFaultError, get, replaced, select
+from harness.faults import checks as ck
+from harness.faults.seam import resolve
+
+ISSUE_LAYERS = {"plan", "reroute", "attention", "loss", "gradients", "groups", "replay", "step-wise"}
+
+
+def test_every_fault_is_complete():
+    names = [f.name for f in FAULTS]
+    assert len(names) == len(set(names)) and all(re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", n) for n in names)
+    for f in FAULTS:
+        assert f.layer in LAYERS and f.check in CHECKS and f.seam in SEAMS, f.name
+        assert f.url.startswith("https://github.com/") and f.source and f.title, f.name
+        re.compile(f.expect)
+        resolve(f.seam)  # the seam exists and is a function
+    assert {f.layer for f in FAULTS} == ISSUE_LAYERS  # every layer the catalogue promises has a fault
+
+
+def test_unknown_names_are_one_typed_error_listing_the_catalogue():
+    with pytest.raises(UnknownFaultError, match=r"unknown fault\(s\) 'nope', 'gone'; the catalogue has: rope-"):
+        select(["stale-cp-group", "nope", "gone"])
+    with pytest.raises(UnknownFaultError, match="unknown fault 'x'"):
+        get("x")
+    assert [f.name for f in select(["stale-cp-group", "rope-positions-per-rank"])] == [
+        "rope-positions-per-rank", "stale-cp-group"]  # catalogue order
+    assert len(select(None)) == len(select([])) == len(FAULTS)
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.name)
+def test_a_fault_is_active_only_inside_its_context(fault):
+    module, attr, original = resolve(fault.seam)
+    with fault.applied() as fn:
+        assert getattr(module, attr) is fn is not original
+        assert fn.__harness_fault__ == fault.name
+    assert getattr(module, attr) is original
+
+
+def test_the_seam_is_restored_when_the_run_raises_and_never_stacked():
+    module, attr, original = resolve("harness.dist.train:labels_for")
+    with pytest.raises(RuntimeError, match="boom"):
+        with get("labels-rolled-after-split").applied():
+            raise RuntimeError("boom")
+    assert getattr(module, attr) is original
+    with get("labels-rolled-after-split").applied():
+        with pytest.raises(SeamError, match="already replaced by 'labels-rolled-after-split'"):
+            with replaced("harness.dist.train:labels_for", lambda o: o):
+                pass
+    assert getattr(module, attr) is original
+    with pytest.raises(SeamError, match="not a registered seam"):
+        with replaced("harness.dist.train:train", lambda o: o):
+            pass
+
+
+def test_no_fault_state_survives_a_run():
+    """After every fault was applied (and its replacement called where that needs no world), every
+    seam holds its original function again."""
+    before = {s: resolve(s)[2] for s in SEAMS}
+    for f in FAULTS:
+        with f.applied():
+            pass
+    assert {s: resolve(s)[2] for s in SEAMS} == before
+
+
+# ------------------------------------------------------------- each check can fail and can pass
+def _ranks(world=2, grads=None, ce=None, digests=("a", "b")):
+    ranks = []
+    for r in range(world):
+        seq = {"step": 0, "lengths": {0: 2, 1: 2}, "seq": [0, 1] if r == 0 else [0, 1], "pos": [r, r],
+               "ce": list(ce[r]) if ce else [1.0, 2.0]}
+        probes = {"sequences": [seq], "grads": {"w": np.array(grads[r] if grads else [1.0, 2.0])},
+                  "grad_norms": [1.0, 0.5], "digests": list(digests)}
+        ranks.append({"probes": {"bshd": probes, "dcp": copy.deepcopy(probes)},
+                      "rows": {"bshd": [{"loss": 3.0}, {"loss": 2.5}], "dcp": [{"loss": 3.0}, {"loss": 2.5}]}})
+    return ranks
+
+
+@pytest.mark.parametrize("name", list(ck.TRAIN_CHECKS))
+def test_train_checks_pass_on_equal_runs(name):
+    ref = _ranks()
+    assert ck.TRAIN_CHECKS[name](ref, copy.deepcopy(ref), "dcp") is None
+
+
+def test_each_train_check_fires_on_its_deviation():
+    ref = _ranks()
+    got = copy.deepcopy(ref)
+    got[1]["probes"]["dcp"]["sequences"][0]["seq"] = [0, 0]  # sequence 0 position 1 twice, sequence 1 once
+    assert "sequence 0 (2 tokens) had 1 positions" in ck.token_accounting(ref, got, "dcp").message
+    got = copy.deepcopy(ref)
+    got[1]["probes"]["dcp"]["digests"][1] = "c"
+    a = ck.replica_consistency(ref, got, "dcp")
+    assert a.where == {"step": 2, "ranks": [1]}
+    got = copy.deepcopy(ref)
+    got[0]["probes"]["dcp"]["grads"]["w"] = np.array([1.0, 2.0 + 1e-3])
+    a = ck.step1_gradients(ref, got, "dcp")
+    assert a.where == {"step": 1, "rank": 0, "parameter": "w"} and 10 < a.margin < 100
+    got = copy.deepcopy(ref)
+    got[1]["probes"]["dcp"]["sequences"][0]["ce"][1] = 2.0 + 1e-3
+    a = ck.token_loss(ref, got, "dcp")
+    assert a.where["sequence"] == 1 and a.margin > 10
+    got = copy.deepcopy(ref)
+    got[0]["probes"]["dcp"]["grad_norms"][1] = 0.5 * (1 + 2e-5)
+    assert ck.grad_norm(ref, got, "dcp").where == {"step": 2}
+    got = copy.deepcopy(ref)
+    got[0]["rows"]["dcp"][0]["loss"] = 3.0 + 2e-5
+    a = ck.loss_curve(ref, got, "dcp")
+    assert a.where == {"step": 1} and abs(a.margin - 2.0) < 1e-6
+
+
+def test_within_tolerance_is_no_alarm():
+    ref = _ranks()
+    got = copy.deepcopy(ref)
+    got[0]["probes"]["dcp"]["grads"]["w"] = np.array([1.0, 2.0 + 1e-6])
+    got[0]["rows"]["dcp"][0]["loss"] = 3.0 + 5e-6
+    assert ck.step1_gradients(ref, got, "dcp") is None and ck.loss_curve(ref, got, "dcp") is None

@@ -1,0 +1,95 @@
+"""Every fault of the catalogue is caught, by its cheapest detecting check, with the expected message;
+the clean runs raise no alarm; every seam is live and a pass-through replacement changes nothing.
+
+A scenario's clean run and all its faults share one 4-rank gloo world, run once per test process. The whole catalogue through the CLI (with its timing) is the ``slow`` test."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from harness.dist.launch import run_on_ranks
+from harness.faults import FAULTS, SEAMS
+from harness.faults import scenarios as sc
+from harness.faults.run import ORDER
+
+pytestmark = pytest.mark.dist_cpu
+
+_OUTCOMES: dict = {}
+
+
+def _outcomes(scenario, tmp_path_factory) -> dict:
+    """Clean and fault outcomes of a scenario, computed once per test process (one world for all)."""
+    if scenario not in _OUTCOMES:
+        from harness.faults.run import _outcomes as outcomes
+
+        names = [f.name for f in FAULTS if f.scenario == scenario]
+        _OUTCOMES[scenario] = outcomes(scenario, names, tmp_path_factory.mktemp(f"faults-{scenario}"))
+    return _OUTCOMES[scenario]
+
+
+@pytest.mark.parametrize("scenario", ["train", "train-small-batch", "replay", "plan", "stepwise"])
+def test_clean_runs_raise_no_alarm(scenario, tmp_path_factory):
+    clean = _outcomes(scenario, tmp_path_factory)[None]
+    assert clean["alarms"] == [] and clean["error"] is None, clean
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.name)
+def test_fault_is_caught_by_its_cheapest_check(fault, tmp_path_factory):
+    o = _outcomes(fault.scenario, tmp_path_factory)[fault.name]
+    assert o["error"] is None, o["error"]
+    alarms = sorted(o["alarms"], key=lambda a: ORDER[a.check])
+    assert alarms, f"{fault.name}: no check fired"
+    first = alarms[0]
+    assert first.check == fault.check, [(a.check, a.message) for a in alarms]
+    assert re.search(fault.expect, first.message), first.message
+    if first.margin is not None:
+        assert first.margin >= 10, f"{fault.name}: margin {first.margin:.3g}x of {first.check} < 10x"
+
+
+def test_every_seam_is_live_and_a_passthrough_changes_nothing(tmp_path):
+    """Each seam wrapped by a call counter: the train and replay runs call every one of theirs, and the
+    results equal the clean runs'. (The plan and step-wise seams are called in-process by their
+    scenarios; their clean runs are the tests above.)"""
+    train_seams = [s for s in SEAMS if s.startswith(("harness.dist.train", "harness.dist.reroute",
+                                                     "harness.dist.layouts", "harness.plan.layout"))]
+    replay_seams = [s for s in SEAMS if s.startswith("harness.dist.replay")]
+    cfg = {**sc.TRAIN_CONFIGS["train"], "layouts": ["bshd", "dcp"]}
+    got = run_on_ranks(sc.passthrough_world, world_size=sc.WORLD, tmp_path=tmp_path,
+                       args=({"kind": "train", "cfg": cfg, "seams": train_seams},), timeout_s=120)
+    assert all(got[0]["counts"].get(s, 0) > 0 for s in train_seams), got[0]["counts"]
+    clean = run_on_ranks(sc.batch_world, world_size=sc.WORLD, tmp_path=tmp_path / "c",
+                         args=({"scenario": "train", "runs": [None]},), timeout_s=120)
+    for a, b in zip(got, clean):
+        assert a["out"]["probes"]["dcp"]["digests"] == b[0]["probes"]["dcp"]["digests"]
+    rep = run_on_ranks(sc.passthrough_world, world_size=sc.WORLD, tmp_path=tmp_path / "r",
+                       args=({"kind": "replay", "cfg": sc.REPLAY, "seams": replay_seams},), timeout_s=120)
+    assert all(rep[0]["counts"].get(s, 0) > 0 for s in replay_seams), rep[0]["counts"]
+    assert all(r["out"]["replay_mismatches"] == 0 for r in rep)
+
+
+@pytest.mark.slow
+def test_the_whole_catalogue_through_the_cli(tmp_path):
+    out = tmp_path / "faults.json"
+    proc = subprocess.run([sys.executable, "-m", "harness", "faults", "--json", str(out), "--html",
+                           str(tmp_path / "faults.html")], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["caught"] == result["total"] == len(FAULTS) and result["clean_ok"]
+    for f in result["faults"]:
+        assert f["caught_by"] == f["check"], f
+        assert f["margin"] is None or f["margin"] >= 10, f
+    assert result["seconds"] <= 300, result["seconds"]
+    assert f"faults caught: {len(FAULTS)}/{len(FAULTS)}" in proc.stdout
+
+
+def test_a_run_that_breaks_its_world_is_reported_and_the_rest_still_judged(tmp_path):
+    """A run that kills its world (here: a name no rank can resolve) makes the batch fall back to one
+    world per run: the clean run is still judged, the broken one carries its error."""
+    out = sc.run_batch("replay", ["no-such-fault"], tmp_path)
+    assert out[None]["alarms"] == [] and out[None]["error"] is None
+    assert out["no-such-fault"]["alarms"] == [] and "unknown fault 'no-such-fault'" in out["no-such-fault"]["error"]
