@@ -4,11 +4,17 @@ Routes are integer arrays ``[tokens, layers, top_k]`` of expert ids per token an
 ``routed_experts``: every transformer layer, zero rows for dense layers; the last sampled token has
 no route, so the captured prefix may be shorter than the sequence).
 
+Positions without a captured route (left padding, the uncaptured suffix, THD padding) get
+``padding_rows``: the K *distinct* experts 0 .. K-1 in every layer, as SkyRL does since its router
+padding fix. A row of zeros would make a replayed top-k pick expert 0 K times (a dropless dispatcher
+then sends fewer than tokens x K assignments); the padding itself stays out of the loss (loss mask 0).
+
 * ``align_routes``: per-sample routes -> ``[B, max_total, L, K]`` aligned with left-padded sequences
-  (routes start at the first real token; missing trailing rows and padding stay 0); extra rows are an
-  error (upstream truncated them silently); the dtype shrinks to uint8 / int16 when the ids fit.
+  (routes start at the first real token; missing trailing rows and padding get ``padding_rows``); extra
+  rows are an error (upstream truncated them silently); the dtype shrinks to uint8 / int16 when the
+  ids fit.
 * ``thd_routes``: the rows one CP rank's router sees for a THD micro-batch: each sample's real rows,
-  zero-padded to its padded length, then TransformerEngine's zig-zag slice (the same index rule as the
+  padded to its padded length with ``padding_rows``, then TransformerEngine's zig-zag slice (the same index rule as the
   tokens, ``harness.plan.thd``). ``packed_routes`` applies Megatron's packing rule (pad each sample to
   ``tp * cp * 2``, or ``tp`` without CP), the CP slice, then the sequence-parallel TP split.
 * ``unpacked_routes``: the non-packed path, flattened *sequence-major* (``s * b + i``) as Megatron's
@@ -44,6 +50,16 @@ def narrow_dtype(x: np.ndarray) -> np.ndarray:
     return x.astype(np.uint8 if top < 2**8 else np.int16 if top < 2**15 else np.int32)
 
 
+def padding_rows(shape: tuple[int, ...], dtype=np.int64) -> np.ndarray:
+    """An array of ``shape`` (``[..., K]``) whose every last-axis row is ``0 .. K-1``: distinct experts
+    for positions that have no captured route.
+
+    >>> padding_rows((2, 1, 3)).tolist()
+    [[[0, 1, 2]], [[0, 1, 2]]]
+    """
+    return np.broadcast_to(np.arange(shape[-1], dtype=dtype), shape).copy()
+
+
 def align_routes(routes, prompt_lens: list[int], response_lens: list[int]) -> np.ndarray | None:
     """Per-sample routes (lists or arrays ``[T_i, L, K]``, None/empty allowed) -> ``[B, max_total, L, K]``."""
     if not routes:
@@ -60,7 +76,7 @@ def align_routes(routes, prompt_lens: list[int], response_lens: list[int]) -> np
     (L, K), = shapes
     total = [p + r for p, r in zip(prompt_lens, response_lens)]
     width = max(total)
-    out = np.zeros((len(routes), width, L, K), dtype=np.int64)
+    out = padding_rows((len(routes), width, L, K))
     for i, a in enumerate(arrays):
         if a is None:
             continue
@@ -73,13 +89,13 @@ def align_routes(routes, prompt_lens: list[int], response_lens: list[int]) -> np
 
 
 def thd_routes(samples: list[np.ndarray], cu_seqlens_padded, cp_size: int = 1, cp_rank: int = 0) -> np.ndarray:
-    """Rows of a THD micro-batch for one CP rank: sample i's real rows (``[n_i, L, K]``) zero-padded to
-    its padded length ``cu[i+1] - cu[i]``, packed, then zig-zag sliced."""
+    """Rows of a THD micro-batch for one CP rank: sample i's real rows (``[n_i, L, K]``) padded with
+    ``padding_rows`` to its padded length ``cu[i+1] - cu[i]``, packed, then zig-zag sliced."""
     cu = list(cu_seqlens_padded)
     if len(samples) != len(cu) - 1:
         raise PlanInputError(f"{len(samples)} samples for {len(cu) - 1} packed sequences")
     L, K = samples[0].shape[1:] if samples else (0, 0)
-    full = np.zeros((cu[-1], L, K), dtype=samples[0].dtype if samples else np.int64)
+    full = padding_rows((cu[-1], L, K), dtype=samples[0].dtype if samples else np.int64)
     for i, s in enumerate(samples):
         if len(s) > cu[i + 1] - cu[i]:
             raise PlanInputError(f"sample {i} has {len(s)} rows, its padded length is {cu[i + 1] - cu[i]}")
@@ -109,7 +125,7 @@ def unpacked_routes(routes: np.ndarray, attention_mask: np.ndarray, *, tp: int =
     n = mask.sum(1)
     width = -(-int(n.max()) // tp) * tp
     b, L, K = mask.shape[0], routes.shape[2], routes.shape[3]
-    out = np.zeros((b, width, L, K), dtype=routes.dtype)
+    out = padding_rows((b, width, L, K), dtype=routes.dtype)
     for i in range(b):
         out[i, :n[i]] = routes[i][mask[i]]
     chunk = width // tp

@@ -70,8 +70,9 @@ def test_slicing_matches_the_token_packing_and_gathers_back(lengths, tp, cp):
 def test_align_routes_captured_prefix_and_dtype():
     r = align_routes([[[[3, 1]]] * 2, None, [[[7, 300]]]], prompt_lens=[2, 1, 1], response_lens=[2, 1, 0])
     assert r.shape == (3, 4, 1, 2) and r.dtype == np.int16
-    assert r[0, :, 0].tolist() == [[3, 1], [3, 1], [0, 0], [0, 0]]  # missing trailing rows stay 0
-    assert r[1].sum() == 0 and r[2, 3, 0].tolist() == [7, 300] and r[2, :3].sum() == 0  # left padding
+    assert r[0, :, 0].tolist() == [[3, 1], [3, 1], [0, 1], [0, 1]]  # missing trailing rows: distinct experts
+    assert r[1, :, 0].tolist() == [[0, 1]] * 4 and r[2, 3, 0].tolist() == [7, 300]
+    assert r[2, :3, 0].tolist() == [[0, 1]] * 3  # left padding
     assert align_routes(None, [1], [1]) is None and align_routes([None], [1], [1]) is None
     assert narrow_dtype(np.array([200])).dtype == np.uint8 and narrow_dtype(np.array([40000])).dtype == np.int32
     with pytest.raises(PlanInputError, match="sample 0 has 5 route rows for 4 tokens"):
@@ -118,3 +119,36 @@ def test_valid_configurations_return_the_effective_flag():
     assert validate_replay_config(**VALID, vpp_size=1) is True  # VPP 1 is no VPP (upstream's check refused it)
     assert validate_replay_config(**dict(VALID, transformer_config_kwargs={"moe_enable_routing_replay": True})) is True
     assert validate_replay_config(enable_replay=False, return_routes=False, cp_size=1, sample_packing=False) is False
+
+
+@given(st.data())
+def test_every_row_without_a_captured_route_holds_k_distinct_experts(data):
+    """Left padding, uncaptured suffixes and THD padding replay K distinct experts (0 .. K-1), never one
+    expert K times; captured rows are untouched; the same holds after CP and TP slicing."""
+    K = data.draw(st.integers(1, 4), label="top_k")
+    B = data.draw(st.integers(1, 4), label="samples")
+    prompts = data.draw(st.lists(st.integers(1, 6), min_size=B, max_size=B))
+    responses = data.draw(st.lists(st.integers(0, 6), min_size=B, max_size=B))
+    captured = [data.draw(st.integers(0, p + r)) for p, r in zip(prompts, responses)]
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    routes = [np.stack([rng.permutation(8)[:K] for _ in range(n)])[:, None, :] if n else None for n in captured]
+    aligned = align_routes(routes, prompts, responses)
+    if aligned is None:
+        return
+    width = max(p + r for p, r in zip(prompts, responses))
+    for i, (p, r, n) in enumerate(zip(prompts, responses, captured)):
+        left = width - p - r
+        rows = aligned[i, :, 0]
+        assert all(len(set(row)) == K for row in rows.tolist())
+        if n:
+            assert rows[left:left + n].tolist() == routes[i][:, 0].tolist()
+        assert rows[:left].tolist() == [list(range(K))] * left
+        assert rows[left + n:].tolist() == [list(range(K))] * (width - left - n)
+    mask = np.zeros((B, width), int)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        mask[i, width - p - r:] = 1
+    for cp, tp in ((1, 1), (2, 1), (2, 2)):
+        for c in range(cp):
+            for t in range(tp):
+                got = packed_routes(aligned, mask, tp=tp, cp=cp, cp_rank=c, tp_rank=t)
+                assert all(len(set(row)) == K for row in got[:, 0].tolist())

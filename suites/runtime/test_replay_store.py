@@ -54,3 +54,40 @@ def test_store_errors_name_the_key_and_shapes():
         Routing("replay")
     with pytest.raises(ReplayError, match="free, record or replay"):
         Routing("rollout")
+
+
+def test_padding_positions_replay_distinct_experts_and_stay_out_of_the_loss():
+    """A THD micro-batch of two sequences padded to 8 tokens each (``harness.plan.replay.thd_routes``):
+    every replayed row, padding included, holds top_k distinct experts, and the loss does not depend on
+    which experts the padding rows name (the padding is masked out of the loss and attended by no real
+    token)."""
+    import numpy as np
+
+    from harness.plan.replay import thd_routes
+
+    torch.manual_seed(0)
+    model, K = TinyLM(CFG), CFG.top_k
+    rng = np.random.default_rng(0)
+    lens, cu = [5, 7], [0, 8, 16]
+    samples = [np.stack([np.stack([rng.permutation(4)[:K] for _ in range(3)]) for _ in range(n)]) for n in lens]
+    tok = torch.randint(0, 256, (16,))
+    real = torch.tensor([1] * 5 + [0] * 3 + [1] * 7 + [0])
+    pos = torch.tensor(list(range(8)) * 2)
+
+    def loss(rows):
+        store = ReplayStore()
+        for layer in (1, 2):
+            store.put(layer, 0, 0, torch.as_tensor(rows[:, layer]))
+        routing = Routing("replay", store)
+        ce, aux = model.token_losses(tok, tok.roll(-1), real, pos, lambda q, k, v: thd_attention(q, k, v, cu),
+                                     routing=routing)
+        return ce + aux, routing
+
+    rows = thd_routes(samples, cu)
+    ref, routing = loss(rows)
+    for layer in (1, 2):
+        assert all(len(set(r)) == K for r in routing.chosen[layer].tolist())
+        assert routing.chosen[layer][5:8].tolist() == [list(range(K))] * 3  # the padding rows: 0 .. K-1
+    other = rows.copy()
+    other[5:8], other[15] = [3, 2], [2, 1]  # other distinct experts on the padding rows only
+    assert torch.equal(loss(other)[0], ref)
