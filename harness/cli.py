@@ -13,7 +13,8 @@
   dcp-harness bench microbatch         host vs device time of one micro-batch per compile mode and backend -> reports/
   dcp-harness fixtures wikipedia ...   regenerate the committed Wikipedia length sample
 
-Exit codes: 0 success, 1 a verdict or benchmark target failed, 2 bad input (message on stderr).
+Exit codes: 0 success, 1 a verdict or benchmark target failed, 2 bad input (message on stderr), 3 a
+multi-process job failed: a rank raised, died or made no progress (one line names the rank and the log).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from harness import __version__
 from harness.bench.step import COMPILE_CHOICES, GRAD_REDUCE_CHOICES
+from harness.dist.watchdog import JobFailure
 from harness.golden import GoldenError
 from harness.io import OutputPathError
 from harness.plan import ALGORITHMS, CostModel, PlanInputError, check_schedule, gpt_benchmark_cost
@@ -51,10 +53,13 @@ def _add_schedule(sub) -> None:
 
 
 def _cmd_schedule(a) -> int:
-    from harness.io import atomic_write_json
+    from harness.io import atomic_write_json, writable
     from harness.plan import schedule, stats
     from harness.report.text import microbatch_table, occupancy_map, summary
     from harness.workloads import sample
+
+    if a.json:
+        writable(a.json)
 
     if a.lengths:
         lengths, source = sample(f"file:{a.lengths}", None), a.lengths
@@ -103,6 +108,13 @@ def _add_converge(sub) -> None:
                    help="compare with golden/convergence/<case>.<hw>.json: when it exists (auto), always (require)")
     c.add_argument("--update-golden", action="store_true", help="write the golden of this case from this run")
     c.add_argument("--out", type=Path, default=None, help="report root (default reports/)")
+    _add_stall(c)
+
+
+def _add_stall(p) -> None:
+    p.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
+                   help="fail when no rank reports progress for this long, naming the rank (default: 180 on CPU, "
+                        "900 on CUDA); collectives time out at twice this")
 
 
 def _cmd_converge(a) -> int:
@@ -115,7 +127,7 @@ def _cmd_converge(a) -> int:
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = converge.config_from_args(a)
     res = converge.run(cfg, world=a.world, out_root=a.out or REPORTS,
-                       golden="update" if a.update_golden else a.golden)
+                       golden="update" if a.update_golden else a.golden, stall_s=a.stall_timeout)
     for c in res.checks:
         print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['value']:.3g}")
     print(f"report: {res.run_dir / 'index.html'}\nverdict: {res.verdict}")
@@ -166,6 +178,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=int, default=50, help="convergence steps (default 50, which has a golden)")
     r.add_argument("--no-convergence", action="store_true", help="skip the convergence comparison")
     r.add_argument("--no-faults", action="store_true", help="skip the fault catalogue (dcp-harness faults)")
+    _add_stall(r)
     _add_schedule(sub)
     _add_converge(sub)
     _add_faults(sub)
@@ -175,6 +188,7 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     n.add_argument("--world", type=int, default=None, help="default: min(4, GPUs) on GPU, 4 on CPU")
     n.add_argument("--root", type=Path, default=None, help="default reports/nightly")
+    _add_stall(n)
     b = sub.add_parser("bench", help="benchmarks (write reports/<name>.json)")
     bsub = b.add_subparsers(dest="bench", required=True)
     bs = bsub.add_parser("schedule", help="scheduler latency and quality vs upstream and the lower bound")
@@ -184,11 +198,13 @@ def parser() -> argparse.ArgumentParser:
     ba = bsub.add_parser("attention", help="(GPU) CP attention fwd+bwd throughput and per-GPU efficiency")
     ba.add_argument("--nproc", type=int, default=None, help="GPUs to use (default min(4, available))")
     ba.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_attention.json)")
+    _add_stall(ba)
     ba.add_argument("--backend", default="auto",
                     help="attention backend (auto, sdpa, flash, varlen, flash_attn, te; default auto = flash on CUDA)")
     bst = bsub.add_parser("step", help="(GPU) training step time: dynamic CP vs static CP (Megatron's benchmark)")
     bst.add_argument("--nproc", type=int, default=None, help="processes (default min(4, GPUs); 2 with --cpu)")
     bst.add_argument("--cpu", action="store_true", help="smoke configuration on gloo (tiny model, no targets)")
+    _add_stall(bst)
     bst.add_argument("--model", default=None, help="model key (default gpt-12l-h2048; tiny-gpt with --cpu)")
     bst.add_argument("--lengths", default=None, help="length spec (default lognormal:mean=1024,sigma=1.5,min=128,max=8192)")
     bst.add_argument("--max-seqlen-per-rank", type=int, default=None)
@@ -273,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
             conv = None if a.no_convergence else {**main_job.DEFAULT_CONVERGENCE, "steps": a.steps}
             code, _ = main_job.run(quick_batches=a.batches, out_root=a.out or REPORTS, convergence=conv,
-                                   faults=not a.no_faults)
+                                   faults=not a.no_faults, stall_s=a.stall_timeout)
             return code
         if a.command == "schedule":
             return _cmd_schedule(a)
@@ -285,12 +301,12 @@ def main(argv: list[str] | None = None) -> int:
             from harness import nightly
 
             return nightly.run(steps=a.steps, models=tuple(a.models.split(",")), device=a.device, world=a.world,
-                               root=a.root or nightly.NIGHTLY)
+                               root=a.root or nightly.NIGHTLY, stall_s=a.stall_timeout)
         if a.command == "bench":
             if a.bench == "attention":
                 from harness.bench import attention
 
-                return attention.main(out=a.out, nproc=a.nproc, cfg={"backend": a.backend})
+                return attention.main(out=a.out, nproc=a.nproc, cfg={"backend": a.backend}, stall_s=a.stall_timeout)
             if a.bench == "step":
                 from harness.bench import step
 
@@ -304,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                     over["cost_model"] = step.load_cost_model(a.cost_model)
                 if a.arms:
                     over["arms"] = tuple(x.strip() for x in a.arms.split(",") if x.strip())
-                return step.main(nproc=a.nproc, out=a.out, html=a.html, cpu=a.cpu, overrides=over)
+                return step.main(nproc=a.nproc, out=a.out, html=a.html, cpu=a.cpu, overrides=over,
+                                 stall_s=a.stall_timeout)
             if a.bench == "microbatch":
                 from harness.bench import microbatch
 
@@ -336,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanInputError, GoldenError, OutputPathError) as e:
         print(f"dcp-harness: error: {e}", file=sys.stderr)
         return 2
+    except JobFailure as e:
+        print(f"dcp-harness: error: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("dcp-harness: interrupted", file=sys.stderr)
         return 130

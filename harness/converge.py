@@ -113,8 +113,16 @@ def write_golden(rows, cfg: TrainConfig, world: int, cid: str, hw: str) -> Path:
 
 
 def preflight(cfg: TrainConfig, world: int) -> None:
-    """Fail before launching anything: bad model / layout / world, sequences too long for the world."""
+    """Fail before launching anything: bad model / layout / scheduler / world, no CUDA device (or too
+    few) for a CUDA run, sequences too long for the world."""
     cfg.validate(world)
+    if cfg.device == "cuda":
+        import torch
+
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < world:
+            raise LayoutError(f"--device cuda with {world} ranks needs {world} CUDA devices, this machine has "
+                              f"{found}" + ("" if found else " (no CUDA device: use --device cpu)"))
     C = static_cp_for(longest_sequence(cfg), world, cfg.max_seqlen_per_rank)
     n, dp = cfg.corpus.sequences_per_batch, world // C
     if "bshd" in cfg.layouts and n % (dp * cfg.micro_batch_size):
@@ -124,10 +132,12 @@ def preflight(cfg: TrainConfig, world: int) -> None:
 
 
 def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str = "auto", progress=print,
-        report: bool = True, run_dir: Path | None = None) -> ConvergeResult:
+        report: bool = True, run_dir: Path | None = None, stall_s: float | None = None) -> ConvergeResult:
     """Train, check, report. ``golden``: ``auto`` (compare if a golden exists for this case),
     ``require`` (missing golden is an error), ``update`` (write it), ``off``. ``run_dir``: write into
-    this (existing, caller-owned) folder instead of a new ``out_root/converge-<time>``."""
+    this (existing, caller-owned) folder instead of a new ``out_root/converge-<time>``. ``stall_s``: fail
+    when no rank reports progress for this long (``harness.dist.entry.DEFAULT_STALL_S``); a failed job
+    leaves its whole output in ``out_root/logs/`` and raises ``JobFailure`` naming the rank."""
     from harness.dist.entry import launch
 
     preflight(cfg, world)
@@ -143,8 +153,10 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
         tmp.mkdir(parents=True, exist_ok=True)
     try:
         progress(f"converge {cid}: layouts {', '.join(cfg.layouts)} on {world} {cfg.device} ranks ({hw})")
+        stamp = f"{dt.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
         res = launch("converge", world, tmp / "results_raw.json", {**cfg.to_dict(), "metrics_path": str(tmp / "metrics.jsonl")},
-                     stream=lambda line: progress("  " + line) if line.startswith("[") else None)
+                     stream=lambda line: progress("  " + line) if line.startswith("[") else None,
+                     stall_s=stall_s, log=out_root / "logs" / f"{cid}-{stamp}.log")
         rank0 = res["ranks"][0]
         rows = rank0["layouts"]
         if golden == "update":

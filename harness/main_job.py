@@ -52,7 +52,7 @@ DEFAULT_CONVERGENCE = {"model": "tiny-gpt", "steps": 50, "world": 4}
 
 
 def run(*, quick_batches: int = 3, out_root: Path = REPORTS, convergence: dict | None = DEFAULT_CONVERGENCE,
-        faults: bool = True) -> tuple[int, Path]:
+        faults: bool = True, stall_s: float | None = None) -> tuple[int, Path]:
     from harness import converge
     from harness.dist.train import TrainConfig
 
@@ -68,7 +68,7 @@ def run(*, quick_batches: int = 3, out_root: Path = REPORTS, convergence: dict |
             print(f"[1/5] convergence: {c['model']}, {world} gloo ranks, {c['steps']} steps, layouts bshd / thd / dcp")
             golden = "require" if convergence == DEFAULT_CONVERGENCE else "auto"  # the default has a committed golden
             conv = converge.run(TrainConfig(**c), world=world, golden=golden, run_dir=tmp / "convergence",
-                                progress=lambda s: print(s, flush=True))
+                                progress=lambda s: print(s, flush=True), out_root=out_root, stall_s=stall_s)
         return _rest(t0, quick_batches, tmp, out_root, conv, faults)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

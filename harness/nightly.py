@@ -15,6 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
+from harness import golden
 from harness.bench.common import REPORTS
 from harness.io import atomic_write_text
 
@@ -25,7 +26,7 @@ def history_line(res) -> dict:
     base = res.rows.get("bshd") or next(iter(res.rows.values()))
     return {"date": dt.datetime.now().isoformat(timespec="seconds"), "case_id": res.case_id,
             "hardware": res.config["hardware"], "verdict": res.verdict, "run_dir": str(res.run_dir),
-            "git_rev": __import__("harness.golden", fromlist=["producer"]).producer()["git_rev"],
+            "git_rev": golden.producer()["git_rev"],
             "last_loss": {k: v[-1]["loss"] for k, v in res.rows.items()},
             "max_delta": {k: max(abs(r["loss"] - b["loss"]) for r, b in zip(v, base)) for k, v in res.rows.items()},
             "tokens_per_s": {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in res.rows.items()}}
@@ -80,15 +81,22 @@ def render_index(history: list[dict], root: Path = NIGHTLY) -> Path:
 
 
 def run(*, steps: int = 100, models=("tiny-gpt", "tiny-moe"), device: str = "auto", world: int | None = None,
-        root: Path = NIGHTLY) -> int:
+        root: Path = NIGHTLY, stall_s: float | None = None) -> int:
     import torch
 
     from harness import converge
+    from harness.dist.layouts import LayoutError
     from harness.dist.train import TrainConfig
     from harness.io import atomic_write_bytes
+    from harness.runtime.model import MODELS
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise LayoutError("nightly --device cuda: this machine has no CUDA device; use --device cpu (or auto)")
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise LayoutError(f"unknown model(s) {', '.join(map(repr, unknown))}; choose from {', '.join(MODELS)}")
     world = world or (min(4, torch.cuda.device_count()) if device == "cuda" else 4)
     dtype = "bfloat16" if device == "cuda" else "float32"
     verdicts = []
@@ -99,7 +107,7 @@ def run(*, steps: int = 100, models=("tiny-gpt", "tiny-moe"), device: str = "aut
         corpus = CorpusConfig(sequences_per_batch=128 if (model == "tiny-moe" and device == "cuda") else 32)
         cfg = TrainConfig(model=model, steps=steps, device=device, dtype=dtype, corpus=corpus,
                           max_seqlen_per_rank=max(256, 1024 // world))
-        res = converge.run(cfg, world=world, out_root=root / "runs", golden="auto")
+        res = converge.run(cfg, world=world, out_root=root / "runs", golden="auto", stall_s=stall_s)
         line = history_line(res)
         path = root / "history.jsonl"
         old = path.read_bytes() if path.exists() else b""

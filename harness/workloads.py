@@ -65,19 +65,30 @@ def parse_spec(spec: str) -> tuple[str, dict[str, float]]:
 def read_lengths(path: str | Path) -> list[int]:
     """Integers, one per line, from a text file (``.gz`` allowed); ``#`` starts a comment."""
     p = Path(path)
-    if not p.is_file():
+    if p.is_dir():
+        raise PlanInputError(f"length file {str(p)!r} is a directory; give a text file of lengths, one per line")
+    if not p.exists():
         raise PlanInputError(f"length file {str(p)!r} does not exist")
     opener = gzip.open if p.suffix == ".gz" else open
     out = []
-    with opener(p, "rt") as f:
-        for i, line in enumerate(f, 1):
-            text = line.split("#", 1)[0].strip()
-            if not text:
-                continue
-            try:
-                out.append(int(text))
-            except ValueError:
-                raise PlanInputError(f"{p}:{i}: {text!r} is not an integer length") from None
+    try:
+        with opener(p, "rt", encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                text = line.split("#", 1)[0].strip()
+                if not text:
+                    continue
+                try:
+                    out.append(int(text))
+                except ValueError:
+                    raise PlanInputError(f"{p}:{i}: {text[:40]!r} is not an integer length") from None
+    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as e:
+        raise PlanInputError(f"length file {str(p)!r} is not a text file of lengths ({type(e).__name__}); give one "
+                             f"integer per line (plain text, or gzip-compressed with a .gz name)") from None
+    except OSError as e:
+        raise PlanInputError(f"cannot read length file {str(p)!r}: {e.strerror or e}") from None
+    if not out:
+        raise PlanInputError(f"length file {str(p)!r} holds no lengths (only blank lines or comments); give one "
+                             f"integer per line")
     return out
 
 

@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from harness.bench.common import table, write_report
+from harness.bench.common import REPORTS, table, write_report
 
 DEFAULT = {"tokens": [32768, 131072], "shapes": [1, 8], "cps": [1, 2, 4], "heads": 16, "kv_heads": 16,
            "head_dim": 128, "warmup": 3, "iters": 10, "dtype": "bfloat16", "backend": "auto"}
@@ -37,6 +37,7 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
     from harness.dist.collectives import gather_chunk_keys
     from harness.dist.cp_attention import CPAttentionPlan, cp_attention
     from harness.dist.groups import DynamicGroups, ParallelLayout
+    from harness.dist.watchdog import Heartbeat
     from harness.plan.thd import pack, padding_divisor, zigzag_index_array
     from harness.runtime.attention import LSE_BACKENDS, chunk_attention
 
@@ -47,6 +48,7 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
     backend = cfg["backend"]
     ring_backend = backend if backend in LSE_BACKENDS else "auto"
     groups = DynamicGroups(ParallelLayout(dp=world, cp=1), rank)
+    heartbeat = Heartbeat.from_cfg(cfg, rank)
     rows = []
 
     def timed(fn):
@@ -67,6 +69,7 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
             lengths = [T // nseq] * nseq
             g = torch.Generator(device=device).manual_seed(T + nseq)
             for cp in [c for c in cfg["cps"] if c <= world]:
+                heartbeat.beat(tokens=T, sequences=nseq, cp=cp)
                 p = pack(lengths, padding_divisor(cp_size=cp))
                 full = [torch.randn(p.total_tokens, h, D, generator=g, device=device, dtype=dtype) for h in (H, Hkv, Hkv)]
                 start = rank // cp * cp
@@ -140,7 +143,8 @@ COLUMNS = [("tokens", "tokens", "d"), ("sequences", "seqs", "d"), ("cp", "cp", "
            ("ring_ms", "ring fwd+bwd ms", ".2f"), ("ring_efficiency", "ring efficiency", ".3f")]
 
 
-def main(*, out: Path | None = None, nproc: int | None = None, cfg: dict | None = None) -> int:
+def main(*, out: Path | None = None, nproc: int | None = None, cfg: dict | None = None,
+         stall_s: float | None = None) -> int:
     import tempfile
 
     import torch
@@ -158,7 +162,9 @@ def main(*, out: Path | None = None, nproc: int | None = None, cfg: dict | None 
     n = nproc or min(4, torch.cuda.device_count())
     print(f"bench attention: {n} GPUs ({torch.cuda.get_device_name(0)}), torch {torch.__version__}, backend {backend}")
     with tempfile.TemporaryDirectory() as tmp:
-        res = launch("bench-attention", n, Path(tmp) / "bench.json", cfg)
+        logs = (Path(out).parent if out else REPORTS) / "logs"
+        res = launch("bench-attention", n, Path(tmp) / "bench.json", cfg, stall_s=stall_s,
+                     log=logs / f"bench-attention-{time.strftime('%Y%m%d-%H%M%S')}.log")
     rows = summarize(res["ranks"])
     print(table(rows, COLUMNS))
     hit = [r for r in rows if (r["tokens"], r["sequences"], r["cp"]) ==

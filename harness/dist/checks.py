@@ -23,6 +23,7 @@ import torch.distributed as dist
 from harness.dist.cp_attention import CPAttentionPlan, cp_attention
 from harness.dist.groups import DynamicGroups, ParallelLayout
 from harness.dist.reroute import build_microbatches, needed_gids, owners_round_robin, reroute, sample_for
+from harness.dist.watchdog import Heartbeat
 from harness.plan import schedule
 from harness.plan.thd import pack, padding_divisor, zigzag_index_array
 from harness.runtime.attention import LSE_BACKENDS, thd_attention
@@ -155,6 +156,7 @@ def all_checks(rank: int, world: int, cfg: dict | None = None) -> dict:
     if layout.world_size != world:
         raise ValueError(f"parallel (dp, cp, tp) = {cfg['parallel']} needs {layout.world_size} ranks, world has {world}")
     groups = DynamicGroups(layout, rank)
+    Heartbeat.from_cfg(cfg, rank).beat(force=True, phase="checks")
     return {"rank": rank, "world": world, "parallel": [dp, cp, tp], "groups": check_groups(rank, world, groups, device),
             "reroute": check_reroute(rank, world, groups, cfg, device),
             "attention": check_attention(rank, layout.n_positions, groups, cfg, device)}

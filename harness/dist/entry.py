@@ -2,7 +2,8 @@
 
 Jobs: ``checks`` (``harness.dist.checks.all_checks``: groups, reroute, CP attention vs full attention),
 ``bench-attention`` (``harness.bench.attention.measure``), ``bench-step`` (``harness.bench.step.measure``),
-``converge`` (``harness.dist.train.train``) and ``replay`` (``harness.dist.replay.replay_check``).
+``converge`` (``harness.dist.train.train``), ``replay`` (``harness.dist.replay.replay_check``) and
+``selftest`` (``harness.dist.selftest.job``: the launcher's bounds).
 Every rank runs the job; rank 0 gathers the ranks' results and writes them as JSON (atomically).
 NCCL on CUDA machines, gloo otherwise; ``--cfg '{"device": "cpu"}'`` keeps a job on gloo there too.
 ``launch(job, nproc, out, cfg)`` runs it from Python (used by the GPU suite and the benchmark CLI).
@@ -14,18 +15,21 @@ import argparse
 import datetime as dt
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 JOBS = {"checks": "harness.dist.checks:all_checks", "bench-attention": "harness.bench.attention:measure",
         "bench-step": "harness.bench.step:measure", "converge": "harness.dist.train:train",
-        "replay": "harness.dist.replay:replay_check"}
+        "replay": "harness.dist.replay:replay_check", "selftest": "harness.dist.selftest:job"}
 
 
 def _job(name: str):
     module, fn = JOBS[name].split(":")
     return getattr(__import__(module, fromlist=[fn]), fn)
+
+
+DEFAULT_STALL_S = {"cpu": 180.0, "cuda": 900.0}
+"""``launch``'s default: a job fails when no rank has reported progress for this long (CPU steps take
+seconds; CUDA jobs compile for minutes before their first step)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,50 +41,56 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from harness.dist.watchdog import Heartbeat
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     job_cfg = json.loads(a.cfg)
-    # a job config may pin the device ("cpu": gloo even where GPUs are present)
-    cuda = torch.cuda.is_available() and job_cfg.get("device", "cuda") == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=dt.timedelta(seconds=600))
-    cfg = {**job_cfg, "device": "cuda" if cuda else "cpu"}
-    result = _job(a.job)(rank, world, cfg)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        from harness.io import atomic_write_json
+    heartbeat = Heartbeat.from_cfg(job_cfg, rank)
+    heartbeat.beat(force=True, phase="starting")
+    try:
+        # a job config may pin the device ("cpu": gloo even where GPUs are present)
+        cuda = torch.cuda.is_available() and job_cfg.get("device", "cuda") == "cuda"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        timeout = dt.timedelta(seconds=float(job_cfg.get("collective_timeout_s", 600)))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        cfg = {**job_cfg, "device": "cuda" if cuda else "cpu"}
+        result = _job(a.job)(rank, world, cfg)
+        heartbeat.beat(force=True, phase="gathering results")
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            from harness.io import atomic_write_json
 
-        atomic_write_json(a.out, {"job": a.job, "world": world, "cfg": cfg, "ranks": gathered})
-    dist.barrier()
+            atomic_write_json(a.out, {"job": a.job, "world": world, "cfg": cfg, "ranks": gathered})
+        dist.barrier()
+    except BaseException:
+        heartbeat.failed()
+        raise
     dist.destroy_process_group()
     return 0
 
 
-def launch(job: str, nproc: int, out: Path, cfg: dict | None = None, timeout_s: float = 1800,
-           stream=None) -> dict:
+def launch(job: str, nproc: int, out: Path, cfg: dict | None = None, timeout_s: float = 1800, stream=None,
+           stall_s: float | None = None, log: Path | None = None) -> dict:
     """Run ``job`` under torchrun on ``nproc`` local processes and return rank 0's JSON. ``stream``:
-    called with each stdout line as it arrives (progress); otherwise output is captured."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=localhost:0", "-m", "harness.dist.entry", job, "--out", str(out),
-           "--cfg", json.dumps(cfg or {})]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
-    tail: list[str] = []
-    try:
-        for line in proc.stdout:
-            tail = (tail + [line])[-200:]
-            if stream:
-                stream(line.rstrip("\n"))
-        proc.wait(timeout=timeout_s)
-    except BaseException:
-        proc.kill()
-        raise
-    if proc.returncode != 0:
-        raise RuntimeError(f"torchrun {job} on {nproc} processes failed (exit {proc.returncode}); last output:\n"
-                           + "".join(tail[-80:]))
-    return json.loads(Path(out).read_text())
+    called with each output line as it arrives (progress). Bounded: the job fails with ``JobFailure``
+    when no rank reports progress for ``stall_s`` seconds (default ``DEFAULT_STALL_S`` of the job's
+    device; the collectives time out at twice that), when it runs past ``timeout_s``, or when a rank
+    fails; the exception names the rank that failed first and why in one line, and the job's whole
+    output is kept in ``log`` (default: next to ``out``; deleted after a success)."""
+    from harness.dist import launcher
+
+    cfg = dict(cfg or {})
+    stall = float(stall_s or DEFAULT_STALL_S["cuda" if cfg.get("device", "cuda") == "cuda" and _has_cuda() else "cpu"])
+    return launcher.run(job, nproc, Path(out), cfg, timeout_s=timeout_s, stall_s=stall, stream=stream,
+                        log=Path(log) if log else Path(out).with_name(f"torchrun-{job}.log"))
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from harness.corpus import CorpusConfig, global_batch
 from harness.dist.cp_attention import CPAttentionPlan, cp_attention
+from harness.dist.watchdog import Heartbeat
 from harness.plan.pipeline import layer_ranges, routers_on_stage, stage_layers
 from harness.plan.replay import thd_routes
 from harness.plan.thd import pack, padding_divisor, zigzag_index_array
@@ -180,6 +181,7 @@ def _run(mode, cfg, rank, seqs, mbs, routes, total, groups):
 
 def replay_check(rank: int, world: int, cfg: dict | None = None) -> dict:
     cfg = {**DEFAULT, **(cfg or {})}
+    Heartbeat.from_cfg(cfg, rank).beat(force=True, phase="replay check")
     if cfg["pp"] * cfg["cp"] != world:
         raise ValueError(f"pp={cfg['pp']} x cp={cfg['cp']} needs {cfg['pp'] * cfg['cp']} ranks, the world has {world}")
     torch.manual_seed(0)

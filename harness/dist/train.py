@@ -28,6 +28,7 @@ from harness.dist.groups import DynamicGroups, ParallelLayout
 from harness.dist.layouts import LAYOUTS, LayoutConfig, LayoutError, static_cp_for
 from harness.dist.probes import Probes
 from harness.dist.reroute import ThdMicroBatch, build_microbatches, reroute
+from harness.dist.watchdog import Heartbeat
 from harness.plan import CostModel, ScheduleError
 from harness.runtime.model import MODELS, TinyLM
 
@@ -69,9 +70,20 @@ class TrainConfig:
         if self.steps < 1:
             raise LayoutError(f"steps must be >= 1, got {self.steps}")
         from harness.dist.cp_attention import EXCHANGES
+        from harness.plan import ALGORITHMS
 
         if self.cp_exchange not in EXCHANGES:
             raise LayoutError(f"cp_exchange must be one of {', '.join(EXCHANGES)}, got {self.cp_exchange!r}")
+        if self.scheduler not in ALGORITHMS:
+            raise LayoutError(f"unknown scheduler {self.scheduler!r} for the dcp layout; choose from "
+                              f"{', '.join(sorted(ALGORITHMS))}")
+        if self.dcp_padding not in ("local", "domain"):
+            raise LayoutError(f"dcp_padding must be 'local' or 'domain', got {self.dcp_padding!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise LayoutError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.max_seqlen_per_rank < 1 or self.micro_batch_size < 1:
+            raise LayoutError(f"max_seqlen_per_rank and micro_batch_size must be >= 1, got "
+                              f"{self.max_seqlen_per_rank} and {self.micro_batch_size}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -200,12 +212,14 @@ def _step(model, groups, batch, layout, lcfg, cfg, cost, device, probe=None):
 
 
 def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, groups, lcfg, device, log,
-                 probes=None) -> list[dict]:
+                 probes=None, heartbeat: Heartbeat | None = None) -> list[dict]:
     torch.manual_seed(cfg.corpus.seed)
     model = TinyLM(MODELS[cfg.model]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     cost, everyone, rows = model_cost(cfg), groups.group(lcfg.n_ranks), []
+    heartbeat = heartbeat or Heartbeat(None, rank)
     for step in range(cfg.steps):
+        heartbeat.beat(layout=layout, step=step + 1, of=cfg.steps)
         t0 = time.perf_counter()
         batch = global_batch(cfg.corpus, step)
         probe = probes.step(step, batch) if probes is not None else None
@@ -262,7 +276,8 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
                 f.write(json.dumps(row) + "\n")
 
     probes = {layout: Probes() for layout in cfg.layouts} if cfg.probes else {}
-    out = {layout: train_layout(layout, rank, world, cfg, groups, lcfg, device, log, probes.get(layout))
+    heartbeat = Heartbeat.from_cfg(cfg_dict, rank)
+    out = {layout: train_layout(layout, rank, world, cfg, groups, lcfg, device, log, probes.get(layout), heartbeat)
            for layout in cfg.layouts}
     result = {"rank": rank, "static_cp": lcfg.static_cp, "longest": longest, "layouts": out if rank == 0 else {}}
     if cfg.probes:

@@ -1,8 +1,14 @@
-"""HTML report of ``dcp-harness bench step`` (``reports/bench_step.html``)."""
+"""HTML report of ``dcp-harness bench step`` (``reports/bench_step.html``).
+
+Drawn from the benchmark's summary and config alone; its tables' columns come from
+``harness.report.step_tables`` (shared with the printed tables), so the report never imports the
+benchmark (reports read results).
+"""
 
 from __future__ import annotations
 
 from harness.report.html import esc, figure_png, page, table
+from harness.report.step_tables import PHASE_COLUMNS, phase_rows, run_columns, runs_rows
 
 PART_COLORS = {"attention": "#4c72b0", "linear": "#55a868", "other": "#8172b2", "communication": "#c44e52",
                "idle": "#cccccc"}
@@ -105,8 +111,6 @@ def _bound(summary: dict) -> str:
 
 def _runs(summary: dict) -> str:
     """The per-run table (several runs only): the targets' medians come from these rows."""
-    from harness.bench.step import run_columns, runs_rows
-
     if len(summary["runs"]) < 2:
         return ""
     cols = run_columns(summary)
@@ -120,8 +124,6 @@ def _runs(summary: dict) -> str:
 
 def _phases(summary: dict, cfg) -> str:
     """The step's phases (every measured step): where dynamic CP can save time and where it cannot."""
-    from harness.bench.step import PHASE_COLUMNS, phase_rows
-
     rows = phase_rows(summary)
     if not rows:
         return ""

@@ -93,3 +93,30 @@ def test_faults_cli_lists_validates_before_running_and_writes_readable_reports(t
     os.umask(mask)
     for p in (out, page):
         assert p.stat().st_mode & 0o777 == 0o666 & ~mask  # the umask's mode, not the temporary file's 0600
+
+
+def test_bad_inputs_are_refused_before_anything_runs(tmp_path):
+    """Each bad input: exit 2, one line naming the value and the fix, no traceback, nothing launched."""
+    (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "empty.txt").write_text("# only a comment\n\n")
+    (tmp_path / "file").write_text("")
+    cases = [
+        (["schedule", "--lengths", str(tmp_path / "bin.txt")], "is not a text file of lengths"),
+        (["schedule", "--lengths", str(tmp_path)], "is a directory"),
+        (["schedule", "--lengths", str(tmp_path / "empty.txt")], "holds no lengths"),
+        (["schedule", "--dist", "const:value=100", "--json", str(tmp_path / "file" / "x.json")], "cannot create"),
+        (["converge", "--scheduler", "nosuch", "--steps", "1"], "unknown scheduler 'nosuch'"),
+        (["nightly", "--models", "tiny-gpt,nope", "--steps", "1", "--device", "cpu"], "unknown model(s) 'nope'"),
+    ]
+    import torch
+
+    if not torch.cuda.is_available():
+        cases.append((["converge", "--device", "cuda", "--steps", "1"], "this machine has 0 (no CUDA device"))
+    for args, expect in cases:
+        if args[0] == "schedule":
+            args = args + ["--ranks", "4", "--max-seqlen-per-rank", "512"]
+        r = cli(*args, cwd=tmp_path)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and expect in lines[0], (args, r.stderr)
+        assert lines[0].startswith("dcp-harness: error: ") and "Traceback" not in r.stderr
+    assert not (tmp_path / "reports").exists()  # nothing was launched or written

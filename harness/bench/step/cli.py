@@ -1,0 +1,114 @@
+"""``dcp-harness bench step``'s driver: resolve the config, run the torchrun job, print the tables
+and verdicts, write ``bench_step.json`` and its HTML report.
+
+The only module of the package that runs processes and writes files; the statistics it prints come
+from ``summarise`` and the table definitions from ``harness.report.step_tables`` (shared with the
+HTML report, which imports nothing of the benchmark).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from harness.bench.common import REPORTS, table, write_report
+from harness.bench.step.config import BenchConfigError, StepBenchConfig
+from harness.bench.step.summarise import TARGETS, checks, summarize
+from harness.io import atomic_write_text
+from harness.report.step_report import render
+from harness.report.step_tables import (
+    BREAKDOWN_COLUMNS,
+    COLUMNS,
+    PHASE_COLUMNS,
+    arm_rows,
+    breakdown_rows,
+    phase_rows,
+    run_columns,
+    runs_rows,
+)
+
+CPU_SMOKE = {"model": "tiny-gpt", "lengths": "lognormal:mean=96,sigma=1.2,min=8,max=512", "max_seqlen_per_rank": 128,
+             "warmup": 1, "iters": 3, "profile_iters": 1, "dtype": "float32", "calibration_reps": 1,
+             "calibration_burst": 2, "runs": 1}
+"""``--cpu``: a smoke configuration on gloo (checks the pipeline end to end; no targets)."""
+
+
+def _progress(line: str) -> None:
+    if not line.startswith(("USDT:", "STAGE:")):  # libkineto prints these on every profiler start/stop
+        print(line, flush=True)
+
+
+def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None = None, cpu: bool = False,
+         overrides: dict | None = None, stall_s: float | None = None) -> int:
+    import torch
+
+    from harness.dist.entry import launch
+
+    cuda = torch.cuda.is_available() and not cpu
+    if not cuda and not cpu:
+        print("dcp-harness bench step: needs CUDA GPUs; --cpu runs a smoke configuration on gloo", flush=True)
+        return 2
+    cfg = StepBenchConfig.from_dict({**(CPU_SMOKE if cpu else {}), **(overrides or {}),
+                                     "device": "cuda" if cuda else "cpu"})
+    n = nproc or (min(4, torch.cuda.device_count()) if cuda else 2)
+    if cuda and n > torch.cuda.device_count():
+        raise BenchConfigError(f"--nproc {n} needs {n} GPUs but {torch.cuda.device_count()} are visible; "
+                               f"use --nproc <= {torch.cuda.device_count()}")
+    cfg.validate(n)
+    out = out or REPORTS / "bench_step.json"
+    html = html or out.with_suffix(".html")
+    if cfg.trace_dir == "":
+        cfg = replace(cfg, trace_dir=str(out.parent / f"{out.stem}_traces"))
+    where = torch.cuda.get_device_name(0) if cuda else "CPU (gloo)"
+    print(f"bench step: {n} x {where}, model {cfg.model}, {cfg.dtype}, "
+          f"blocks {'compiled (' + cfg.compile_label() + ')' if cfg.compile_label() else 'eager'}"
+          f"{f', token bucket {cfg.token_bucket}' if cfg.token_bucket else ''}, gradient all-reduce {cfg.grad_reduce}, "
+          f"arms {', '.join(cfg.arms)}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_json = {**cfg.to_dict(), "arms": list(cfg.arms)}
+        res = launch("bench-step", n, Path(tmp) / "step.json", cfg_json, stream=_progress, stall_s=stall_s,
+                     log=out.parent / "logs" / f"bench-step-{time.strftime('%Y%m%d-%H%M%S')}.log")
+    summary = summarize(res, cfg)
+    _print_tables(summary, cfg)
+    cks = checks(summary, "cuda" if cuda else "cpu")
+    _print_verdicts(summary, cks)
+    path = write_report("step", {**cfg.to_dict(), "gpus": n}, summary, out=out, checks=cks)
+    atomic_write_text(html, render(summary, cfg, cks, n))
+    print(f"wrote {path}\nwrote {html}")
+    return 0 if all(c["pass"] is not False for c in cks) else 1
+
+
+def _print_tables(summary: dict, cfg: StepBenchConfig) -> None:
+    """The per-run table (several runs), the representative run's arms, its breakdown and phases."""
+    if len(summary["runs"]) > 1:
+        print(f"per run (trimmed-mean ms; ratios > 1: {TARGETS['ours']} faster):")
+        print(table(runs_rows(summary), run_columns(summary)))
+        print(f"run {summary['representative_run'] + 1} (the median speedup) in detail:")
+    print(table(arm_rows(summary), COLUMNS))
+    brows = breakdown_rows(summary)
+    if brows:
+        run_note = (f" of run {summary['breakdown_run'] + 1}, the last: only it profiles"
+                    if len(summary["runs"]) > 1 and summary.get("breakdown_run") is not None else "")
+        print(f"breakdown of one step (ms, mean over ranks and {cfg.profile_iters} profiled steps{run_note}):")
+        print(table(brows, BREAKDOWN_COLUMNS))
+    for k, v in summary["arms"].items():
+        if v["breakdown_error"]:
+            print(f"  {k}: no breakdown: {v['breakdown_error']}")
+    if phase_rows(summary):
+        print(f"step phases (trimmed-mean ms of the measured steps, each boundary when the slowest rank passed it; "
+              f"gradient all-reduce {cfg.grad_reduce}):")
+        print(table(phase_rows(summary), PHASE_COLUMNS))
+
+
+def _print_verdicts(summary: dict, cks: list[dict]) -> None:
+    """The modelled speedup bound (context) and each target's verdict."""
+    bound = summary["ratios"]["speedup_bound"]
+    if bound["median"] is not None:
+        print(f"  speedup bound under the calibrated cost model (static's modelled time / the lower bound of any "
+              f"schedule): median {bound['median']:.3f} (runs: {', '.join(f'{x:.3f}' for x in bound['per_run'])})")
+    for c in cks:
+        verdict = "n/a (targets apply to 4 GPUs)" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")
+        each = f" (runs: {', '.join(f'{x:.3f}' for x in c['per_run'])})" if c["runs"] > 1 else ""
+        print(f"  [{verdict}] {c['target']}: {c['value']:.3f}{each}")

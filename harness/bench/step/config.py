@@ -1,0 +1,316 @@
+"""``bench step``'s inputs: the config, its arms, the option choices and their errors.
+
+Everything here is checked before any process starts (``StepBenchConfig.validate``), so a bad
+option fails in the CLI with a message naming the fix. Pure Python: the torch-heavy modules it
+consults for the valid names (the model table, the K/V exchanges) are imported when a check needs them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from harness.plan import ALGORITHMS, CostModel
+from harness.plan.errors import PlanInputError
+
+
+class BenchConfigError(PlanInputError):
+    """A ``bench step`` option is invalid (names the value and the fix)."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    layout: str
+    scheduler: str
+    padding: str = "local"
+    exchange: str | None = None
+    """K/V exchange of this arm's CP blocks; None = the config's ``cp_exchange``."""
+    scope: str | None = None
+    """What one compiled call covers for this arm (``TinyLM.compile_blocks(scope=...)``: ``segments``
+    or ``chain``); None = the config's ``compile``."""
+
+    @property
+    def label(self) -> str:
+        return (f"{self.layout}:{self.scheduler}" + ("" if self.padding == "local" else f":{self.padding}")
+                + (f"@{self.exchange}" if self.exchange else "") + (f"+{self.scope}" if self.scope else ""))
+
+
+def parse_arm(text: str) -> Arm:
+    from harness.dist.cp_attention import EXCHANGES
+    from harness.runtime.model import COMPILE_SCOPES
+
+    text = str(text)
+    rest, plus, scope = text.partition("+")
+    if plus and scope not in COMPILE_SCOPES:
+        raise BenchConfigError(f"arm {text!r}: compile scope must be one of {', '.join(COMPILE_SCOPES)} after '+', "
+                               f"got {scope!r}")
+    body, _, exchange = rest.partition("@")
+    if "@" in rest and exchange not in EXCHANGES:
+        raise BenchConfigError(f"arm {text!r}: exchange must be one of {', '.join(EXCHANGES)} after '@', got {exchange!r}")
+    parts = body.split(":")
+    if len(parts) not in (2, 3):
+        raise BenchConfigError(f"arm {text!r} is not layout:scheduler[:padding][@exchange][+scope], e.g. "
+                               f"thd:dp-balanced, dcp:balanced@ring or dcp:balanced+chain")
+    layout, scheduler, padding = parts[0], parts[1], parts[2] if len(parts) == 3 else "local"
+    if layout not in ("thd", "dcp"):
+        raise BenchConfigError(f"arm {text!r}: layout must be thd (static CP) or dcp (dynamic CP), got {layout!r}")
+    if layout == "thd" and scheduler != "dp-balanced":
+        raise BenchConfigError(f"arm {text!r}: static CP (thd) packs with dp-balanced; write thd:dp-balanced")
+    if scheduler not in ALGORITHMS:
+        raise BenchConfigError(f"arm {text!r}: unknown scheduler {scheduler!r}; choose from {', '.join(ALGORITHMS)}")
+    if padding not in ("local", "domain"):
+        raise BenchConfigError(f"arm {text!r}: padding must be local or domain, got {padding!r}")
+    return Arm(layout, scheduler, padding, exchange or None, scope or None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepBenchConfig:
+    model: str = "gpt-12l-h2048"
+    """A key of ``harness.runtime.model.MODELS``."""
+    lengths: str = "lognormal:mean=1024,sigma=1.5,min=128,max=8192"
+    """Length distribution (``harness.workloads`` spec)."""
+    max_seqlen_per_rank: int = 2048
+    microbatches: int = 8
+    """Global batch = ``microbatches x N x max_seqlen_per_rank`` tokens (at most), with
+    ``global_batch="tokens"``."""
+    global_batch: str = "tokens"
+    """How big a global batch is (``GLOBAL_BATCH_CHOICES``):
+
+    - ``tokens``: lengths drawn until the next one would pass ``microbatches x N x
+      max_seqlen_per_rank`` tokens: enough for ``microbatches`` full packs of the DP x CP domain
+      (65536 tokens, ~75 sequences at 4 ranks). This project's reading of "8 micro-batches per
+      global batch", and the default.
+    - ``megatron``: ``microbatches x dp`` sequences, where dp = N / ``static_cp``: exactly what
+      Megatron's ``benchmark_dcp.sh`` loads per step. It sets ``GLOBAL_BATCH_SIZE = MICRO_BATCH_SIZE
+      (1) x DP x NUM_MICROBATCHES (8)``, and its ``MockVarlenDataset`` emits one unpacked sequence
+      per sample, so at 4 GPUs with CP 4 a step trains on 8 sequences (~7K tokens) in 1-2 packed
+      micro-batches.
+    - ``sequences:K``: K sequences per global batch.
+
+    The sequence modes take the first sequences of the ``tokens`` mode's draw, so their batches are
+    prefixes of the default ones."""
+    static_cp: int = 0
+    """CP size of the ``thd`` baseline; 0 = the world size."""
+    warmup: int = 10
+    iters: int = 30
+    arms: tuple[str, ...] = ("thd:dp-balanced", "dcp:balanced", "dcp:megatron-dev")
+    dtype: str = "bfloat16"
+    seed: int = 1234
+    lr: float = 1e-4
+    cp_comm_flops_per_byte: float = 2000.0
+    """Cost model of the ``balanced`` scheduler: FLOP-equivalents per byte of K/V exchanged. 2000
+    is calibrated from ``reports/recorded/bench_attention.h200x4.json`` (4.0 ms of K/V exchange
+    per layer for a 32K-token pack at cp 2 and 4, at ~400 TFLOP/s of useful compute)."""
+    per_microbatch_flops: float = 0.0
+    """Cost model: fixed FLOP-equivalents per micro-batch a rank runs (launch overhead)."""
+    calibrate: bool = True
+    """Fit the scheduler's cost model to measured micro-batch times on this machine first
+    (``calibrate_cost``); otherwise use the FLOP model with ``cp_comm_flops_per_byte``."""
+    cost_model: dict | None = None
+    """A fixed cost model (``CostModel`` fields, e.g. ``results.cost_model`` of an earlier
+    ``bench_step.json``): no calibration, and schedules identical from run to run."""
+    calibration_reps: int = 3
+    calibration_burst: int = 4
+    """Each calibration sample times this many forward + backward passes of the shape back to back
+    between two synchronisations and divides: in a step, micro-batches pipeline (the host enqueues
+    the next while the device runs this one), and a lone micro-batch between synchronisations also
+    pays the device's wake-up and the pipeline's fill and drain (on 4 H200s a lone CP-4 micro-batch
+    took 78 ms, one inside a step ~43 ms)."""
+    runs: int = 3
+    """Independent repetitions in one job: each re-calibrates the cost model (unless one is pinned)
+    and runs every arm's warm-up and measured steps again from the initial weights. The
+    targets are judged on the median over runs of each ratio: on 4 H200s one run's ratio moves
+    +-4% (the machine's speed drifts ~20% within minutes), so a single run can pass or fail by luck."""
+    cp_exchange: str = "gather"
+    """How CP blocks exchange K/V (``harness.dist.cp_attention.EXCHANGES``): ``gather`` (all-gather
+    before the attention kernels, fp32 reduce-scatter of dK/dV after) or ``ring`` (K/V passed around
+    the block while each received block's attention part runs, as TransformerEngine's ``p2p`` CP and
+    Megatron's static-CP baseline; needs the ``flash`` kernels on CUDA) or ``auto`` (ring for long
+    blocks, ``harness.dist.cp_attention.choose_exchange``). An arm may override it (``@ring``)."""
+    grad_reduce: str = "overlap"
+    """Gradient all-reduce over the DP x CP group: ``overlap`` (buckets of 40M elements reduced as
+    the step's last backward completes them, ``harness.dist.grad_reduce``; Megatron's
+    ``--overlap-grad-reduce``) or ``after`` (one all-reduce of the whole buffer after the last backward)."""
+    plan: str = "ahead"
+    """Where each step's schedule is computed: ``ahead`` (a ``harness.plan.ahead.PlanAhead`` process
+    plans step k + 1 while step k runs, as Megatron describes its asynchronous dynamic-CP solver; a
+    step waits only if the planner is behind, and that wait is timed in its schedule phase) or
+    ``inline`` (at the start of the step, on its critical path). Every arm is treated alike; the
+    planner's own time per schedule is still reported (``plan ms``) and the wait as ``plan wait ms``."""
+    gc: str = "manual"
+    """Python's garbage collector: ``manual`` (as Megatron's ``--manual-gc`` and torchtitan's
+    ``gc_freq``) disables automatic collection and collects generation 1 between steps, outside the
+    timed window, and a full collection before every run; ``auto`` leaves Python's thresholds on,
+    so a collection can fall inside any rank's step (and stall its CP group)."""
+    profile_iters: int = 2
+    """Extra profiled steps per arm for the breakdown (0 = no breakdown), after the *last* run's
+    measured steps only: profiling leaves host overhead behind in the process, which would slow the
+    runs after it."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s per GPU for MFU; 0 = by device name (``DEVICE_PEAK_TFLOPS``)."""
+    trim: float = 0.1
+    """Fraction trimmed from each end for the trimmed mean."""
+    trace_dir: str = ""
+    """Where rank 0 keeps one gzipped Chrome trace per arm ('' = none)."""
+    compile: str = "auto"
+    """``torch.compile`` backend for the dense blocks' per-token segments and the loss head
+    (``TinyLM.compile_blocks``; attention and its collectives stay eager): ``auto`` = ``inductor-chain``
+    on CUDA and eager on CPU, ``off`` = eager, a backend name (``inductor``, ``aot_eager``: segments), or
+    ``reduce-overhead`` (inductor, each segment replayed as a CUDA graph; set ``token_bucket``). The
+    eager model is launch-bound on an H200 (one micro-batch enqueues ~1000 kernels).
+    ``inductor-chain`` / ``aot_eager-chain``: the whole model as one compiled call per micro-batch,
+    attentions opaque (``scope="chain"``; measured in session 11 against the segments, interleaved:
+    no arm's trimmed mean slower in 6 runs on 2 and 4 H200s, static CP up to 10% and balanced up to 5%
+    faster; the 4-GPU ratio's median was unchanged, 1.337 both ways). An arm's ``+segments`` /
+    ``+chain`` overrides the scope.
+    With ``grad_reduce="overlap"`` the last micro-batch of a chain arm's step runs the segments: a
+    chain's backward hands over every gradient at its end, leaving the all-reduce nothing to overlap."""
+    token_bucket: int = 0
+    """Pad every rank's micro-batch to a multiple of this many tokens (0 = off; even): the padding
+    is counted, and with ``reduce-overhead`` the graphs are recorded once per multiple."""
+    device: str = "cpu"
+
+    def arm_list(self) -> list[Arm]:
+        arms = [parse_arm(a) for a in self.arms]
+        labels = [a.label for a in arms]
+        if not arms or len(set(labels)) != len(labels):
+            raise BenchConfigError(f"arms must be a non-empty list without repeats, got {list(self.arms)}")
+        return arms
+
+    def validate(self, world: int) -> None:
+        from harness.runtime.model import MODELS
+        from harness.workloads import parse_spec
+
+        if self.model not in MODELS:
+            raise BenchConfigError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
+        parse_spec(self.lengths)
+        self.arm_list()
+        if self.cost_model is not None:
+            cost_model_from(self.cost_model)
+        if world < 1 or world & (world - 1):
+            raise BenchConfigError(f"world size {world} is not a power of two; use 1, 2, 4 or 8 processes")
+        for name in ("max_seqlen_per_rank", "microbatches", "iters", "calibration_reps", "calibration_burst", "runs"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise BenchConfigError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("warmup", "profile_iters", "static_cp"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise BenchConfigError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
+        if self.profile_iters > self.iters:
+            raise BenchConfigError(f"profile_iters={self.profile_iters} must be <= iters={self.iters}")
+        if self.static_cp and (self.static_cp > world or self.static_cp & (self.static_cp - 1)):
+            raise BenchConfigError(f"static_cp={self.static_cp} must be a power of two <= the world size {world}")
+        if not 0 <= self.trim < 0.5:
+            raise BenchConfigError(f"trim must be in [0, 0.5), got {self.trim}")
+        n = self.batch_sequences(world)
+        if n is not None and n < world:
+            raise BenchConfigError(f"global_batch={self.global_batch!r} gives {n} sequences per step on {world} ranks; "
+                                   f"every rank needs at least one: use sequences:{world} or more (or 'tokens')")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise BenchConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.plan not in ("ahead", "inline"):
+            raise BenchConfigError(f"plan must be 'ahead' or 'inline', got {self.plan!r}")
+        from harness.dist.cp_attention import EXCHANGES
+
+        if self.cp_exchange not in EXCHANGES:
+            raise BenchConfigError(f"cp_exchange must be one of {', '.join(EXCHANGES)}, got {self.cp_exchange!r}")
+        if self.gc not in ("manual", "auto"):
+            raise BenchConfigError(f"gc must be manual or auto, got {self.gc!r}")
+        if self.grad_reduce not in GRAD_REDUCE_CHOICES:
+            raise BenchConfigError(f"grad_reduce must be one of {', '.join(GRAD_REDUCE_CHOICES)}, got {self.grad_reduce!r}")
+        if self.compile not in COMPILE_CHOICES:
+            raise BenchConfigError(f"compile must be one of {', '.join(COMPILE_CHOICES)}, got {self.compile!r}")
+        if self.compile == "reduce-overhead" and self.device != "cuda":
+            raise BenchConfigError("compile=reduce-overhead records CUDA graphs; it needs CUDA (use inductor or off)")
+        arms = self.arm_list()
+        if any(a.scope for a in arms) and not self.compile_backend():
+            raise BenchConfigError(f"arms {[a.label for a in arms if a.scope]} choose a compile scope but compile="
+                                   f"{self.compile!r} runs eager (on this device); pick a compile backend, e.g. "
+                                   f"compile=inductor")
+        if self.compile_mode() == "reduce-overhead" and any(a.scope == "chain" for a in arms):
+            raise BenchConfigError("compile=reduce-overhead records CUDA graphs of segments; a '+chain' arm cannot "
+                                   "(its attentions run collectives); drop '+chain' or use compile=inductor")
+        if not isinstance(self.token_bucket, int) or self.token_bucket < 0 or self.token_bucket % 2:
+            raise BenchConfigError(f"token_bucket must be 0 (off) or an even int, got {self.token_bucket!r}")
+
+    def batch_sequences(self, world: int) -> int | None:
+        """Sequences per global batch (None for ``global_batch="tokens"``); raises
+        ``BenchConfigError`` naming a bad ``global_batch``."""
+        gb = self.global_batch
+        if gb == "tokens":
+            return None
+        if gb == "megatron":
+            return self.microbatches * max(1, world // (self.static_cp or world))
+        head, _, count = gb.partition(":") if isinstance(gb, str) else ("", "", "")
+        if head == "sequences" and count.isascii() and count.isdigit() and 1 <= int(count) <= MAX_BATCH_SEQUENCES:
+            return int(count)
+        raise BenchConfigError(f"global_batch must be one of {', '.join(GLOBAL_BATCH_CHOICES)} "
+                               f"(1 <= K <= {MAX_BATCH_SEQUENCES}), got {gb!r}")
+
+    def compile_backend(self) -> str | None:
+        """The resolved ``compile``: a ``torch.compile`` backend name, or None for eager."""
+        if self.compile == "auto":
+            return "inductor" if self.device == "cuda" else None
+        if self.compile == "reduce-overhead":
+            return "inductor"
+        return None if self.compile == "off" else self.compile.removesuffix("-chain")
+
+    def compile_mode(self) -> str | None:
+        return "reduce-overhead" if self.compile == "reduce-overhead" else None
+
+    def compile_scope(self) -> str:
+        """``chain`` for the ``-chain`` choices and for ``auto`` on CUDA, else ``segments``."""
+        return "chain" if self.compile.endswith("-chain") or (self.compile == "auto" and self.device == "cuda") \
+            else "segments"
+
+    def compile_label(self) -> str | None:
+        """What the report says: None (eager), a backend, ``inductor/reduce-overhead`` or
+        ``inductor/chain``."""
+        be, mode = self.compile_backend(), self.compile_mode()
+        if be and self.compile_scope() == "chain":
+            return f"{be}/chain"
+        return f"{be}/{mode}" if be and mode else be
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepBenchConfig:
+        d = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        if "arms" in d:
+            d["arms"] = tuple(d["arms"])
+        return cls(**d)
+
+
+GLOBAL_BATCH_CHOICES = ("tokens", "megatron", "sequences:K")
+MAX_BATCH_SEQUENCES = 65536
+"""Most sequences ``global_batch="sequences:K"`` takes (Megatron's benchmark: 8 x dp)."""
+COMPILE_CHOICES = ("auto", "off", "inductor", "aot_eager", "reduce-overhead", "inductor-chain", "aot_eager-chain")
+GRAD_REDUCE_CHOICES = ("overlap", "after")
+PHASES = ("schedule", "microbatches", "grad_reduce", "optimizer")
+"""A step's phases, timed in every measured step: scheduling, rerouting and building the
+micro-batches; their forwards and backwards; the gradient all-reduce left after the last backward
+plus clipping; AdamW."""
+
+
+def cost_model_from(d: dict) -> CostModel:
+    """A ``CostModel`` from a dict of its fields (unknown keys are an error naming them)."""
+    fields = set(CostModel.__dataclass_fields__)
+    bad = sorted(set(d) - fields)
+    if bad:
+        raise BenchConfigError(f"cost model has unknown fields {bad}; use {sorted(fields)}")
+    return CostModel(**d)
+
+
+def load_cost_model(path) -> dict:
+    """The cost-model dict in ``path``: a ``bench_step.json`` or a plain JSON object of fields."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise BenchConfigError(f"cannot read a cost model from {str(p)!r}: {e}") from None
+    d = doc.get("results", {}).get("cost_model", doc) if isinstance(doc, dict) else None
+    if not isinstance(d, dict):
+        raise BenchConfigError(f"{str(p)!r} holds no cost model (a JSON object of CostModel fields)")
+    cost_model_from(d)
+    return d

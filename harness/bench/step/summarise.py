@@ -1,0 +1,216 @@
+"""``bench step``'s statistics and targets: the job's per-rank JSON -> per-run arm figures, the
+target ratios over runs and their verdicts.
+
+Pure Python over the job's result (no torch, no world), so the statistics are tested on made-up
+results and a report can be redrawn from a ``bench_step.json``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from harness.bench.step.config import PHASES, StepBenchConfig
+from harness.bench.step.workload import model_cost, model_flops, peak_tflops
+from harness.bench.trace import mean_breakdown
+
+TARGETS = {"speedup_vs_static": 1.4, "world": 4, "ours": "dcp:balanced", "upstream": "dcp:megatron-dev",
+           "baseline": "thd:dp-balanced"}
+
+
+
+def trimmed_mean(xs: list[float], trim: float) -> float:
+    """Mean after dropping ``floor(trim * n)`` values from each end (scipy's ``trim_mean``)."""
+    if not xs:
+        raise ValueError("no values")
+    s, k = sorted(xs), math.floor(trim * len(xs))
+    kept = s[k:len(s) - k] or s
+    return statistics.fmean(kept)
+
+
+def summarize(result: dict, cfg: StepBenchConfig) -> dict:
+    """Statistics from the job's JSON (rank 0 holds the slowest-rank times). ``runs``: one summary
+    per run (``_summarize_run``); ``ratios``: each target ratio per run and its median (what the
+    targets judge); ``arms``, ``cost_model`` and ``calibration`` at the top level are the
+    *representative* run's: the one whose speedup of ours over the baseline is the median (the
+    lower median for an even count; the last run if the ratio cannot be formed), except the
+    ``BREAKDOWN_FIELDS``, which come from the profiled run (``breakdown_run``: the last, or None)."""
+    ranks = sorted(result["ranks"], key=lambda r: r["rank"])
+    r0, world = ranks[0], result["world"]
+    runs = [_summarize_run(ranks, k, world, cfg) for k in range(len(r0["runs"]))]
+    ratios = _ratios(runs)
+    rep = _representative(ratios["speedup_vs_static"]["per_run"])
+    top = dict(runs[rep])
+    profiled = next((k for k in range(len(runs) - 1, -1, -1)
+                     if any(a["breakdown"] or a["breakdown_error"] for a in runs[k]["arms"].values())), None)
+    if profiled is not None and profiled != rep:  # the breakdown comes from the profiled (last) run
+        top["arms"] = {label: {**a, **{f: runs[profiled]["arms"][label][f] for f in BREAKDOWN_FIELDS}}
+                       for label, a in runs[rep]["arms"].items()}
+    return {**top, "runs": runs, "representative_run": rep, "breakdown_run": profiled, "ratios": ratios, "world": world,
+            "device_name": r0["device_name"], "peak_tflops": peak_tflops(cfg, r0["device_name"]),
+            "parameters": r0["parameters"], "torch": r0["torch"], "compile": r0.get("compile"),
+            "global_batch": _global_batch(r0["batches"], cfg, world)}
+
+
+def _ratios(runs: list[dict]) -> dict:
+    """Each of ``RATIOS`` per run, with its median, min and max over the runs that could form it."""
+    ratios = {name: {"per_run": [f(run["arms"]) for run in runs]} for name, f in RATIOS.items()}
+    for r in ratios.values():
+        vals = [v for v in r["per_run"] if v is not None]
+        r["median"] = statistics.median(vals) if vals else None
+        r["min"], r["max"] = (min(vals), max(vals)) if vals else (None, None)
+    return ratios
+
+
+def _representative(ours: list[float | None]) -> int:
+    """The run whose speedup ``ours`` is the median (the lower one for an even count; ties to the
+    earlier run), or the last run when some run has no speedup."""
+    if all(v is not None for v in ours):
+        order = sorted(range(len(ours)), key=lambda k: (ours[k], k))
+        return order[(len(order) - 1) // 2]
+    return len(ours) - 1
+
+
+def _global_batch(batches: list[dict], cfg: StepBenchConfig, world: int) -> dict:
+    """How big the measured global batches were (``StepBenchConfig.global_batch``)."""
+    tokens = [float(sum(b["lengths"])) for b in batches]
+    return {"mode": cfg.global_batch, "sequences": cfg.batch_sequences(world),
+            "sequences_mean": statistics.fmean(len(b["lengths"]) for b in batches),
+            "tokens_mean": statistics.fmean(tokens), "longest": max(max(b["lengths"]) for b in batches),
+            "clipped": sum(b["clipped"] for b in batches)}
+
+
+def _ratio(num: str, den: str):
+    """time(num) / time(den) of a run's arms (None when either arm is missing)."""
+    def f(arms: dict):
+        a, b = arms.get(TARGETS[num]), arms.get(TARGETS[den])
+        return a["trimmed_mean_ms"] / b["trimmed_mean_ms"] if a and b else None
+    return f
+
+
+def _speedup_bound(arms: dict):
+    """The baseline's modelled step time over the lower bound of *any* schedule of the same batches
+    (``harness.plan.bounds.lower_bound``), both under the run's calibrated cost model: the speedup
+    no scheduler can beat on this machine's measured costs (a relaxation: it may be unreachable)."""
+    a, b = arms.get(TARGETS["baseline"]), arms.get(TARGETS["ours"])
+    return a["predicted"] / b["lower_bound"] if a and b and b["lower_bound"] else None
+
+
+RATIOS = {"speedup_vs_static": _ratio("baseline", "ours"), "ours_vs_upstream": _ratio("upstream", "ours"),
+          "speedup_bound": _speedup_bound}
+"""The targets' ratios of trimmed-mean step times (> 1: ours is faster), and the modelled bound on
+the first (not a target: it says how much room the measured costs leave any scheduler)."""
+
+
+BREAKDOWN_FIELDS = ("breakdown", "breakdown_per_rank", "compute_imbalance_ms", "breakdown_error")
+"""An arm's figures from the profiled steps (only the last run profiles)."""
+
+
+def _summarize_run(ranks: list[dict], k: int, world: int, cfg: StepBenchConfig) -> dict:
+    """Run ``k``'s arms (``_arm_summary``), each with its speedups over the baseline arm, and the
+    run's cost model and calibration."""
+    r0 = ranks[0]
+    run0 = r0["runs"][k]
+    cost = model_cost(cfg, comm=False)
+    batches = {"flops": [model_flops(b["lengths"], cost) for b in r0["batches"]],
+               "tokens": [float(sum(b["lengths"])) for b in r0["batches"]]}
+    peak = peak_tflops(cfg, r0["device_name"])
+    seconds = _in_seconds(run0)
+    arms = {label: _arm_summary(a, [r["runs"][k]["arms"][label] for r in ranks], batches, world=world, peak=peak,
+                                seconds=seconds, trim=cfg.trim)
+            for label, a in run0["arms"].items()}
+    base = arms.get(TARGETS["baseline"])
+    for a in arms.values():
+        a["speedup_vs_static"] = base["trimmed_mean_ms"] / a["trimmed_mean_ms"] if base else None
+        a["predicted_speedup_vs_static"] = base["predicted"] / a["predicted"] if base and a["predicted"] else None
+        a["microbatch_speedup_vs_static"] = (base["phases_ms"]["microbatches"] / a["phases_ms"]["microbatches"]
+                                             if base and base["phases_ms"] and a["phases_ms"] else None)
+    return {"arms": arms, "cost_model": run0.get("cost_model"), "calibration": run0.get("calibration")}
+
+
+def _arm_summary(a: dict, mine: list[dict], batches: dict, *, world: int, peak: float | None, seconds: bool,
+                 trim: float) -> dict:
+    """One arm of one run: ``a`` is rank 0's record (slowest-rank times, schedules' figures),
+    ``mine`` every rank's; ``batches`` the measured batches' model FLOPs and real tokens."""
+    flops, tokens = batches["flops"], batches["tokens"]
+    s = a["step_s"]
+    tm = trimmed_mean(s, trim)
+    per_iter_tflops = [f / t / world / 1e12 for f, t in zip(flops, s)]
+    return {
+        "trimmed_mean_ms": 1e3 * tm, "median_ms": 1e3 * statistics.median(s), "mean_ms": 1e3 * statistics.fmean(s),
+        "min_ms": 1e3 * min(s), "max_ms": 1e3 * max(s), "stdev_ms": 1e3 * (statistics.stdev(s) if len(s) > 1 else 0.0),
+        "step_ms": [1e3 * x for x in s],
+        "tokens_per_s_per_gpu": statistics.fmean(tokens) / tm / world,
+        "tflops_per_gpu": statistics.fmean(flops) / tm / world / 1e12,
+        "mfu": (statistics.fmean(flops) / tm / world / (peak * 1e12)) if peak else None,
+        "tflops_per_gpu_per_iter": per_iter_tflops,
+        "padding_fraction": 1.0 - sum(tokens) / sum(a["processed_tokens"]),
+        "microbatches": statistics.fmean(f["microbatches"] for f in a["schedules"]),
+        "cp_histogram": _sum_hist(f["cp_histogram"] for f in a["schedules"]),
+        "predicted": statistics.fmean(f["predicted"] for f in a["schedules"]),
+        "predicted_ms": 1e3 * statistics.fmean(f["predicted"] for f in a["schedules"]) if seconds else None,
+        "lower_bound": statistics.fmean(f["lower_bound"] for f in a["schedules"]),
+        "plan_ms_median": statistics.median(a["plan_ms"]),
+        "plan_wait_ms_median": statistics.median(a["plan_wait_ms"]) if a.get("plan_wait_ms") else None,
+        "peak_memory_gb": max((m["peak_memory_gb"] or 0.0) for m in mine) or None,
+        **_breakdown_summary(mine),
+        "phases_ms": phase_times(a.get("phase_marks_ms"), trim),
+    }
+
+
+def _breakdown_summary(mine: list[dict]) -> dict:
+    """The ``BREAKDOWN_FIELDS`` of one arm from every rank's profiled steps (None and an empty list
+    when the run did not profile)."""
+    parts = [p for m in mine for p in m["breakdown"]]
+    per_rank = [mean_breakdown(m["breakdown"]) for m in mine if m["breakdown"]]
+    compute = [sum(p[x] for x in ("attention", "linear", "other")) for p in per_rank]
+    return {"breakdown": mean_breakdown(parts) if parts else None,
+            "breakdown_per_rank": per_rank,
+            "compute_imbalance_ms": (max(compute) - statistics.fmean(compute)) if compute else None,
+            "breakdown_error": next((m["breakdown_error"] for m in mine if m["breakdown_error"]), None)}
+
+
+def phase_times(marks: list[list[float]] | None, trim: float) -> dict | None:
+    """Trimmed-mean ms of each of ``PHASES`` from per-step phase boundaries (ms from the step's
+    start when the slowest rank passed each boundary), and ``total``: their sum step by step. A
+    phase's time is on the critical path: it includes waiting for the ranks still in the phase before."""
+    if not marks:
+        return None
+    steps = [[b - a for a, b in zip([0.0] + m[:-1], m)] for m in marks]
+    out = {name: trimmed_mean([st[k] for st in steps], trim) for k, name in enumerate(PHASES)}
+    out["total"] = trimmed_mean([m[-1] for m in marks], trim)
+    return out
+
+
+def _in_seconds(run: dict) -> bool:
+    """The cost model is in seconds: calibrated in this run, or a pinned calibrated one (``--cost-model``)."""
+    return bool(run.get("calibration")) or str((run.get("cost_model") or {}).get("name", "")).startswith("calibrated")
+
+
+def _sum_hist(hists) -> dict:
+    out: dict[str, int] = {}
+    for h in hists:
+        for k, v in h.items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def checks(summary: dict, device_type: str) -> list[dict]:
+    """The issue's targets, judged on the median over runs of each ratio (``summary["ratios"]``);
+    they apply to the 4-GPU run on GPUs (else reported as not applicable). Each check carries the
+    per-run values, so a report shows how close to the line the median is."""
+    out, ratios = [], summary["ratios"]
+    applies = device_type == "cuda" and summary["world"] == TARGETS["world"]
+    runs = len(summary["runs"])
+    what = "median over runs of the" if runs > 1 else "the"
+    for name, target, threshold in (
+            ("speedup_vs_static", f"{TARGETS['ours']} / {TARGETS['baseline']}: {what} trimmed-mean speedup >= "
+                                  f"{TARGETS['speedup_vs_static']} at {TARGETS['world']} GPUs", TARGETS["speedup_vs_static"]),
+            ("ours_vs_upstream", f"{TARGETS['ours']} at least as fast as {TARGETS['upstream']}: {what} time ratio "
+                                 f"{TARGETS['upstream']} / {TARGETS['ours']} >= 1", 1.0)):
+        v = ratios[name]["median"]
+        if v is None:
+            continue
+        out.append({"target": target, "value": v, "per_run": ratios[name]["per_run"], "runs": runs,
+                    "pass": v >= threshold if applies else None})
+    return out

@@ -1,0 +1,66 @@
+"""torchrun jobs are bounded: a rank that raises, dies or stops ends the job within seconds with one
+``JobFailure`` naming that rank, and the job's whole output stays in a log file."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from harness.dist.entry import launch
+from harness.dist.watchdog import JobFailure
+
+pytestmark = pytest.mark.dist_cpu
+
+
+def _launch(tmp_path, **cfg):
+    return launch("selftest", 4, tmp_path / "out.json", {"device": "cpu", "steps": 6, **cfg}, stall_s=6,
+                  log=tmp_path / "logs" / "selftest.log")
+
+
+def test_a_healthy_job_returns_and_leaves_no_log(tmp_path):
+    res = _launch(tmp_path)
+    assert [r["total"] for r in res["ranks"]] == [24.0] * 4
+    assert not (tmp_path / "logs" / "selftest.log").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]  # no heartbeat folder, no empty log folder
+
+
+@pytest.mark.parametrize("how, expect, limit_s", [
+    ("raise", r"rank 2 failed first: raised RuntimeError: selftest failure on rank 2 at step 3", 30),
+    ("kill", r"rank 2 failed first: was killed by signal 9 without a Python traceback", 30),
+    ("stop", r"rank 2 made no progress for \d+ s \(its process is stopped, e\.g\. by SIGSTOP\); its last report: "
+             r"step 3 of 6", 40),
+])
+def test_a_failing_rank_ends_the_job_with_one_line_naming_it(tmp_path, how, expect, limit_s):
+    t = time.monotonic()
+    with pytest.raises(JobFailure, match=expect) as info:
+        _launch(tmp_path, fail_rank=2, fail_step=3, how=how)
+    assert time.monotonic() - t < limit_s
+    e = info.value
+    assert e.rank == 2 and e.log.exists() and "\n" not in str(e)
+    assert str(e).endswith(f"; output: {e.log}")
+
+
+def test_the_watchdog_names_the_stopped_rank_and_waits_for_startup(tmp_path):
+    """Unit level, no processes: before every rank reported, the start-up limit applies; then the
+    stopped process is blamed before ranks that only wait in a collective."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from harness.dist.watchdog import STARTUP_S, Heartbeat, stalled
+
+    t0 = time.time()
+    Heartbeat(tmp_path, 0).beat(force=True, step=5, of=9)
+    assert stalled(tmp_path, 2, t0, stall_s=1, now=t0 + 10) is None  # rank 1 has not reported: start-up
+    assert stalled(tmp_path, 2, t0, stall_s=1, now=t0 + STARTUP_S + 1)[0] == 1
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "rank1.json").write_text(f'{{"rank": 1, "pid": {sleeper.pid}, "time": {t0 - 5}, "step": 4}}')
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        rank, msg = stalled(tmp_path, 2, t0, stall_s=1, now=time.time() + 2)
+        assert rank == 1 and "its process is stopped" in msg and "its last report: step 4" in msg
+    finally:
+        sleeper.kill()
