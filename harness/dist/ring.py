@@ -23,7 +23,7 @@ Communication is the same bytes as the all-gather exchange (P - 1 blocks of K/V 
 dK/dV blocks backward, as the fp32 reduce-scatter), but it runs on NCCL's stream while the attention
 kernels run, instead of in front of them.
 
-When it pays (H200s, bf16, 16 x 128 heads; ``reports/recorded/README.md``, session 10): long
+When it pays (H200s, bf16, 16 x 128 heads; ``reports/recorded/README.md``, "bench attention"): long
 packs, where each part's attention outlasts a shift (128K tokens at cp 4: per-GPU efficiency 0.929
 against the all-gather's 0.897; 8 x 16K: 0.643 vs 0.571; at cp 2, 8 x 4K: 0.558 vs 0.422). Not for
 short blocks: at 2048 tokens per rank (the step benchmark's CP-4 blocks) a layer's forward +

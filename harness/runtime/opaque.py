@@ -24,19 +24,21 @@ The attention callable is read when the forward runs, not when it is traced, so 
 serves every micro-batch: CP-1 and CP blocks, gather and ring exchanges alike. Backwards may come
 in any order (pipeline schedules): each takes its own graph by key.
 
-Host overhead (``harness.bench.microbatch.opaque_overhead``; NOTES.md, session 11, "Next"): the
+Host overhead (``dcp-harness bench opaque``, ``harness.bench.microbatch.opaque_overhead``): the
 operators are defined with ``torch.library.Library`` and their implementations registered as
 ``CompositeExplicitAutograd`` kernels, which the dispatcher calls as they are.
 ``torch.library.custom_op`` wrapped every call in several us of Python (a device-type lookup, an
 aliasing check, a ``torch._dynamo`` disable wrapper, and for the backward operator an autograd
-wrapper): ~29 of the ~91 us per layer that a compiled chain paid on the CPU host (now ~64 us). The
-forward's autograd formula is still ``torch.library.register_autograd`` (public; a hand-written
-``Autograd`` kernel would save ~3 us more per layer but needs private redispatch APIs). The backward
-operator has no autograd kernel: ``create_graph=True`` goes through ``_FirstOrderOnly``, which refuses
-a double backward by name. The wrapper's aliasing check (outputs must not share memory with inputs:
-compiled graphs reuse buffers on that promise) is now ``_fresh`` (~2-5 us per layer). Private torch
-APIs: ``torch._C._ForceDispatchKeyGuard`` and ``torch._C._dispatch_tls_local_{include,exclude}_set``
-(session 11: in torch 2.11 and 2.13); the ``torch.library`` calls above are public (since torch 2.4).
+wrapper): ~29 of the ~91 us per layer that a compiled chain paid on a 2-core CPU (now ~64 us;
+``reports/recorded/README.md``, "bench opaque"). The forward's autograd formula is still
+``torch.library.register_autograd`` (public; a hand-written ``Autograd`` kernel would save ~3 us more
+per layer but needs private redispatch APIs). The backward operator has no autograd kernel:
+``create_graph=True`` goes through ``_FirstOrderOnly``, which refuses a double backward by name. The
+wrapper's aliasing check (outputs must not share memory with inputs: compiled graphs reuse buffers on
+that promise) is now ``_fresh`` (~2-5 us per layer). Private torch APIs:
+``torch._C._ForceDispatchKeyGuard`` and ``torch._C._dispatch_tls_local_{include,exclude}_set``
+(present in torch 2.11 and 2.13; a torch upgrade must re-run ``suites/runtime/test_opaque.py``); the
+``torch.library`` calls above are public (since torch 2.4).
 """
 
 from __future__ import annotations

@@ -84,8 +84,8 @@ def test_balanced_reaches_the_least_row_count_on_tight_batches():
     assert least >= 26 and all(r <= g for r, g in zip(rows, greedy)), (least, rows, greedy)
 
 
-# The cost model `dcp-harness bench step` calibrated (back-to-back bursts) in run 2 of the session-6
-# 4 x H200 job: 31.3 ms per micro-batch whatever its tokens, 17 ms more per block of CP > 1.
+# The cost model `dcp-harness bench step` calibrated (back-to-back bursts) in run 2 of a 4 x H200 job
+# (2026-11-21, commit 9fb3b15): 31.3 ms per micro-batch whatever its tokens, 17 ms more per block of CP > 1.
 CALIBRATED = __import__("harness.plan", fromlist=["CostModel"]).CostModel(
     quadratic=2.52e-10, constant=2.1e-4, per_microbatch=0.0313, cp_block=0.017, name="H200 calibrated, burst")
 

@@ -1,6 +1,6 @@
 """``dcp-harness bench microbatch``: one micro-batch's host and device time per compile mode and
 attention backend (the CPU variant here: tiny-gpt, fp32, sdpa; the GPU figures are recorded in
-``reports/recorded/microbatch_host.h200.session8.log``)."""
+``reports/recorded/bench_microbatch.h200.json``)."""
 
 from __future__ import annotations
 

@@ -160,7 +160,7 @@ class StepBenchConfig:
     ``reduce-overhead`` (inductor, each segment replayed as a CUDA graph; set ``token_bucket``). The
     eager model is launch-bound on an H200 (one micro-batch enqueues ~1000 kernels).
     ``inductor-chain`` / ``aot_eager-chain``: the whole model as one compiled call per micro-batch,
-    attentions opaque (``scope="chain"``; measured in session 11 against the segments, interleaved:
+    attentions opaque (``scope="chain"``; measured against the segments, interleaved, on 2 and 4 x H200, 2026-11-22, commit 000f1de:
     no arm's trimmed mean slower in 6 runs on 2 and 4 H200s, static CP up to 10% and balanced up to 5%
     faster; the 4-GPU ratio's median was unchanged, 1.337 both ways). An arm's ``+segments`` /
     ``+chain`` overrides the scope.
