@@ -110,5 +110,6 @@ def test_routes_travel_aligned():
     b = build_batch([[1, 2], [3, 4, 5, 6]], [[7, 8, 9], [10, 11]],
                     routes=[np.ones((5, 2, 2), int), np.full((6, 2, 2), 300)])
     assert b.routes.shape == (2, 6, 2, 2) and b.routes.dtype == np.int16
-    assert (b.routes[0, 0] == 0).all() and (b.routes[0, 1:] == 1).all()   # starts at the first real token
+    assert b.routes[0, 0].tolist() == [[0, 1], [0, 1]]        # padding replays the distinct experts 0 .. K-1
+    assert (b.routes[0, 1:] == 1).all()                          # starts at the first real token
     assert ((b.routes[:, :, 0, 0] != 0) == (b.attention_mask == 1)).all()
