@@ -91,13 +91,21 @@ def _add_converge(sub) -> None:
     c = sub.add_parser("converge", help="train bshd / thd / dcp side by side and check they agree",
                        description="Train the layouts side by side (torchrun: gloo on CPU, NCCL on GPUs) and compare.")
     c.add_argument("--layouts", default="bshd,thd,dcp", help="comma-separated: bshd, thd, dcp")
-    c.add_argument("--world", type=int, default=4, help="ranks (processes or GPUs), a power of two")
+    c.add_argument("--world", type=int, default=4, help="ranks (processes or GPUs): pp stages of a power-of-two "
+                                                          "DP x CP domain")
     c.add_argument("--steps", type=int, default=50)
     c.add_argument("--model", default="tiny-gpt", help="tiny-gpt or tiny-moe")
     c.add_argument("--scheduler", default="balanced", help="dynamic-CP scheduler for the dcp layout")
     c.add_argument("--cp-exchange", choices=["gather", "ring", "auto"], default="gather",
                    help="K/V exchange of CP blocks: gather (all-gather; default), ring (overlapped with attention) "
                         "or auto (ring on CUDA from 8K tokens per rank at cp 2 and 4, 16K above)")
+    c.add_argument("--pp", type=int, default=1, help="pipeline stages (the world is pp stages of a DP x CP domain)")
+    c.add_argument("--vpp", type=int, default=1, help="virtual chunks per stage (interleaved 1F1B when > 1)")
+    c.add_argument("--pipeline", choices=["1f1b", "afab"], default="1f1b",
+                   help="pipeline schedule (1f1b, or afab: all forwards, then all backwards)")
+    c.add_argument("--schedule-delivery", choices=["broadcast", "compute"], default="broadcast",
+                   help="dynamic-CP schedules: computed on the first stage and sent down (broadcast) or computed "
+                        "by every stage (compute); the stages are checked to agree")
     c.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: float32 on CPU, bfloat16 on GPU")
     c.add_argument("--lengths", default=None, help="length spec of the corpus (harness.workloads)")

@@ -40,9 +40,25 @@ MOE_EXACT_STEPS, MOE_WINDOW, MOE_BAND = 20, 10, 0.01
 GOLDEN_SUITE = "convergence"
 
 
+DEFAULT_MAX_SEQLEN_PER_RANK = TrainConfig().max_seqlen_per_rank
+
+
 def case_id(cfg: TrainConfig, world: int) -> str:
+    """``converge__<model>__w<world>[_pp<P>[_vpp<V>][_afab]][__m<tokens per rank>]__s<steps>__<dtype>``:
+    the pipeline and a non-default ``max_seqlen_per_rank`` are part of the case."""
     dtype = {"float32": "fp32", "bfloat16": "bf16"}[cfg.dtype]
-    return f"converge__{cfg.model.replace('-', '_')}__w{world}__s{cfg.steps}__{dtype}"
+    pipe = "" if cfg.pp == 1 else f"_pp{cfg.pp}" + (f"_vpp{cfg.vpp}" if cfg.vpp > 1 else "") + \
+        ("_afab" if cfg.pipeline == "afab" else "")
+    m = "" if cfg.max_seqlen_per_rank == DEFAULT_MAX_SEQLEN_PER_RANK else f"__m{cfg.max_seqlen_per_rank}"
+    return f"converge__{cfg.model.replace('-', '_')}__w{world}{pipe}{m}__s{cfg.steps}__{dtype}"
+
+
+def reference_case(cfg: TrainConfig, world: int) -> tuple[TrainConfig, int]:
+    """The PP = 1 case a pipelined run must equal: the same run on one stage's DP x CP domain (its
+    golden is the pipeline's golden)."""
+    if cfg.pp == 1:
+        return cfg, world
+    return replace(cfg, pp=1, vpp=1, pipeline="1f1b", schedule_delivery="broadcast"), world // cfg.pp
 
 
 def hardware(cfg: TrainConfig) -> str:
@@ -85,7 +101,7 @@ def evaluate(rows: dict[str, list[dict]], cfg: TrainConfig, world: int, hw: str,
     """Layout-vs-bshd and layout-vs-golden checks."""
     from harness.runtime.model import MODELS
 
-    cid, tol, moe = case_id(cfg, world), TOLERANCES[cfg.dtype], MODELS[cfg.model].experts > 0
+    cid, tol, moe = case_id(*reference_case(cfg, world)), TOLERANCES[cfg.dtype], MODELS[cfg.model].experts > 0
     base = "bshd" if "bshd" in rows else next(iter(rows))
     ref = [r["loss"] for r in rows[base]]
     checks = []
@@ -108,14 +124,14 @@ def write_golden(rows, cfg: TrainConfig, world: int, cid: str, hw: str) -> Path:
                             config={**cfg.to_dict(), "world": world},
                             data={layout: [r["loss"] for r in rs] for layout, rs in rows.items()},
                             rule={"kind": "approx", "atol": TOLERANCES[cfg.dtype]["max"], "rtol": 0.0},
-                            command=f"dcp-harness converge --model {cfg.model} --world {world} --steps {cfg.steps} "
-                                    f"--update-golden")
+                            command=_update_hint(cfg, world))
 
 
 def preflight(cfg: TrainConfig, world: int) -> None:
     """Fail before launching anything: bad model / layout / scheduler / world, no CUDA device (or too
     few) for a CUDA run, sequences too long for the world."""
     cfg.validate(world)
+    n = cfg.domain(world)
     if cfg.device == "cuda":
         import torch
 
@@ -123,12 +139,34 @@ def preflight(cfg: TrainConfig, world: int) -> None:
         if found < world:
             raise LayoutError(f"--device cuda with {world} ranks needs {world} CUDA devices, this machine has "
                               f"{found}" + ("" if found else " (no CUDA device: use --device cpu)"))
-    C = static_cp_for(longest_sequence(cfg), world, cfg.max_seqlen_per_rank)
-    n, dp = cfg.corpus.sequences_per_batch, world // C
-    if "bshd" in cfg.layouts and n % (dp * cfg.micro_batch_size):
-        raise LayoutError(f"bshd splits each global batch ({n} sequences) over {dp} data-parallel replicas in "
+    C = static_cp_for(longest_sequence(cfg), n, cfg.max_seqlen_per_rank)
+    seqs, dp = cfg.corpus.sequences_per_batch, n // C
+    if "bshd" in cfg.layouts and seqs % (dp * cfg.micro_batch_size):
+        raise LayoutError(f"bshd splits each global batch ({seqs} sequences) over {dp} data-parallel replicas in "
                           f"micro-batches of {cfg.micro_batch_size}: use a batch size that is a multiple of "
                           f"{dp * cfg.micro_batch_size}")
+    _plan_every_step(cfg, n, C)
+
+
+def _plan_every_step(cfg: TrainConfig, n: int, static_cp: int) -> None:
+    """Schedule every step of every layout as the ranks will (pure and fast), so that a batch the
+    configuration cannot run (e.g. a VPP group a micro-batch cannot be split for) fails here, naming
+    the step and the layout, before any process starts."""
+    from harness.corpus import global_batch
+    from harness.dist.layouts import LayoutConfig, plan
+    from harness.dist.train_config import model_cost
+
+    lcfg = LayoutConfig(n_ranks=n, max_seqlen_per_rank=cfg.max_seqlen_per_rank, static_cp=static_cp,
+                        micro_batch_size=cfg.micro_batch_size, scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding,
+                        vpp_group=cfg.pipeline_config().vpp_group)
+    cost = model_cost(cfg)
+    for step in range(cfg.steps):
+        lengths = [len(x) - 1 for x in global_batch(cfg.corpus, step)]
+        for layout in cfg.layouts:
+            try:
+                plan(layout, lengths, lcfg, cost)
+            except ValueError as e:
+                raise LayoutError(f"step {step + 1}, layout {layout}: {e}") from None
 
 
 def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str = "auto", progress=print,
@@ -141,8 +179,10 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
     from harness.dist.entry import launch
 
     preflight(cfg, world)
+    if golden == "update" and cfg.pp > 1:
+        raise LayoutError(f"goldens are written by the PP = 1 case a pipeline must equal; run: {_update_hint(cfg, world)}")
     cid, hw = case_id(cfg, world), hardware(cfg)
-    gpath = golden_mod.path_for(GOLDEN_SUITE, cid, hw)
+    gpath = golden_mod.path_for(GOLDEN_SUITE, case_id(*reference_case(cfg, world)), hw)
     if golden == "require" or (golden == "auto" and gpath.exists()):
         golden_mod.load(gpath, _update_hint(cfg, world))  # missing / corrupted: fail before training
     if run_dir is None:
@@ -193,7 +233,10 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
 
 
 def _update_hint(cfg: TrainConfig, world: int) -> str:
-    return (f"dcp-harness converge --model {cfg.model} --world {world} --steps {cfg.steps} --device {cfg.device} "
+    """The command that writes this case's golden: the PP = 1 case (``reference_case``)."""
+    ref, w = reference_case(cfg, world)
+    m = "" if ref.max_seqlen_per_rank == DEFAULT_MAX_SEQLEN_PER_RANK else f" --max-seqlen-per-rank {ref.max_seqlen_per_rank}"
+    return (f"dcp-harness converge --model {ref.model} --world {w} --steps {ref.steps} --device {ref.device}{m} "
             f"--update-golden")
 
 
@@ -204,7 +247,8 @@ def config_from_args(a) -> TrainConfig:
                                                "seed": a.seed}.items() if v is not None})
     cfg = TrainConfig(model=a.model, layouts=tuple(x.strip() for x in a.layouts.split(",") if x.strip()),
                       steps=a.steps, scheduler=a.scheduler, device=a.device, corpus=corpus,
-                      cp_exchange=a.cp_exchange,
+                      cp_exchange=a.cp_exchange, pp=a.pp, vpp=a.vpp, pipeline=a.pipeline,
+                      schedule_delivery=a.schedule_delivery,
                       dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"))
     if a.max_seqlen_per_rank:
         cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank)

@@ -33,7 +33,7 @@ def block_ranks(groups, mb) -> list[int]:
     """Global ranks of the block that ``mb`` (this rank's share of a micro-batch) runs on."""
     lay = groups.layout
     t = lay.tp_rank(groups.rank)
-    return [lay.rank_of(p, t) for p in range(mb.block_start, mb.block_start + mb.local_cp_size)]
+    return [lay.rank_of(p, t, lay.stage(groups.rank)) for p in range(mb.block_start, mb.block_start + mb.local_cp_size)]
 
 
 def audit_groups(groups, mbs, chosen, everyone) -> None:

@@ -1,16 +1,21 @@
 """Dynamic DP x CP process groups: every buddy-aligned power-of-two block of the DP x CP positions.
 
-World layout (Megatron's default order ``tp-cp-ep-dp-pp``, TP fastest, then CP, then DP):
-``rank = tp_rank + tp * position`` with ``position = dp_index * cp + cp_index`` in ``[0, dp * cp)``.
-For each TP coordinate the DP x CP ranks are ``[tp_rank + tp * p for p in range(dp * cp)]``; the
-groups of size ``s`` are their consecutive chunks ``[k*s, (k+1)*s)`` - exactly the blocks a valid
-schedule may use. Size ``dp * cp`` is the DP x CP group itself.
+World layout (Megatron's default order ``tp-cp-ep-dp-pp``, TP fastest, then CP, then DP, PP slowest):
+``rank = tp_rank + tp * position + tp * dp * cp * stage`` with ``position = dp_index * cp + cp_index``
+in ``[0, dp * cp)``. Each pipeline stage has its own DP x CP domain; for each (stage, TP coordinate)
+the domain's ranks are ``[rank_of(p, tp_rank, stage) for p in range(dp * cp)]``, and the groups of
+size ``s`` are their consecutive chunks ``[k*s, (k+1)*s)`` - exactly the blocks a valid schedule may
+use. Size ``dp * cp`` is the stage's DP x CP group itself. A position's ranks across the stages (its
+pipeline) exchange activations and gradients.
 
 >>> layout = ParallelLayout(dp=2, cp=2, tp=2)
 >>> layout.world_size, layout.position(5), layout.dp_cp_ranks(1)
 (8, 2, [1, 3, 5, 7])
 >>> layout.block_ranks(rank=5, size=2)
 [5, 7]
+>>> pp = ParallelLayout(dp=2, cp=1, pp=2)
+>>> pp.world_size, pp.stage(3), pp.position(3), pp.pipeline_ranks(1)
+(4, 1, 1, [1, 3])
 """
 
 from __future__ import annotations
@@ -33,36 +38,45 @@ class ParallelLayout:
     """Static context-parallel size (dynamic blocks range over dp * cp positions)."""
     tp: int = 1
     """Tensor-parallel size (fastest-varying rank coordinate)."""
+    pp: int = 1
+    """Pipeline stages (slowest-varying rank coordinate)."""
 
     def __post_init__(self):
-        for name in ("dp", "cp", "tp"):
+        for name in ("dp", "cp", "tp", "pp"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise PlanInputError(f"ParallelLayout.{name} must be a positive int, got {v!r}")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp * self.dp
+        return self.tp * self.cp * self.dp * self.pp
 
     @property
     def n_positions(self) -> int:
         return self.dp * self.cp
 
     def position(self, rank: int) -> int:
-        return rank // self.tp
+        return rank // self.tp % self.n_positions
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
-    def rank_of(self, position: int, tp_rank: int = 0) -> int:
-        return tp_rank + self.tp * position
+    def stage(self, rank: int) -> int:
+        return rank // (self.tp * self.n_positions)
 
-    def dp_cp_ranks(self, tp_rank: int) -> list[int]:
-        return [self.rank_of(p, tp_rank) for p in range(self.n_positions)]
+    def rank_of(self, position: int, tp_rank: int = 0, stage: int = 0) -> int:
+        return tp_rank + self.tp * (position + self.n_positions * stage)
+
+    def dp_cp_ranks(self, tp_rank: int, stage: int = 0) -> list[int]:
+        return [self.rank_of(p, tp_rank, stage) for p in range(self.n_positions)]
 
     def block_ranks(self, rank: int, size: int) -> list[int]:
         start = self.position(rank) // size * size
-        return [self.rank_of(p, self.tp_rank(rank)) for p in range(start, start + size)]
+        return [self.rank_of(p, self.tp_rank(rank), self.stage(rank)) for p in range(start, start + size)]
+
+    def pipeline_ranks(self, rank: int) -> list[int]:
+        """The ranks of every stage at ``rank``'s position and TP coordinate (its pipeline)."""
+        return [self.rank_of(self.position(rank), self.tp_rank(rank), s) for s in range(self.pp)]
 
 
 def check_block(start: int, size: int, sizes: list[int], where: str = "block") -> None:
@@ -91,13 +105,22 @@ class DynamicGroups:
         self.layout, self.rank = layout, rank
         self.sizes = [s for s in (1 << i for i in range(n.bit_length())) if s >= min_cp_size]
         self._mine: dict[int, tuple[object, list[int]]] = {}
-        for size in self.sizes:
+        for stage in range(layout.pp):
+            for size in self.sizes:
+                for t in range(layout.tp):
+                    for k in range(n // size):
+                        ranks = [layout.rank_of(p, t, stage) for p in range(k * size, (k + 1) * size)]
+                        group = dist.new_group(ranks, backend=backend)
+                        if rank in ranks:
+                            self._mine[size] = (group, ranks)
+        self.pipeline = None  # this rank's pipeline group (all stages at its position), when pp > 1
+        if layout.pp > 1:
             for t in range(layout.tp):
-                for k in range(n // size):
-                    ranks = [layout.rank_of(p, t) for p in range(k * size, (k + 1) * size)]
+                for p in range(n):
+                    ranks = [layout.rank_of(p, t, s) for s in range(layout.pp)]
                     group = dist.new_group(ranks, backend=backend)
                     if rank in ranks:
-                        self._mine[size] = (group, ranks)
+                        self.pipeline = group
 
     def group(self, size: int):
         if size not in self._mine:

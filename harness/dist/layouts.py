@@ -41,15 +41,17 @@ class LayoutConfig:
     """Dynamic-CP scheduler (``harness.plan.ALGORITHMS``)."""
     dcp_padding: str = "local"
     """``local`` (2 x local_cp_size) or ``domain`` (2 x N, Megatron)."""
+    vpp_group: int | None = None
+    """Micro-batch counts must be a multiple of this (the interleaved pipeline schedule's group)."""
 
 
 def static_cp_for(longest: int, cfg_n_ranks: int, max_seqlen_per_rank: int) -> int:
     c = cp_min(longest, max_seqlen_per_rank)
     if c > cfg_n_ranks:
         raise LayoutError(f"the longest sequence ({longest} tokens) needs a static CP group of {c} ranks at "
-                          f"max_seqlen_per_rank={max_seqlen_per_rank}, but the world has {cfg_n_ranks}; use a "
-                          f"world of >= {c}, raise max_seqlen_per_rank to >= {-(-longest // cfg_n_ranks)}, or "
-                          f"shorten the sequences")
+                          f"max_seqlen_per_rank={max_seqlen_per_rank}, but the world has {cfg_n_ranks} (DP x CP "
+                          f"ranks of a pipeline stage); use a world of >= {c} such ranks, raise max_seqlen_per_rank "
+                          f"to >= {-(-longest // cfg_n_ranks)}, or shorten the sequences")
     return c
 
 
@@ -60,22 +62,26 @@ def plan(layout: str, lengths: list[int], cfg: LayoutConfig, cost: CostModel | N
     C, N = cfg.static_cp, cfg.n_ranks
     if layout == "thd":
         return schedule(lengths, n_ranks=N, max_seqlen_per_rank=cfg.max_seqlen_per_rank, min_cp_size=C,
-                        algorithm="dp-balanced"), "local", 0
+                        vpp_group=cfg.vpp_group, algorithm="dp-balanced"), "local", 0
     if layout == "dcp":
         return schedule(lengths, n_ranks=N, max_seqlen_per_rank=cfg.max_seqlen_per_rank, algorithm=cfg.scheduler,
-                        cost=cost), cfg.dcp_padding, 0
+                        vpp_group=cfg.vpp_group, cost=cost), cfg.dcp_padding, 0
     dp, mbs, n = N // C, cfg.micro_batch_size, len(lengths)
     if n % (dp * mbs):
         raise LayoutError(f"bshd splits the global batch into {dp} data-parallel replicas x micro-batches of "
                           f"{mbs}: {n} sequences is not a multiple of {dp * mbs}; use a global batch of a "
                           f"multiple of {dp * mbs} sequences or another micro_batch_size")
     share = n // dp
+    if cfg.vpp_group and (share // mbs) % cfg.vpp_group:
+        raise LayoutError(f"bshd gives each data-parallel replica {share // mbs} micro-batches, not a multiple of the "
+                          f"interleaved pipeline's group {cfg.vpp_group}; use a global batch of a multiple of "
+                          f"{dp * mbs * cfg.vpp_group} sequences")
     mbs_layout = [[Block(d * C, C, tuple(range(d * share + m * mbs, d * share + (m + 1) * mbs))) for d in range(dp)]
                   for m in range(share // mbs)]
     longest = pad_length(max(lengths), padding_divisor(cp_size=C))
     return Schedule.from_blocks(mbs_layout, lengths=lengths, n_ranks=N,
                                 max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest * mbs // C),
-                                algorithm="bshd"), "fixed", longest
+                                vpp_group=cfg.vpp_group, algorithm="bshd"), "fixed", longest
 
 
 def sample_id_groups(sched: Schedule) -> list[list[list[int]]]:

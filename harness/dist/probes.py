@@ -3,7 +3,7 @@
 On every rank, per layout: at the first step, every real token the rank trained as (gid, position in
 its sequence, cross-entropy) - read from the micro-batch's ``seq`` and ``position_ids`` columns, which
 travel with the token, so a token is attributed to where it came from whatever the runtime did to it -
-and every parameter's reduced gradient before clipping; after every step, the reduced gradient norm and a digest of the parameters
+and every parameter's reduced gradient before and after clipping; after every step, the reduced gradient norm and a digest of the parameters
 (replicas must stay identical). The records are small for the tiny models (~0.5 MB a rank).
 """
 
@@ -43,10 +43,11 @@ def param_digest(model) -> str:
 class Probes:
     """What one rank records while training one layout (see the module doc)."""
 
-    def __init__(self, sequence_steps: int = 1):
-        self.sequence_steps = sequence_steps
+    def __init__(self, sequence_steps: int = 1, stage: int = 0):
+        self.sequence_steps, self.stage = sequence_steps, stage
         self.sequences: list[dict] = []
         self.grads: dict[str, list] | None = None
+        self.clipped: dict[str, list] | None = None
         self.grad_norms: list[float] = []
         self.digests: list[str] = []
 
@@ -63,10 +64,15 @@ class Probes:
             self.grads = {n: p.grad.detach().cpu().double().numpy().copy() for n, p in model.named_parameters()
                           if p.grad is not None}
 
+    def after_clip(self, step: int, model) -> None:
+        if step == 0:
+            self.clipped = {n: p.grad.detach().cpu().double().numpy().copy() for n, p in model.named_parameters()
+                            if p.grad is not None}
+
     def after_update(self, step: int, model) -> None:
         self.digests.append(param_digest(model))
 
     def result(self) -> dict:
         return {"sequences": [{"step": s["step"], "lengths": s["lengths"], **s["probe"].result()}
                               for s in self.sequences],
-                "grads": self.grads, "grad_norms": self.grad_norms, "digests": self.digests}
+                "grads": self.grads, "clipped": self.clipped, "grad_norms": self.grad_norms, "digests": self.digests, "stage": self.stage}

@@ -6,8 +6,9 @@
    in ``record`` mode; its routes, ``[tokens, layers, top_k]`` with zero rows for the dense layer, are
    what an inference engine returns.
 2. The training model is the same model with its routers perturbed (the rollout/training mismatch
-   R3 exists for). Each rank builds its PP stage (``harness.plan.pipeline.layer_ranges``); stages
-   exchange activations (send / recv) and gradients; the CP ranks of a stage hold zig-zag slices of
+   R3 exists for). Each rank builds its PP stage (``harness.plan.pipeline.layer_ranges``) and runs
+   through the pipeline runtime of training (``harness.dist.pipeline``: 1F1B, activations and
+   gradients point to point); the CP ranks of a stage hold zig-zag slices of
    each THD micro-batch and run CP attention in their stage's group. The replay store of a rank is
    filled with ``harness.plan.replay.thd_routes`` for the routers of its stage, keyed by global layer.
 3. Checks: (a) in ``replay`` mode every real token's chosen experts at every MoE layer equal the
@@ -23,9 +24,11 @@ import torch
 import torch.distributed as dist
 
 from harness.corpus import CorpusConfig, global_batch
+from harness.dist import pipeline
 from harness.dist.cp_attention import CPAttentionPlan, cp_attention
+from harness.dist.groups import DynamicGroups, ParallelLayout
 from harness.dist.watchdog import Heartbeat
-from harness.plan.pipeline import layer_ranges, routers_on_stage, stage_layers
+from harness.plan.pipeline import layer_ranges, routers_on_stage
 from harness.plan.replay import thd_routes
 from harness.plan.thd import pack, padding_divisor, zigzag_index_array
 from harness.runtime.attention import thd_attention
@@ -57,9 +60,10 @@ def rollout_routes(model: TinyLM, seqs, cfg=DEFAULT) -> list[np.ndarray]:
     for i, s in enumerate(seqs):
         t = torch.as_tensor(s[:-1], device=dev)
         store = ReplayStore()
+        n = len(t)
         with torch.no_grad(), _autocast(cfg):
-            model.forward(t, torch.arange(len(t), device=dev), torch.ones(len(t), device=dev),
-                          lambda q, k, v, n=len(t): thd_attention(q, k, v, [0, n]),
+            model.forward(t, torch.arange(n, device=dev), torch.ones(n, device=dev),
+                          lambda q, k, v, n=n: thd_attention(q, k, v, [0, n]),
                           routing=Routing("record", store, microbatch=i))
         r = np.zeros((len(t), model.c.layers, model.c.top_k), dtype=np.int64)
         for layer in model.moe_layers():
@@ -118,60 +122,68 @@ def _reference(cfg, seqs, mbs, routes, total):
     return loss / total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _stage_params(model: TinyLM, layers: list[int], first: bool, last: bool) -> dict:
-    keep = [f"blocks.{i}." for i in layers] + (["embed."] if first else []) + (["norm.", "head."] if last else [])
-    return {n: p for n, p in model.named_parameters() if n.startswith(tuple(keep))}
+def _microbatch_inputs(cfg, seqs, gids, m, c_rank, routes, stage_ranges, model, mode, dev):
+    """One rank's slice of micro-batch m and its routing (the replay store filled for its routers)."""
+    cp = cfg["cp"]
+    p, tok, lab, pos, real, owner = _microbatch(seqs, gids, cp)
+    idx = zigzag_index_array(p.cu_seqlens_padded, cp, c_rank)
+    t = {k: torch.as_tensor(v[idx], device=dev) for k, v in (("tok", tok), ("lab", lab), ("pos", pos), ("real", real))}
+    store = ReplayStore()
+    rows = thd_routes([routes[g] for g in gids], p.cu_seqlens_padded, cp, c_rank)
+    for layer in routers_on_stage(stage_ranges, model.moe_layers()):
+        store.put(layer, m, c_rank, torch.as_tensor(rows[:, route_column(layer, stage_ranges[0])], device=dev))
+    routing = Routing(mode, store if mode == "replay" else None, microbatch=m, cp_rank=c_rank)
+    return {"t": t, "owner": owner[idx], "routing": routing, "plan": CPAttentionPlan.build(p.cu_seqlens_padded, cp,
+                                                                                           c_rank, dev)}
+
+
+def _mismatches(inp, routes) -> tuple[int, int]:
+    """Tokens whose chosen experts differ from the rollout's, looked up independently through each
+    token's (sample, position); and the tokens checked."""
+    t, bad, checked = inp["t"], 0, 0
+    keep = t["real"].bool().cpu().numpy()
+    for layer, chosen in inp["routing"].chosen.items():
+        want = np.stack([routes[g][q, layer] for g, q in zip(inp["owner"][keep], t["pos"].cpu().numpy()[keep])])
+        got = chosen.cpu().numpy()[keep]
+        bad += int((np.sort(got, 1) != np.sort(want, 1)).any(1).sum())
+        checked += int(keep.sum())
+    return bad, checked
 
 
 def _run(mode, cfg, rank, seqs, mbs, routes, total, groups):
+    """Replayed (or free) training of the micro-batches through the pipeline runtime
+    (``harness.dist.pipeline``: the stages' passes in 1F1B order, CP attention in each stage's group)."""
     pp, cp = cfg["pp"], cfg["cp"]
-    p_rank, c_rank = rank // cp, rank % cp
-    layers = stage_layers(layer_ranges(MODEL.layers, pp)[p_rank])
-    first, last = p_rank == 0, p_rank == pp - 1
+    layout = groups.layout
+    p_rank, c_rank = layout.stage(rank), layout.position(rank)
+    stage = pipeline.Stage.of(MODEL.layers, pp, 1, p_rank)
+    stage_ranges = layer_ranges(MODEL.layers, pp)[p_rank]
     model, dev = training_model(cfg), _device(cfg)
-    group = groups[p_rank]
-    loss, mismatches, checked = torch.zeros((), dtype=torch.float64, device=dev), 0, 0
-    for m, gids in enumerate(mbs):
-        p, tok, lab, pos, real, owner = _microbatch(seqs, gids, cp)
-        idx = zigzag_index_array(p.cu_seqlens_padded, cp, c_rank)
-        t = {k: torch.as_tensor(v[idx], device=dev) for k, v in (("tok", tok), ("lab", lab), ("pos", pos), ("real", real))}
-        realf = t["real"].float()
-        store = ReplayStore()
-        rows = thd_routes([routes[g] for g in gids], p.cu_seqlens_padded, cp, c_rank)
-        stage = layer_ranges(MODEL.layers, pp)[p_rank]
-        for layer in routers_on_stage(stage, model.moe_layers()):
-            store.put(layer, m, c_rank, torch.as_tensor(rows[:, route_column(layer, stage[0])], device=dev))
-        routing = Routing(mode, store if mode == "replay" else None, microbatch=m, cp_rank=c_rank)
-        aplan = CPAttentionPlan.build(p.cu_seqlens_padded, cp, c_rank, dev)
-        attn = lambda q, k, v: cp_attention(q, k, v, aplan, group)  # noqa: E731
-        if first:
-            x = model.embed(t["tok"])
-        else:
-            x = torch.empty(len(idx), MODEL.hidden, device=dev)
-            dist.recv(x, src=rank - cp)
-            x.requires_grad_()
+    group = groups.group(cp)
+    inputs = [_microbatch_inputs(cfg, seqs, gids, m, c_rank, routes, stage_ranges, model, mode, dev)
+              for m, gids in enumerate(mbs)]
+    sums = {"loss": torch.zeros((), dtype=torch.float64, device=dev)}
+
+    def forward(v, m, x):
+        inp = inputs[m]
+        t, realf = inp["t"], inp["t"]["real"].float()
+        attn = lambda q, k, v_, p=inp["plan"]: cp_attention(q, k, v_, p, group)  # noqa: E731
         with _autocast(cfg):
-            h, aux = model.run_layers(x, t["pos"], realf, attn, layers=layers, routing=routing)
-            ce = model.loss_from_hidden(h, t["lab"], realf) if last else None
-        if last:
-            ((ce + aux) / total).backward()
-            loss += float((ce + aux).detach())
-        else:
-            h = h.float()  # activations travel in fp32 between stages
-            dist.send(h.detach().contiguous(), dst=rank + cp)
-            grad = torch.empty_like(h)
-            dist.recv(grad, src=rank + cp)
-            torch.autograd.backward([h, aux / total], [grad, torch.ones((), device=dev)])
-            loss += float(aux.detach())
-        if not first:
-            dist.send(x.grad, dst=rank - cp)
-        for layer, chosen in routing.chosen.items():  # independent lookup: (sample, position) per token
-            keep = t["real"].bool().cpu().numpy()
-            want = np.stack([routes[g][q, layer] for g, q in zip(owner[idx][keep], t["pos"].cpu().numpy()[keep])])
-            got = chosen.cpu().numpy()[keep]
-            mismatches += int((np.sort(got, 1) != np.sort(want, 1)).any(1).sum())
-            checked += int(keep.sum())
-    grads = {n: q.grad for n, q in _stage_params(model, layers, first, last).items()}
+            h, aux = model.run_layers(model.embed(t["tok"]) if x is None else x, t["pos"], realf, attn,
+                                      layers=stage.chunks[v], routing=inp["routing"])
+            if stage.last:
+                h = model.loss_from_hidden(h, t["lab"], realf)
+        sums["loss"] += float((h + aux).detach()) if stage.last else float(aux.detach())
+        return h, aux
+
+    passes = pipeline.ChunkPasses(forward=forward, num_tokens=lambda m: inputs[m]["t"]["tok"].numel(), total=total,
+                                  hidden=MODEL.hidden, device=dev)
+    actions = pipeline.actions_for(pipeline.PipelineConfig(pp=pp), p_rank, len(mbs)) if pp > 1 else \
+        pipeline.single_stage_passes(len(mbs))
+    pipeline.run_passes(stage, actions, passes, pipeline.P2P(layout, rank, stage.num_chunks) if pp > 1 else None)
+    mismatches, checked = (sum(x) for x in zip(*(_mismatches(inp, routes) for inp in inputs)))
+    loss = sums["loss"]
+    grads = {n: q.grad for n, q in model.named_parameters() if stage.owns(n) and q.grad is not None}
     for g in grads.values():
         if cp > 1:
             dist.all_reduce(g, group=group)
@@ -188,7 +200,7 @@ def replay_check(rank: int, world: int, cfg: dict | None = None) -> dict:
     seqs, mbs = _batch(cfg)
     routes = rollout_routes(TinyLM(MODEL).to(_device(cfg)), seqs, cfg)
     total = float(sum(len(s) - 1 for s in seqs))
-    groups = [dist.new_group([c + cfg["cp"] * p for c in range(cfg["cp"])]) for p in range(cfg["pp"])]
+    groups = DynamicGroups(ParallelLayout(dp=1, cp=cfg["cp"], pp=cfg["pp"]), rank)
     ref_loss, ref_grads = _reference(cfg, seqs, mbs, routes, total)
     loss, grads, mism, checked = _run("replay", cfg, rank, seqs, mbs, routes, total, groups)
     _, _, free_mism, free_checked = _run("free", cfg, rank, seqs, mbs, routes, total, groups)

@@ -1,11 +1,14 @@
 """The training step of each layout, run on every rank (``train(rank, world, cfg)``).
 
 For each layout in turn: the same initial model (seeded), the same AdamW, the same global batches
-(``harness.corpus``). A step: schedule the batch (``harness.dist.layouts``), reroute every sequence
-from the position that loaded it (DP shards: gid % N) to the ranks of its block, build THD
-micro-batches, run forward/backward per micro-batch with CP attention in the block's group, add
+(``harness.corpus``). A step: schedule the batch (``harness.dist.layouts``; with pipeline stages the
+schedule is delivered to every stage and the stages are checked to agree), reroute every sequence from
+the position that loaded it (DP shards: gid % N) to the ranks of its block, build THD micro-batches,
+run the passes of the rank's model chunks in its pipeline schedule (``harness.dist.pipeline``; one
+stage: forward and backward per micro-batch) with CP attention in the block's group, add
 ``(sum of token losses + aux) / tokens of the global batch``, all-reduce the gradients (sum over the
-DP x CP ranks), clip, step. In exact arithmetic every layout computes the same loss and update.
+stage's DP x CP ranks), clip by the norm over all stages, step. In exact arithmetic every layout and
+every pipeline computes the same loss and update.
 
 Rank 0 prints one progress line per step and appends the step's metrics to ``cfg["metrics_path"]``
 (JSONL) as it goes.
@@ -15,93 +18,26 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from harness.corpus import CorpusConfig, global_batch
-from harness.dist import layouts
+from harness.corpus import global_batch
+from harness.dist import layouts, pipeline
 from harness.dist.audit import GroupAuditError, audit_groups
 from harness.dist.cp_attention import CPAttentionPlan, cp_attention
 from harness.dist.groups import DynamicGroups, ParallelLayout
-from harness.dist.layouts import LAYOUTS, LayoutConfig, LayoutError, static_cp_for
+from harness.dist.layouts import LayoutConfig, static_cp_for
 from harness.dist.probes import Probes
 from harness.dist.reroute import ThdMicroBatch, build_microbatches, reroute
+from harness.dist.train_config import TrainConfig, longest_sequence, model_cost
 from harness.dist.watchdog import Heartbeat
-from harness.plan import CostModel, ScheduleError
-from harness.runtime.model import MODELS, TinyLM
+from harness.plan import Schedule, ScheduleError
+from harness.plan.pipeline_schedule import PipelineScheduleError
+from harness.runtime.model import MODELS, Rotary, TinyLM
 
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    model: str = "tiny-gpt"
-    """A key of ``harness.runtime.model.MODELS``."""
-    layouts: tuple[str, ...] = LAYOUTS
-    steps: int = 50
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    max_seqlen_per_rank: int = 256
-    micro_batch_size: int = 1
-    scheduler: str = "balanced"
-    dcp_padding: str = "local"
-    dtype: str = "float32"
-    """``float32``, or ``bfloat16`` (autocast; fp32 master weights)."""
-    device: str = "cpu"
-    cp_exchange: str = "gather"
-    """How CP blocks exchange K/V (``harness.dist.cp_attention.EXCHANGES``): ``gather``, ``ring`` or
-    ``auto``; the attention is the same either way, so the goldens apply to all."""
-    corpus: CorpusConfig = field(default_factory=CorpusConfig)
-    probes: bool = False
-    """Record what the fault catalogue's checks read (``harness.dist.probes``) on every rank and
-    return it with the rows."""
-
-    def validate(self, world: int) -> None:
-        if self.model not in MODELS:
-            raise LayoutError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
-        bad = [x for x in self.layouts if x not in LAYOUTS]
-        if bad or not self.layouts:
-            raise LayoutError(f"unknown layout(s) {bad or self.layouts!r}; choose from {', '.join(LAYOUTS)}")
-        if world < 1 or world & (world - 1):
-            raise LayoutError(f"world size {world} is not a power of two: dynamic CP groups need one (use 1, 2, 4, 8)")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise LayoutError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.steps < 1:
-            raise LayoutError(f"steps must be >= 1, got {self.steps}")
-        from harness.dist.cp_attention import EXCHANGES
-        from harness.plan import ALGORITHMS
-
-        if self.cp_exchange not in EXCHANGES:
-            raise LayoutError(f"cp_exchange must be one of {', '.join(EXCHANGES)}, got {self.cp_exchange!r}")
-        if self.scheduler not in ALGORITHMS:
-            raise LayoutError(f"unknown scheduler {self.scheduler!r} for the dcp layout; choose from "
-                              f"{', '.join(sorted(ALGORITHMS))}")
-        if self.dcp_padding not in ("local", "domain"):
-            raise LayoutError(f"dcp_padding must be 'local' or 'domain', got {self.dcp_padding!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise LayoutError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.max_seqlen_per_rank < 1 or self.micro_batch_size < 1:
-            raise LayoutError(f"max_seqlen_per_rank and micro_batch_size must be >= 1, got "
-                              f"{self.max_seqlen_per_rank} and {self.micro_batch_size}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TrainConfig:
-        d = dict(d)
-        d["corpus"] = CorpusConfig(**d.get("corpus", {}))
-        d["layouts"] = tuple(d.get("layouts", LAYOUTS))
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
-
-
-def longest_sequence(cfg: TrainConfig) -> int:
-    return max(len(x) - 1 for s in range(cfg.steps) for x in global_batch(cfg.corpus, s))
-
-
-def model_cost(cfg: TrainConfig) -> CostModel:
-    return MODELS[cfg.model].training_cost(name=cfg.model)
+__all__ = ["TrainConfig", "longest_sequence", "model_cost", "train", "train_layout"]
 
 
 def _samples(batch, owners, me, device) -> dict:
@@ -134,6 +70,12 @@ def labels_for(mb: ThdMicroBatch) -> torch.Tensor:
 def attention_plan(mb: ThdMicroBatch, device, exchange: str) -> CPAttentionPlan:
     """The CP attention plan of a micro-batch: its sequences' boundaries (``cu_seqlens_padded``)."""
     return CPAttentionPlan.build(mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, device, exchange=exchange)
+
+
+def stage_cost(cost, stage: int):
+    """The cost model a stage plans with: the run's one model, the same on every stage (a seam:
+    ``harness.faults`` re-creates stages that plan with costs of their own)."""
+    return cost
 
 
 def cp_group_for(groups: DynamicGroups, mb: ThdMicroBatch):
@@ -173,13 +115,69 @@ def reduce_gradients(model, groups: DynamicGroups, lcfg: LayoutConfig) -> float:
 
 # ------------------------------------------------------------------------------------------ step
 
-def _step(model, groups, batch, layout, lcfg, cfg, cost, device, probe=None):
-    """Forward/backward of one global batch; returns (loss sum, aux sum, processed tokens, #mb, cp hist,
-    loss denominator).
-    ``probe``: a ``harness.dist.probes.StepProbe`` that records per-sequence losses and token counts."""
+def _schedule(layout, lengths, lcfg, cost, run) -> tuple:
+    """(schedule every stage runs, padding mode, fixed length): planned and delivered on one stage
+    (``broadcast``) or every stage (``compute``), then checked to agree across the pipeline."""
+    pipe, stage = run.pipe, run.stage.stage
+    if pipe.pp == 1 or pipe.delivery == "compute":
+        sched, padding, fixed = layouts.plan(layout, lengths, lcfg, stage_cost(cost, stage))
+        sched = layouts.deliver(sched)
+        if pipe.pp == 1:
+            return sched, padding, fixed
+        sched = pipeline.stage_view(sched, stage)
+    else:
+        sched, padding, fixed = _planned_on_first_stage(layout, lengths, lcfg, cost, run)
+    pipeline.agree_schedule(sched, stage, run.groups.pipeline, pipe.pp)
+    return sched, padding, fixed
+
+
+def _planned_on_first_stage(layout, lengths, lcfg, cost, run) -> tuple:
+    """``broadcast`` delivery: the first stage plans and validates; the plan - or the error that
+    stopped it, so that no later stage waits for a schedule that never comes - goes down each pipeline."""
+    stage, group = run.stage.stage, run.groups.pipeline
+    src = run.groups.layout.pipeline_ranks(run.groups.rank)[0]
+    box: list = [None]
+    if stage == 0:
+        try:
+            sched, padding, fixed = layouts.plan(layout, lengths, lcfg, stage_cost(cost, stage))
+            box = [("ok", layouts.deliver(sched), padding, fixed)]
+        except Exception as e:  # noqa: BLE001 - re-raised on every stage below
+            box = [("error", e)]
+    box = [None if box[0] is None else (box[0][0], _portable(box[0]))]
+    dist.broadcast_object_list(box, src=src, group=group)
+    kind, payload = box[0]
+    if kind == "error":
+        raise _restored(payload)
+    sched, padding, fixed = payload
+    return pipeline.stage_view(Schedule.from_dict(sched), stage), padding, fixed
+
+
+def _portable(item) -> tuple:
+    """A picklable form of the first stage's outcome (exceptions with custom constructors do not
+    survive pickling as themselves)."""
+    if item[0] == "ok":
+        return item[1].to_dict(), item[2], item[3]
+    e = item[1]
+    if isinstance(e, ScheduleError):
+        return ("ScheduleError", (e.invariant, e.microbatch, e.ranks, e.detail))
+    return (type(e).__name__, str(e))
+
+
+def _restored(payload) -> Exception:
+    name, args = payload
+    if name == "ScheduleError":
+        return ScheduleError(*args)
+    return RuntimeError(f"the first pipeline stage could not plan this global batch: {name}: {args}")
+    pipeline.agree_schedule(sched, stage, group, pipe.pp)
+    return sched, padding, fixed
+
+
+def _step(model, run, batch, layout, lcfg, cfg, cost, device, probe=None):
+    """Forward/backward of one global batch on this rank's stage; returns (CE sum of the last stage,
+    aux sum, processed tokens, #mb, cp hist, loss denominator, pass timeline)."""
+    groups = run.groups
     lengths = [len(x) - 1 for x in batch]
-    sched, padding, fixed = layouts.plan(layout, lengths, lcfg, cost)
-    sched = layouts.deliver(sched)
+    sched, padding, fixed = _schedule(layout, lengths, lcfg, cost, run)
     N, me = lcfg.n_ranks, groups.layout.position(groups.rank)
     everyone = groups.group(N)
     owners = {g: g % N for g in range(len(batch))}
@@ -188,35 +186,98 @@ def _step(model, groups, batch, layout, lcfg, cfg, cost, device, probe=None):
     cp_groups = [cp_group_for(groups, mb) for mb in mbs]
     audit_groups(groups, mbs, cp_groups, everyone)
     total = loss_denominator(mbs, everyone)
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    aux_sum = torch.zeros((), device=device, dtype=torch.float64)
-    processed = 0
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
-    for mb, group in zip(mbs, cp_groups):
-        aplan = attention_plan(mb, device, cfg.cp_exchange)
-        attention = lambda q, k, v, p=aplan, g=group: cp_attention(q, k, v, p, g)  # noqa: E731
-        with autocast:
-            out = model.token_losses(mb.data["tokens"], labels_for(mb), mb.data["loss_mask"], rope_positions(mb),
-                                     attention, per_token=probe is not None)
-        ce, aux = out[0], out[1]
-        if probe is not None:
-            probe.add(mb, out[2])
-        ((ce + aux) / total).backward()
-        loss_sum += ce.detach().double()
-        aux_sum += aux.detach().double()
-        processed += mb.data["tokens"].numel()
+    sums = {"ce": torch.zeros((), device=device, dtype=torch.float64),
+            "aux": torch.zeros((), device=device, dtype=torch.float64)}
+    passes = _passes(model, run, mbs, cp_groups, cfg, total, device, sums, probe)
+    actions = run.actions(len(mbs))
+    timeline = pipeline.run_passes(run.stage, actions, passes, run.p2p,
+                                   on_loss=lambda m, ce, aux: sums["ce"].add_(ce.detach().double()))
+    timeline.cp_sizes = [mb.local_cp_size for mb in mbs]
+    processed = sum(mb.data["tokens"].numel() for mb in mbs) if run.stage.first else 0
     hist: dict[int, int] = {}
     for s in sched.cp_size_of().values():
         hist[s] = hist.get(s, 0) + 1
-    return loss_sum, aux_sum, processed, sched.num_microbatches, hist, total
+    return sums["ce"], sums["aux"], processed, sched.num_microbatches, hist, total, timeline
 
 
-def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, groups, lcfg, device, log,
+def _passes(model, run, mbs, cp_groups, cfg, total, device, sums, probe) -> pipeline.ChunkPasses:
+    """The model side of each pass: micro-batch m through virtual chunk v (embedding on model chunk 0,
+    the loss head on the last); per micro-batch the attention plan and RoPE tables are built once."""
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    stage, cache = run.stage, {}
+    head_dim = model.c.hidden // model.c.heads
+
+    def prepared(m):
+        if m not in cache:
+            mb, group = mbs[m], cp_groups[m]
+            aplan = attention_plan(mb, device, cfg.cp_exchange)
+            cache[m] = (lambda q, k, v, p=aplan, g=group: cp_attention(q, k, v, p, g),
+                        Rotary(rope_positions(mb), head_dim, model.c.rope_base), mb.data["loss_mask"].to(torch.float32))
+        return cache[m]
+
+    def forward(v, m, x):
+        attention, rot, real = prepared(m)
+        mb, c = mbs[m], stage.index(v)
+        with autocast:
+            if x is None:
+                x = model.embed(mb.data["tokens"])
+            h, aux = model.run_layers(x, rot, real, attention, layers=stage.chunks[v])
+            if c == stage.num_chunks - 1:
+                ce_T = model.token_ce(h, labels_for(mb), real)
+                if probe is not None:
+                    probe.add(mb, ce_T.detach())
+                h = ce_T.sum()
+        sums["aux"].add_(aux.detach().double())
+        return h, aux
+
+    return pipeline.ChunkPasses(forward=forward, num_tokens=lambda m: mbs[m].data["tokens"].numel(), total=total,
+                                hidden=model.c.hidden, device=device)
+
+
+def clip_gradients(params, max_norm: float, pipeline_group) -> None:
+    """Clip by the gradient norm of the whole model: with pipeline stages, the stages' squared norms
+    are summed over the rank's pipeline (every stage holds different parameters)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if pipeline_group is None:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    sq = torch.stack([g.detach().double().norm() ** 2 for g in grads]).sum() if grads else torch.zeros(())
+    dist.all_reduce(sq, group=pipeline_group)
+    coef = min(1.0, max_norm / (float(sq.sqrt()) + 1e-6))
+    for g in grads:
+        g.mul_(coef)
+
+
+def _global_norm(grad_norm: float, pipeline_group, device) -> float:
+    if pipeline_group is None:
+        return grad_norm
+    t = torch.tensor([grad_norm ** 2], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=pipeline_group)
+    return float(t.sqrt())
+
+
+@dataclass
+class _Run:
+    """What every step of a rank shares: groups, pipeline config, its stage and point-to-point links."""
+
+    groups: DynamicGroups
+    pipe: object
+    stage: pipeline.Stage
+    p2p: pipeline.P2P | None
+
+    def actions(self, num_microbatches: int):
+        if self.pipe.pp == 1:
+            return pipeline.single_stage_passes(num_microbatches)
+        return pipeline.actions_for(self.pipe, self.stage.stage, num_microbatches)
+
+
+def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: _Run, lcfg, device, log,
                  probes=None, heartbeat: Heartbeat | None = None) -> list[dict]:
     torch.manual_seed(cfg.corpus.seed)
     model = TinyLM(MODELS[cfg.model]).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    cost, everyone, rows = model_cost(cfg), groups.group(lcfg.n_ranks), []
+    params = [p for n, p in model.named_parameters() if run.stage.owns(n)]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    cost, rows = model_cost(cfg), []
     heartbeat = heartbeat or Heartbeat(None, rank)
     for step in range(cfg.steps):
         heartbeat.beat(layout=layout, step=step + 1, of=cfg.steps)
@@ -224,34 +285,49 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, groups, l
         batch = global_batch(cfg.corpus, step)
         probe = probes.step(step, batch) if probes is not None else None
         try:
-            loss_sum, aux_sum, processed, nmb, hist, denom = _step(model, groups, batch, layout, lcfg, cfg, cost,
-                                                                   device, probe)
-        except (ScheduleError, GroupAuditError) as e:  # raised alike on every rank: say where
+            ce_sum, aux_sum, processed, nmb, hist, denom, timeline = _step(model, run, batch, layout, lcfg, cfg,
+                                                                           cost, device, probe)
+        except (ScheduleError, GroupAuditError, pipeline.ScheduleAgreementError,
+                PipelineScheduleError) as e:  # raised alike on every rank
             e.step, e.layout = step, layout
             raise
-        total = float(sum(len(x) - 1 for x in batch))
-        grad_norm = reduce_gradients(model, groups, lcfg)
+        grad_norm = _global_norm(reduce_gradients(model, run.groups, lcfg), run.groups.pipeline, device)
         if probes is not None:
             probes.after_reduce(step, model, grad_norm)
         if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            clip_gradients(params, cfg.grad_clip, run.groups.pipeline)
+        if probes is not None:
+            probes.after_clip(step, model)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if probes is not None:
             probes.after_update(step, model)
-        stats = torch.tensor([float(loss_sum), float(aux_sum), float(processed)], dtype=torch.float64, device=device)
-        dist.all_reduce(stats, group=everyone)
+        stats = torch.tensor([float(ce_sum), float(aux_sum), float(processed)], dtype=torch.float64, device=device)
+        dist.all_reduce(stats)
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=everyone)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        total = float(sum(len(x) - 1 for x in batch))
         row = {"layout": layout, "step": step, "loss": float(stats[0]) / denom, "aux_loss": float(stats[1]) / denom,
                "grad_norm": grad_norm, "tokens": int(total), "processed_tokens": int(stats[2]),
                "padding_fraction": 1.0 - total / float(stats[2]), "step_time": float(elapsed),
                "tokens_per_s": total / float(elapsed), "microbatches": nmb,
                "cp_histogram": {str(k): v for k, v in sorted(hist.items())}}
+        if cfg.pp > 1 and step == 0:
+            row["timeline"] = _gather_timeline(timeline, run, device)
         rows.append(row)
         if rank == 0:
             log(row, cfg.steps)
     return rows
+
+
+def _gather_timeline(timeline, run: _Run, device) -> list[dict] | None:
+    """Every rank's passes of one step (for the report's pipeline picture), on rank 0."""
+    mine = {"rank": run.groups.rank, "stage": run.stage.stage, "position": run.groups.layout.position(run.groups.rank),
+            "chunks": run.stage.chunks, "cp_sizes": timeline.cp_sizes,
+            "events": [list(e) for e in timeline.events]}
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
 
 
 def train(rank: int, world: int, cfg_dict: dict) -> dict:
@@ -261,10 +337,15 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     torch.use_deterministic_algorithms(cfg.device == "cpu", warn_only=True)
     longest = longest_sequence(cfg)
-    lcfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=cfg.max_seqlen_per_rank,
-                        static_cp=static_cp_for(longest, world, cfg.max_seqlen_per_rank),
-                        micro_batch_size=cfg.micro_batch_size, scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding)
-    groups = DynamicGroups(ParallelLayout(dp=world, cp=1), rank)
+    pipe, n = cfg.pipeline_config(), cfg.domain(world)
+    lcfg = LayoutConfig(n_ranks=n, max_seqlen_per_rank=cfg.max_seqlen_per_rank,
+                        static_cp=static_cp_for(longest, n, cfg.max_seqlen_per_rank),
+                        micro_batch_size=cfg.micro_batch_size, scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding,
+                        vpp_group=pipe.vpp_group)
+    playout = ParallelLayout(dp=n, cp=1, pp=cfg.pp)
+    groups = DynamicGroups(playout, rank)
+    stage = pipeline.Stage.of(MODELS[cfg.model].layers, cfg.pp, cfg.vpp, playout.stage(rank))
+    run = _Run(groups, pipe, stage, pipeline.P2P(playout, rank, stage.num_chunks) if cfg.pp > 1 else None)
     path = cfg_dict.get("metrics_path")
 
     def log(row, steps):
@@ -273,13 +354,14 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
               f"micro-batches {row['microbatches']}", flush=True)
         if path:
             with open(path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps({k: v for k, v in row.items() if k != "timeline"}) + "\n")
 
-    probes = {layout: Probes() for layout in cfg.layouts} if cfg.probes else {}
+    probes = {layout: Probes(stage=stage.stage) for layout in cfg.layouts} if cfg.probes else {}
     heartbeat = Heartbeat.from_cfg(cfg_dict, rank)
-    out = {layout: train_layout(layout, rank, world, cfg, groups, lcfg, device, log, probes.get(layout), heartbeat)
+    out = {layout: train_layout(layout, rank, world, cfg, run, lcfg, device, log, probes.get(layout), heartbeat)
            for layout in cfg.layouts}
-    result = {"rank": rank, "static_cp": lcfg.static_cp, "longest": longest, "layouts": out if rank == 0 else {}}
+    result = {"rank": rank, "static_cp": lcfg.static_cp, "longest": longest, "stage": stage.stage,
+              "layouts": out if rank == 0 else {}}
     if cfg.probes:
         result["probes"] = {layout: p.result() for layout, p in probes.items()}
     return result

@@ -21,8 +21,8 @@ from harness.faults.checks import CHECKS
 from harness.faults.seam import SEAMS, replaced
 from harness.plan.errors import PlanInputError
 
-LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "groups", "replay", "step-wise")
-SCENARIOS = ("train", "train-small-batch", "replay", "plan", "stepwise")
+LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "groups", "pipeline", "replay", "step-wise")
+SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "replay", "plan", "stepwise")
 
 
 class UnknownFaultError(PlanInputError):
@@ -124,6 +124,36 @@ FAULTS: tuple[Fault, ...] = (
           url=VERL + "5869", layer="plan", seam="harness.dist.layouts:deliver",
           make=tf.make_cp_inactive_for_small_batches, check="token-accounting", expect=r"\(4\.00x\)",
           scenario="train-small-batch"),
+    Fault(name="pp-local-cp-size-not-propagated", title="later pipeline stages run without local_cp_size",
+          source="Megatron-LM PR #2000: broadcast_to_pp_group and create_data_iterator propagate local_cp_size to "
+                 "every PP / VPP stage",
+          url=MEGATRON + "2000", layer="pipeline", seam="harness.dist.pipeline:stage_view",
+          make=tf.make_local_cp_size_not_propagated, check="schedule-agreement",
+          expect=r"stage 1, micro-batch \d+: local_cp_size at position \d+ is 1", scenario="train-pp"),
+    Fault(name="pp-stages-plan-differently", title="pipeline stages compute different schedules",
+          source="Megatron-LM PR #4226: every PP stage builds its own schedule (broadcast_to_pp_group removed); "
+                 "they must agree",
+          url=MEGATRON + "4226", layer="pipeline", seam="harness.dist.train:stage_cost",
+          make=tf.make_stage_own_cost, check="schedule-agreement", expect=r"schedule agreement: stage 1",
+          scenario="train-pp"),
+    Fault(name="pr2000-vpp-wrap-interleaved", title="the block walk's wrap on VPP-aligned micro-batches",
+          source="Megatron-LM PR #2000 review, line 921, under the interleaved schedule: the VPP alignment appends "
+                 "domain-wide blocks, the micro-batches the wrap miscounts",
+          url=MEGATRON + "2000", layer="pipeline", seam="harness.plan.layout:blocks_from_slots",
+          make=sf.make_negative_index_wrap, check="schedule-invariants", expect=r"invariant 'slot-count'",
+          scenario="train-pp-vpp"),
+    Fault(name="vpp-group-not-passed", title="micro-batch count not a multiple of the VPP group",
+          source="Megatron-LM PR #2000: under VPP the micro-batch count must be a multiple of "
+                 "microbatch_group_size_per_vp_stage (align_sample_id_groups)",
+          url=MEGATRON + "2000", layer="pipeline", seam="harness.dist.layouts:schedule",
+          make=tf.make_vpp_group_not_passed, check="pipeline-schedule",
+          expect=r"multiple of microbatch_group_size_per_vp_stage=2", scenario="train-pp-vpp"),
+    Fault(name="pp-clip-by-stage-norm", title="gradients clipped by each stage's own norm",
+          source="Megatron-core clip_grad_norm: the norm is all-reduced over the model-parallel group (PP included) "
+                 "before clipping",
+          url="https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/core/optimizer/clip_grads.py",
+          layer="pipeline", seam="harness.dist.train:clip_gradients", make=tf.make_clip_by_stage_norm,
+          check="clipped-gradients", expect=r"clipped step-1 gradient of .* differs", scenario="train-pp"),
     Fault(name="replay-pp-offset-off-by-one", title="a PP stage replays the previous layer's routes",
           source="SkyRL PR #1335: _get_current_pp_stage_layer_range decides each stage's replay rows",
           url=SKYRL + "1335", layer="replay", seam="harness.dist.replay:route_column",

@@ -19,9 +19,12 @@ import numpy as np
 CHECKS: dict[str, str] = {
     "schedule-invariants": "every block the ranks run satisfies harness.plan.INVARIANTS (in the run, before the step)",
     "group-audit": "every micro-batch's CP-aware calls get exactly its block's process group (in the run)",
+    "schedule-agreement": "every pipeline stage runs the first stage's blocks (in the run, before activations move)",
+    "pipeline-schedule": "the micro-batch count fits the pipeline schedule (interleaved: a multiple of its group)",
     "token-accounting": "at step 1 every position of every sequence is trained exactly once over all ranks",
     "replica-consistency": "after every step all ranks hold bit-identical parameters",
     "step1-gradients": "at step 1 every parameter's reduced gradient on every rank equals the bshd run's (relative)",
+    "clipped-gradients": "at step 1 every parameter's clipped gradient (what the optimiser gets) equals the bshd run's",
     "token-loss": "at step 1 each sequence's token losses equal the bshd run's (relative L2 over its tokens)",
     "grad-norm": "every step's reduced gradient norm equals the bshd run's (relative)",
     "loss-curve": "every step's loss equals the bshd run's (absolute)",
@@ -29,7 +32,7 @@ CHECKS: dict[str, str] = {
     "replay-gradients": "replayed loss and gradients equal a single-process replayed reference (relative)",
     "stepwise-advantages": "every response token gets its own trajectory's advantage, or the batch is refused",
 }
-TOLERANCES = {"token-loss": 1e-5, "step1-gradients": 1e-5, "grad-norm": 1e-5, "loss-curve": 1e-5,
+TOLERANCES = {"token-loss": 1e-5, "step1-gradients": 1e-5, "clipped-gradients": 1e-5, "grad-norm": 1e-5, "loss-curve": 1e-5,
               "replay-gradients": 1e-5}
 
 
@@ -101,31 +104,45 @@ def token_loss(ref, got, layout) -> Alarm | None:
 
 
 def replica_consistency(ref, got, layout) -> Alarm | None:
-    digests = [r["probes"][layout]["digests"] for r in got]
-    for step in range(len(digests[0])):
-        seen = {d[step] for d in digests}
-        if len(seen) > 1:
-            odd = [r for r, d in enumerate(digests) if d[step] != digests[0][step]]
-            return Alarm("replica-consistency", f"after step {step + 1} the parameters differ between ranks: ranks "
-                         f"{odd} do not match rank 0 ({len(seen)} distinct replicas)",
-                         {"step": step + 1, "ranks": odd})
+    """Replicas: the ranks of one pipeline stage (all ranks without a pipeline)."""
+    stages = {}
+    for rank, r in enumerate(got):
+        stages.setdefault(r["probes"][layout].get("stage", 0), []).append(rank)
+    for step in range(len(got[0]["probes"][layout]["digests"])):
+        for stage, ranks in sorted(stages.items()):
+            digests = {k: got[k]["probes"][layout]["digests"][step] for k in ranks}
+            first = digests[ranks[0]]
+            odd = [k for k in ranks if digests[k] != first]
+            if odd:
+                where = "between ranks" if len(stages) == 1 else f"between the ranks of stage {stage}"
+                return Alarm("replica-consistency", f"after step {step + 1} the parameters differ {where}: ranks "
+                             f"{odd} do not match rank {ranks[0]} ({len(set(digests.values()))} distinct replicas)",
+                             {"step": step + 1, "ranks": odd})
     return None
 
 
-def step1_gradients(ref, got, layout) -> Alarm | None:
-    want = ref[0]["probes"]["bshd"]["grads"]
+def step1_gradients(ref, got, layout, key: str = "grads", check: str = "step1-gradients",
+                    what: str = "step-1 gradient") -> Alarm | None:
+    want = {}
+    for r in ref:  # with pipeline stages every rank holds its stage's parameters: take each from its first holder
+        for name, g in r["probes"]["bshd"][key].items():
+            want.setdefault(name, g)
     worst = (0.0, None, None)
     for rank, r in enumerate(got):
-        for name, g in r["probes"][layout]["grads"].items():
+        for name, g in r["probes"][layout][key].items():
             w = np.asarray(want[name])
             rel = float(np.linalg.norm(np.asarray(g) - w) / max(np.linalg.norm(w), 1e-30))
             worst = max(worst, (rel, rank, name), key=lambda x: x[0])
-    tol = TOLERANCES["step1-gradients"]
+    tol = TOLERANCES[check]
     if worst[0] <= tol:
         return None
-    return Alarm("step1-gradients", f"step-1 gradient of {worst[2]} on rank {worst[1]} differs from bshd by "
+    return Alarm(check, f"{what} of {worst[2]} on rank {worst[1]} differs from bshd by "
                  f"{worst[0]:.3g} relative (> {tol:g})", {"step": 1, "rank": worst[1], "parameter": worst[2]},
                  worst[0], tol)
+
+
+def clipped_gradients(ref, got, layout) -> Alarm | None:
+    return step1_gradients(ref, got, layout, "clipped", "clipped-gradients", "clipped step-1 gradient")
 
 
 def _per_step(name, ref_vals, vals, relative: bool) -> Alarm | None:
@@ -152,5 +169,6 @@ def loss_curve(ref, got, layout) -> Alarm | None:
 
 
 TRAIN_CHECKS = {"token-accounting": token_accounting, "replica-consistency": replica_consistency,
-                "token-loss": token_loss, "step1-gradients": step1_gradients, "grad-norm": grad_norm,
+                "token-loss": token_loss, "step1-gradients": step1_gradients,
+                "clipped-gradients": clipped_gradients, "grad-norm": grad_norm,
                 "loss-curve": loss_curve}

@@ -26,7 +26,13 @@ TRAIN = {"model": "tiny-gpt", "steps": 2, "max_seqlen_per_rank": 128, "scheduler
          "corpus": {"sequences_per_batch": 16}}
 TRAIN_CONFIGS = {"train": TRAIN,
                  "train-small-batch": {**TRAIN, "corpus": {"sequences_per_batch": 3,
-                                                           "lengths": "uniform:min=200,max=400"}}}
+                                                           "lengths": "uniform:min=200,max=400"}},
+                 # 2 stages of a 2-rank DP x CP domain; every stage plans the batch itself (cost-aware balanced)
+                 "train-pp": {**TRAIN, "pp": 2, "max_seqlen_per_rank": 256, "scheduler": "balanced",
+                              "schedule_delivery": "compute"},
+                 # 2 stages x 2 virtual chunks, PR #2000's scheduler aligned to the interleaved group
+                 "train-pp-vpp": {**TRAIN, "pp": 2, "vpp": 2, "max_seqlen_per_rank": 256,
+                                  "scheduler": "megatron-pr2000"}}
 REPLAY = {"pp": 2, "cp": 2}
 WORLD_TIMEOUT_S = 60.0
 
@@ -40,8 +46,10 @@ def _fault(name):
 def _train_run(rank: int, world: int, cfg: dict, fault: str | None) -> dict:
     """One train run on one rank: its rows and probes, or the in-run alarm every rank raised."""
     from harness.dist.audit import GroupAuditError
+    from harness.dist.pipeline import ScheduleAgreementError
     from harness.dist.train import train
     from harness.plan import ScheduleError
+    from harness.plan.pipeline_schedule import PipelineScheduleError
 
     try:
         with _fault(fault), contextlib.redirect_stdout(io.StringIO()):  # no per-step lines
@@ -54,6 +62,13 @@ def _train_run(rank: int, world: int, cfg: dict, fault: str | None) -> dict:
         return {"alarm": Alarm("group-audit", str(e), {"layout": getattr(e, "layout", None),
                                                       "step": getattr(e, "step", 0) + 1, "microbatch": e.microbatch,
                                                       "rank": e.rank}).to_dict()}
+    except ScheduleAgreementError as e:
+        return {"alarm": Alarm("schedule-agreement", str(e), {"layout": getattr(e, "layout", None),
+                                                             "step": getattr(e, "step", 0) + 1, "stage": e.stage,
+                                                             "microbatch": e.microbatch}).to_dict()}
+    except PipelineScheduleError as e:
+        return {"alarm": Alarm("pipeline-schedule", str(e), {"layout": getattr(e, "layout", None),
+                                                            "step": getattr(e, "step", 0) + 1}).to_dict()}
     return {"rows": out["layouts"], "probes": out["probes"]}
 
 

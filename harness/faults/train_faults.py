@@ -152,3 +152,49 @@ def make_cp_inactive_for_small_batches(original):
                                     max_seqlen_per_rank=sched.max_seqlen_per_rank, algorithm=sched.algorithm,
                                     cost=sched.cost)
     return deliver
+
+
+# ------------------------------------------------------------------------------------ pipeline
+def make_local_cp_size_not_propagated(original):
+    """Later pipeline stages never receive ``local_cp_size``: they run every block's sequences as CP-1
+    blocks of their own (PR #2000 had to add it to ``broadcast_to_pp_group`` and ``create_data_iterator``
+    for PP / VPP stages)."""
+    def stage_view(sched, stage):
+        from harness.plan.layout import Block, Schedule
+
+        sched = original(sched, stage)
+        if stage == 0:
+            return sched
+        layout = [[Block(p, 1, b.gids) for b in mb for p in b.ranks] for mb in sched.layout]
+        return Schedule.from_blocks(layout, lengths=list(sched.lengths.items()), n_ranks=sched.n_ranks,
+                                    max_seqlen_per_rank=sched.max_seqlen_per_rank, vpp_group=sched.vpp_group,
+                                    algorithm=sched.algorithm, cost=sched.cost)
+    return stage_view
+
+
+def make_stage_own_cost(original):
+    """Every stage plans the batch itself with a cost model of its own (a per-stage calibration, or
+    upstream's default estimator on the later stages): the stages' schedules differ."""
+    def stage_cost(cost, stage):
+        from harness.plan import CostModel
+
+        return original(cost, stage) if stage == 0 else CostModel.megatron()
+    return stage_cost
+
+
+def make_vpp_group_not_passed(original):
+    """The scheduler is not told the interleaved pipeline's micro-batch group
+    (``microbatch_group_size_per_vp_stage``): the micro-batch count is whatever the batch gives."""
+    def schedule(lengths, **kw):
+        kw.pop("vpp_group", None)
+        return original(lengths, **kw)
+    return schedule
+
+
+def make_clip_by_stage_norm(original):
+    """Gradients clipped by each stage's own norm: the squared norms are not summed over the pipeline
+    (Megatron all-reduces the norm over the model-parallel group before clipping), so every stage
+    scales its gradients by a different factor."""
+    def clip_gradients(params, max_norm, pipeline_group):
+        return original(params, max_norm, None)
+    return clip_gradients

@@ -7,11 +7,22 @@ Public API (stable):
     check_schedule(...) -> list[Violation]
     cp_min(L, max_seqlen_per_rank, min_cp_size=1)
     CostModel (megatron(), affine_quadratic(), from_model_shape())
-    lower_bound(...), simulate_step_time(schedule), quality(schedule)
+    lower_bound(..., execution=INDEPENDENT), simulate(schedule, cost=None, execution=INDEPENDENT),
+    simulate_step_time(schedule), quality(schedule, cost=None, execution=INDEPENDENT), stats(...)
+    Execution (INDEPENDENT, SYNCHRONOUS, Execution.pipeline(pp, vpp=1, schedule="1f1b"))
 """
 
 from harness.plan.api import ALGORITHMS, schedule
-from harness.plan.bounds import ScheduleStats, Simulation, lower_bound, quality, simulate, simulate_step_time, stats
+from harness.plan.bounds import (
+    ScheduleStats,
+    Simulation,
+    lower_bound,
+    quality,
+    schedule_lower_bound,
+    simulate,
+    simulate_step_time,
+    stats,
+)
 from harness.plan.cost import CostModel, cp_min, gpt_benchmark_cost, is_power_of_two
 from harness.plan.errors import (
     BatchTooSmallError,
@@ -24,14 +35,24 @@ from harness.plan.errors import (
     UnknownAlgorithmError,
     VPPAlignmentError,
 )
+from harness.plan.execution import (
+    INDEPENDENT,
+    SYNCHRONOUS,
+    Execution,
+    ExecutionError,
+    PassTime,
+    shares_from_layers,
+    with_microbatch_order,
+)
 from harness.plan.layout import Block, Schedule
 from harness.plan.lengths import normalize_lengths
 from harness.plan.validate import INVARIANTS, Violation, check_schedule, validate_schedule
 
 __all__ = [
-    "ALGORITHMS", "BatchTooSmallError", "Block", "CostModel", "DuplicateGidError", "INVARIANTS", "InvalidLengthError",
-    "NotPowerOfTwoError", "PlanInputError", "Schedule", "ScheduleError", "ScheduleStats",
-    "SequenceTooLongError", "UnknownAlgorithmError", "VPPAlignmentError", "Violation", "check_schedule",
-    "cp_min", "gpt_benchmark_cost", "is_power_of_two", "lower_bound", "normalize_lengths", "quality",
-    "schedule", "Simulation", "simulate", "simulate_step_time", "stats", "validate_schedule",
+    "ALGORITHMS", "BatchTooSmallError", "Block", "CostModel", "DuplicateGidError", "Execution", "ExecutionError",
+    "INDEPENDENT", "INVARIANTS", "InvalidLengthError", "NotPowerOfTwoError", "PassTime", "PlanInputError",
+    "SYNCHRONOUS", "Schedule", "ScheduleError", "ScheduleStats", "SequenceTooLongError", "UnknownAlgorithmError",
+    "VPPAlignmentError", "Violation", "check_schedule", "cp_min", "gpt_benchmark_cost", "is_power_of_two",
+    "lower_bound", "normalize_lengths", "quality", "schedule", "schedule_lower_bound", "shares_from_layers",
+    "Simulation", "simulate", "simulate_step_time", "stats", "validate_schedule", "with_microbatch_order",
 ]

@@ -19,10 +19,41 @@ and ``step >= min_s seq_cost(L, s) + per_microbatch (+ cp_block when cp_min > 1)
 sequence, and ``step >= per_microbatch * mb_min + cp_block * cp_rows_min(...)`` for rank 0, which runs a
 block of every micro-batch and is a rank of every micro-batch's widest block (``cp_rows_min``).
 
+Other execution models (``harness.plan.execution``: ``execution=`` of ``simulate``, ``lower_bound``,
+``quality``, ``stats``). Synchronous (a barrier after every micro-batch): the same bound (barriers only
+delay blocks). Pipeline of ``pp`` stages: every term above bounds some rank's *busy* time, a stage's ranks
+run ``w_s`` (its chunks' share of the model, ``1 / pp`` evenly split) of each of their blocks, and a rank of
+stage s can start only after the forward of its first micro-batch crossed the chunks before its first one
+(``A_s`` of the model: ``s / (pp * vpp)`` evenly split) and ends before the backward of its last one crosses
+them back, each of those passes at least ``smallest_block`` (the least per-rank cost of any block:
+``per_microbatch`` plus the smallest ``seq_cost(L, s) (+ cp_block when s > 1)`` over sequences and sizes
+``cp_min(L) <= s <= N``; every rank runs a sequence in every micro-batch), so
+
+    step >= max( max_s [w_s * bound + A_s * smallest_block],  costliest block ),
+
+the last term because one micro-batch's forward and backward through all the chunks run one after the
+other, a whole block's cost (``min_s seq_cost(L, s) + per_microbatch (+ cp_block)`` for the costliest
+sequence). With pp 1 it is the bound above.
+
 >>> from harness.plan.api import schedule
 >>> s = schedule([4096, 1024, 1024], n_ranks=2, max_seqlen_per_rank=2048, algorithm="megatron-dev")
 >>> round(quality(s), 3)
 1.0
+
+Under a pipeline of 2 stages, with cost = L on one rank: each stage runs half of the 24 tokens' work (12);
+stage 1 cannot start before stage 0 ran the forward of the first micro-batch (1/3 of half its cost) and
+stage 0 runs the backward of the last one after stage 1 ended it (2/3 of half): at least half of the
+smallest block (6 tokens), 12 + 3 = 15. With 2 virtual chunks per stage only a quarter of the model lies
+before stage 1: 12 + 1.5.
+
+>>> from harness.plan.execution import Execution
+>>> lin = CostModel(quadratic=0.0, linear=1.0)
+>>> lower_bound([6, 6, 12], n_ranks=1, max_seqlen_per_rank=12, cost=lin)
+24.0
+>>> lower_bound([6, 6, 12], n_ranks=1, max_seqlen_per_rank=12, cost=lin, execution=Execution.pipeline(2))
+15.0
+>>> lower_bound([6, 6, 12], n_ranks=1, max_seqlen_per_rank=12, cost=lin, execution=Execution.pipeline(2, vpp=2))
+13.5
 """
 
 from __future__ import annotations
@@ -31,49 +62,42 @@ from dataclasses import dataclass
 
 from harness.plan.binpack import min_bins, simple_bound
 from harness.plan.cost import CostModel, cp_min
+from harness.plan.execution import (
+    INDEPENDENT,
+    BoundTerms,
+    Execution,
+    Simulation,
+    check_execution,
+    execution_bound,
+    simulate_execution,
+)
 from harness.plan.layout import Schedule
 from harness.plan.lengths import check_domain, normalize_lengths
 
 
-@dataclass(frozen=True)
-class Simulation:
-    """Result of ``simulate``: per-rank busy time and time spent waiting for block partners."""
-
-    step_time: float
-    busy: list[float]
-    waiting: list[float]
+def simulate(schedule: Schedule, cost: CostModel | None = None, execution: Execution = INDEPENDENT) -> Simulation:
+    """Run the step-time model of ``schedule`` under ``cost`` (default: the schedule's own) and ``execution``
+    (default: independent ranks; ``harness.plan.execution`` has the others and their rules)."""
+    return simulate_execution(schedule, cost or schedule.cost, execution)
 
 
-def simulate(schedule: Schedule, cost: CostModel | None = None) -> Simulation:
-    """Run the step-time model of ``schedule`` under ``cost`` (default: the schedule's own)."""
-    c = cost or schedule.cost
-    n = schedule.n_ranks
-    free, busy, wait = [0.0] * n, [0.0] * n, [0.0] * n
-    for mb in schedule.layout:
-        for b in mb:
-            lo, hi = b.start, b.start + b.size
-            start = max(free[lo:hi])
-            dur = schedule.block_cost(b, c)
-            for r in range(lo, hi):
-                wait[r] += start - free[r]
-                busy[r] += dur
-                free[r] = start + dur
-    return Simulation(max(free, default=0.0), busy, wait)
-
-
-def simulate_step_time(schedule: Schedule, cost: CostModel | None = None) -> float:
-    """Simulated step time of ``schedule`` under ``cost`` (default: the schedule's own)."""
-    return simulate(schedule, cost).step_time
+def simulate_step_time(schedule: Schedule, cost: CostModel | None = None,
+                       execution: Execution = INDEPENDENT) -> float:
+    """Simulated step time of ``schedule`` under ``cost`` (default: the schedule's own) and ``execution``."""
+    return simulate(schedule, cost, execution).step_time
 
 
 def lower_bound(lengths, *, n_ranks: int, max_seqlen_per_rank: int, cost: CostModel | None = None,
-                min_cp_size: int = 1, vpp_group: int | None = None) -> float:
-    """A lower bound on the step time of any valid schedule of ``lengths`` (see module doc)."""
+                min_cp_size: int = 1, vpp_group: int | None = None, execution: Execution = INDEPENDENT) -> float:
+    """A lower bound on the step time of any valid schedule of ``lengths`` under ``execution`` (see module doc).
+    An interleaved pipeline's micro-batch group counts as ``vpp_group`` when that is not given."""
     check_domain(n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group)
+    check_execution(execution)
     c = cost or CostModel.megatron()
     pairs = normalize_lengths(lengths)
     if not pairs:
         return 0.0
+    group = vpp_group or execution.vpp_group
     area, single, tokens, wide = 0.0, 0.0, 0, 0
     for _, L in pairs:
         s0 = cp_min(L, max_seqlen_per_rank, min_cp_size)
@@ -83,12 +107,33 @@ def lower_bound(lengths, *, n_ranks: int, max_seqlen_per_rank: int, cost: CostMo
         single = max(single, min(c.seq_cost(L, s) for s in sizes) + (c.cp_block if s0 > 1 else 0.0))
         tokens += L
     mb_min = -(-tokens // (n_ranks * max_seqlen_per_rank))
-    if vpp_group and vpp_group > 1:
-        mb_min = -(-mb_min // vpp_group) * vpp_group
+    if group and group > 1:
+        mb_min = -(-mb_min // group) * group
     # rank-blocks of CP blocks: tokens that need one (cp_min > 1) fill at most mslpr per rank-block
     cp_blocks = wide / max_seqlen_per_rank / n_ranks
-    return max(area / n_ranks + c.per_microbatch * mb_min + c.cp_block * cp_blocks, single + c.per_microbatch,
+    busy = max(area / n_ranks + c.per_microbatch * mb_min + c.cp_block * cp_blocks, single + c.per_microbatch,
                c.per_microbatch * mb_min + c.cp_block * cp_rows_min(pairs, n_ranks, max_seqlen_per_rank, min_cp_size))
+    if execution == INDEPENDENT:
+        return busy
+    terms = BoundTerms(busy=busy, chain=single + c.per_microbatch,
+                       smallest_block=smallest_block(pairs, n_ranks, max_seqlen_per_rank, c, min_cp_size))
+    return execution_bound(terms, execution)
+
+
+def smallest_block(lengths, n_ranks: int, max_seqlen_per_rank: int, cost: CostModel, min_cp_size: int = 1) -> float:
+    """Least per-rank cost of any block of a valid schedule: it holds a sequence (coverage) on ``s`` ranks,
+    ``cp_min(L) <= s <= n_ranks``, and costs at least ``seq_cost(L, s) + block_overhead(s)``.
+
+    >>> smallest_block([100, 300], 4, 200, CostModel(quadratic=1.0, cp_block=5.0))  # 100**2 / 4 + 5
+    2505.0
+    """
+    best = float("inf")
+    for _, L in normalize_lengths(lengths):
+        s = cp_min(L, max_seqlen_per_rank, min_cp_size)
+        while s <= n_ranks:
+            best = min(best, cost.seq_cost(L, s) + cost.block_overhead(s))
+            s *= 2
+    return best if best < float("inf") else 0.0
 
 
 def cp_rows_min(lengths, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1) -> int:
@@ -117,13 +162,20 @@ def cp_rows_min(lengths, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
     return rows
 
 
-def quality(schedule: Schedule, cost: CostModel | None = None) -> float:
-    """Simulated step time / lower bound (1.0 is optimal) under ``cost`` (default: the schedule's)."""
+def schedule_lower_bound(schedule: Schedule, cost: CostModel | None = None,
+                         execution: Execution = INDEPENDENT) -> float:
+    """``lower_bound`` of ``schedule``'s batch and domain under ``cost`` (default: the schedule's)."""
+    return lower_bound(list(schedule.lengths.items()), n_ranks=schedule.n_ranks,
+                       max_seqlen_per_rank=schedule.max_seqlen_per_rank, cost=cost or schedule.cost,
+                       min_cp_size=schedule.min_cp_size, vpp_group=schedule.vpp_group, execution=execution)
+
+
+def quality(schedule: Schedule, cost: CostModel | None = None, execution: Execution = INDEPENDENT) -> float:
+    """Simulated step time / lower bound (1.0 is optimal) under ``cost`` (default: the schedule's) and
+    ``execution`` (default: independent ranks)."""
     c = cost or schedule.cost
-    lb = lower_bound(list(schedule.lengths.items()), n_ranks=schedule.n_ranks,
-                     max_seqlen_per_rank=schedule.max_seqlen_per_rank, cost=c,
-                     min_cp_size=schedule.min_cp_size, vpp_group=schedule.vpp_group)
-    return simulate_step_time(schedule, c) / lb if lb > 0 else 1.0
+    lb = schedule_lower_bound(schedule, c, execution)
+    return simulate_step_time(schedule, c, execution) / lb if lb > 0 else 1.0
 
 
 @dataclass(frozen=True)
@@ -142,14 +194,18 @@ class ScheduleStats:
     """Tokens / (micro-batches * N * max_seqlen_per_rank)."""
     cp_histogram: dict[int, int]
     """Block size -> number of sequences run at that size."""
+    bubble_fraction: float = 0.0
+    """Share of the ranks' simulated time not spent computing (``Simulation.bubble_fraction``)."""
+    execution: str = "independent"
+    """The execution model of ``step_time``, ``lower_bound`` and ``quality`` (``Execution.describe``)."""
 
 
-def stats(schedule: Schedule, cost: CostModel | None = None) -> ScheduleStats:
+def stats(schedule: Schedule, cost: CostModel | None = None, execution: Execution = INDEPENDENT) -> ScheduleStats:
+    """The figures of ``ScheduleStats`` under ``cost`` (default: the schedule's) and ``execution``."""
     c = cost or schedule.cost
-    lb = lower_bound(list(schedule.lengths.items()), n_ranks=schedule.n_ranks,
-                     max_seqlen_per_rank=schedule.max_seqlen_per_rank, cost=c,
-                     min_cp_size=schedule.min_cp_size, vpp_group=schedule.vpp_group)
-    step = simulate_step_time(schedule, c)
+    lb = schedule_lower_bound(schedule, c, execution)
+    sim = simulate(schedule, c, execution)
+    step = sim.step_time
     loads = [schedule.load(m, c) for m in range(schedule.num_microbatches)]
     imb = [max(x) / (sum(x) / len(x)) for x in loads if sum(x) > 0]
     hist: dict[int, int] = {}
@@ -161,4 +217,5 @@ def stats(schedule: Schedule, cost: CostModel | None = None) -> ScheduleStats:
         num_microbatches=nmb, step_time=step, lower_bound=lb, quality=step / lb if lb else 1.0,
         sync_makespan=sum(max(x) for x in loads), mean_imbalance=sum(imb) / len(imb) if imb else 1.0,
         token_fill=sum(schedule.lengths.values()) / cap if cap else 0.0, cp_histogram=dict(sorted(hist.items())),
+        bubble_fraction=sim.bubble_fraction, execution=execution.describe(),
     )

@@ -4,22 +4,39 @@ from __future__ import annotations
 
 import statistics
 
-from harness.report import plots
+from harness.report import pipeline_report, plots
 from harness.report.html import esc, figure_png, page, table
 
 
 def _schedules(result):
-    """Recompute step 0's schedule for each layout (deterministic) for the picture."""
+    """Recompute step 0's schedule for each layout (deterministic) for the pictures: on one stage's DP x CP
+    domain (the world / pp) with the interleaved pipeline's micro-batch group, as the ranks planned it."""
     from harness.corpus import global_batch
     from harness.dist.layouts import LayoutConfig, plan
     from harness.dist.train import TrainConfig, model_cost
 
     cfg = TrainConfig.from_dict(result.config)
     lengths = [len(x) - 1 for x in global_batch(cfg.corpus, 0)]
-    lcfg = LayoutConfig(n_ranks=result.config["world"], max_seqlen_per_rank=cfg.max_seqlen_per_rank,
+    lcfg = LayoutConfig(n_ranks=cfg.domain(result.config["world"]), max_seqlen_per_rank=cfg.max_seqlen_per_rank,
                         static_cp=result.config["static_cp"], micro_batch_size=cfg.micro_batch_size,
-                        scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding)
+                        scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding,
+                        vpp_group=cfg.pipeline_config().vpp_group)
     return {layout: plan(layout, lengths, lcfg, model_cost(cfg))[0] for layout in result.rows}
+
+
+def _pipelined(result) -> bool:
+    return int(result.config.get("pp", 1)) > 1
+
+
+def _pipeline_section(result, schedules, markdown: bool = False) -> str:
+    """The pipeline timelines and bubbles of step 0 ("" for PP = 1; ``harness.report.pipeline_report``),
+    simulated on the re-planned schedules under the trained model's cost."""
+    if not _pipelined(result):
+        return ""
+    from harness.dist.train import TrainConfig, model_cost
+
+    render = pipeline_report.markdown if markdown else pipeline_report.section
+    return render(result.rows, result.config, schedules, model_cost(TrainConfig.from_dict(result.config)))
 
 
 def summary_rows(result) -> list[list]:
@@ -39,6 +56,7 @@ HEADER = ["layout", "first loss", "last loss", "max |delta| vs bshd", "tokens/s 
 
 def section(result, tracking: dict | None = None) -> str:
     c = result.config
+    schedules = _schedules(result)
     checks = [[x["target"], f"{x['value']:.3g}", "PASS" if x["pass"] else "FAIL"] for x in result.checks]
     track = "" if tracking is None else f"<p class=\"meta\">tracking: {esc(tracking)}</p>"
     return "".join([
@@ -54,7 +72,8 @@ def section(result, tracking: dict | None = None) -> str:
         "<h3>One global batch (step 0) in each layout</h3>",
         "<p>Ranks x micro-batches; a rectangle is a CP block, coloured by its first sequence, labelled with its "
         "size.</p>",
-        figure_png(plots.schedule_grids(_schedules(result))),
+        figure_png(plots.schedule_grids(schedules)),
+        _pipeline_section(result, schedules),
     ])
 
 
@@ -63,7 +82,8 @@ def markdown(result) -> str:
     lines += [f"| {x['target']} | {x['value']:.3g} | {'PASS' if x['pass'] else 'FAIL'} |" for x in result.checks]
     lines += ["", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(map(str, r)) + " |" for r in summary_rows(result)]
-    return "\n".join(lines) + "\n"
+    pipe = _pipeline_section(result, _schedules(result), markdown=True) if _pipelined(result) else ""
+    return "\n".join(lines) + "\n" + ("\n" + pipe if pipe else "")
 
 
 def render_standalone(result, tracking: dict | None) -> tuple[str, str]:

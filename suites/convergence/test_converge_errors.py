@@ -29,6 +29,30 @@ def test_layouts_the_world_cannot_run(cfg, world, match, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("kw, world, match", [
+    ({"pp": 3}, 4, r"pp=3 must be a positive divisor of the world \(4 ranks\)"),
+    ({"vpp": 2}, 4, "virtual_pipeline_model_parallel_size=2 needs pipeline parallelism"),
+    ({"pp": 2, "vpp": 3}, 4, "2 layers cannot be split over pp=2 x vpp=3 = 6 model chunks"),
+    ({"pp": 2, "pipeline": "zero-bubble"}, 4, "pipeline schedule must be afab or 1f1b"),
+    ({"pp": 2, "schedule_delivery": "gossip"}, 4, "schedule delivery must be one of broadcast, compute"),
+    ({"pp": 2, "max_seqlen_per_rank": 512, "vpp": 2, "model": "tiny-moe",
+      "corpus": {"sequences_per_batch": 31}}, 4, r"step 1, layout bshd: .* not a multiple of the interleaved"),
+    ({"pp": 2, "vpp": 2, "max_seqlen_per_rank": 4096, "layouts": ("dcp",), "scheduler": "dp-balanced",
+      "corpus": {"sequences_per_batch": 1, "lengths": "const:value=100"}}, 4, r"step 1, layout dcp: .*vpp_group=2"),
+])
+def test_pipelines_the_world_cannot_run(kw, world, match, tmp_path):
+    """Bad pipeline options fail before any process starts, naming the value and the fix: a stage count
+    that does not divide the world, VPP without PP, layers the split cannot hold, unknown kinds, and
+    VPP groups a step's batch cannot satisfy (every step is planned first)."""
+    from harness.corpus import CorpusConfig
+
+    if "corpus" in kw:
+        kw["corpus"] = CorpusConfig(**kw["corpus"])
+    with pytest.raises(ValueError, match=match):
+        converge.run(TrainConfig(**kw), world=world, out_root=tmp_path, progress=lambda s: None)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_missing_golden_says_how_to_create_it(tmp_path):
     with pytest.raises(golden.GoldenError, match=r"missing; create it with: dcp-harness converge .*--steps 7 .*--update-golden"):
         converge.run(TrainConfig(steps=7), world=4, golden="require", out_root=tmp_path, progress=lambda s: None)

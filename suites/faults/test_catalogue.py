@@ -13,7 +13,7 @@ from harness.faults import CHECKS, FAULTS, LAYERS, SEAMS, SeamError, UnknownFaul
 from harness.faults import checks as ck
 from harness.faults.seam import resolve
 
-ISSUE_LAYERS = {"plan", "reroute", "attention", "loss", "gradients", "groups", "replay", "step-wise"}
+ISSUE_LAYERS = {"plan", "reroute", "attention", "loss", "gradients", "groups", "pipeline", "replay", "step-wise"}
 
 
 def test_every_fault_is_complete():
@@ -79,6 +79,7 @@ def _ranks(world=2, grads=None, ce=None, digests=("a", "b")):
         seq = {"step": 0, "lengths": {0: 2, 1: 2}, "seq": [0, 1] if r == 0 else [0, 1], "pos": [r, r],
                "ce": list(ce[r]) if ce else [1.0, 2.0]}
         probes = {"sequences": [seq], "grads": {"w": np.array(grads[r] if grads else [1.0, 2.0])},
+                  "clipped": {"w": np.array([0.5, 1.0])},
                   "grad_norms": [1.0, 0.5], "digests": list(digests)}
         ranks.append({"probes": {"bshd": probes, "dcp": copy.deepcopy(probes)},
                       "rows": {"bshd": [{"loss": 3.0}, {"loss": 2.5}], "dcp": [{"loss": 3.0}, {"loss": 2.5}]}})
@@ -104,6 +105,10 @@ def test_each_train_check_fires_on_its_deviation():
     got[0]["probes"]["dcp"]["grads"]["w"] = np.array([1.0, 2.0 + 1e-3])
     a = ck.step1_gradients(ref, got, "dcp")
     assert a.where == {"step": 1, "rank": 0, "parameter": "w"} and 10 < a.margin < 100
+    got = copy.deepcopy(ref)
+    got[1]["probes"]["dcp"]["clipped"]["w"] = np.array([0.5, 1.0 + 1e-3])
+    a = ck.clipped_gradients(ref, got, "dcp")
+    assert a.check == "clipped-gradients" and a.where == {"step": 1, "rank": 1, "parameter": "w"}
     got = copy.deepcopy(ref)
     got[1]["probes"]["dcp"]["sequences"][0]["ce"][1] = 2.0 + 1e-3
     a = ck.token_loss(ref, got, "dcp")

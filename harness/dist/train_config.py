@@ -1,0 +1,103 @@
+"""Configuration of a training run (``harness.dist.train``): model, layouts, optimiser, the DP x CP
+domain's scheduling, the pipeline, precision and the corpus."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from harness.corpus import CorpusConfig, global_batch
+from harness.dist.layouts import LAYOUTS, LayoutError
+from harness.plan import CostModel
+from harness.runtime.model import MODELS
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: str = "tiny-gpt"
+    """A key of ``harness.runtime.model.MODELS``."""
+    layouts: tuple[str, ...] = LAYOUTS
+    steps: int = 50
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    max_seqlen_per_rank: int = 256
+    micro_batch_size: int = 1
+    scheduler: str = "balanced"
+    dcp_padding: str = "local"
+    dtype: str = "float32"
+    """``float32``, or ``bfloat16`` (autocast; fp32 master weights)."""
+    device: str = "cpu"
+    cp_exchange: str = "gather"
+    """How CP blocks exchange K/V (``harness.dist.cp_attention.EXCHANGES``): ``gather``, ``ring`` or
+    ``auto``; the attention is the same either way, so the goldens apply to all."""
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    probes: bool = False
+    """Record what the fault catalogue's checks read (``harness.dist.probes``) on every rank and
+    return it with the rows."""
+    pp: int = 1
+    """Pipeline stages (``harness.dist.pipeline``); the world is pp stages of a DP x CP domain each."""
+    vpp: int = 1
+    """Virtual chunks per stage (the interleaved 1F1B schedule when > 1)."""
+    pipeline: str = "1f1b"
+    """``1f1b`` or ``afab`` (with vpp > 1 the interleaved 1F1B runs)."""
+    schedule_delivery: str = "broadcast"
+    """``broadcast`` (the first stage computes each schedule and sends it down the pipelines) or
+    ``compute`` (every stage computes it); the stages are checked to agree either way."""
+
+    def pipeline_config(self):
+        from harness.dist.pipeline import PipelineConfig
+
+        return PipelineConfig(pp=self.pp, vpp=self.vpp, schedule=self.pipeline, delivery=self.schedule_delivery)
+
+    def domain(self, world: int) -> int:
+        """DP x CP positions of each stage."""
+        return world // self.pp if self.pp >= 1 and world % self.pp == 0 else 0
+
+    def validate(self, world: int) -> None:
+        if self.model not in MODELS:
+            raise LayoutError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
+        bad = [x for x in self.layouts if x not in LAYOUTS]
+        if bad or not self.layouts:
+            raise LayoutError(f"unknown layout(s) {bad or self.layouts!r}; choose from {', '.join(LAYOUTS)}")
+        self.pipeline_config().validate(world, MODELS[self.model].layers)
+        n = self.domain(world)
+        if n < 1 or n & (n - 1):
+            what = f"world size {world}" if self.pp == 1 else f"the DP x CP domain of each stage ({world} / pp {self.pp} = {n})"
+            raise LayoutError(f"{what} is not a power of two: dynamic CP groups need one (use 1, 2, 4, 8)")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise LayoutError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.steps < 1:
+            raise LayoutError(f"steps must be >= 1, got {self.steps}")
+        from harness.dist.cp_attention import EXCHANGES
+        from harness.plan import ALGORITHMS
+
+        if self.cp_exchange not in EXCHANGES:
+            raise LayoutError(f"cp_exchange must be one of {', '.join(EXCHANGES)}, got {self.cp_exchange!r}")
+        if self.scheduler not in ALGORITHMS:
+            raise LayoutError(f"unknown scheduler {self.scheduler!r} for the dcp layout; choose from "
+                              f"{', '.join(sorted(ALGORITHMS))}")
+        if self.dcp_padding not in ("local", "domain"):
+            raise LayoutError(f"dcp_padding must be 'local' or 'domain', got {self.dcp_padding!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise LayoutError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.max_seqlen_per_rank < 1 or self.micro_batch_size < 1:
+            raise LayoutError(f"max_seqlen_per_rank and micro_batch_size must be >= 1, got "
+                              f"{self.max_seqlen_per_rank} and {self.micro_batch_size}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        d = dict(d)
+        d["corpus"] = CorpusConfig(**d.get("corpus", {}))
+        d["layouts"] = tuple(d.get("layouts", LAYOUTS))
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def longest_sequence(cfg: TrainConfig) -> int:
+    return max(len(x) - 1 for s in range(cfg.steps) for x in global_batch(cfg.corpus, s))
+
+
+def model_cost(cfg: TrainConfig) -> CostModel:
+    return MODELS[cfg.model].training_cost(name=cfg.model)
