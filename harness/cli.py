@@ -1,6 +1,6 @@
 """``dcp-harness`` (also ``python -m harness``): the command line.
 
-  dcp-harness run                      main job: scheduler comparison + edge cases, report, verdict
+  dcp-harness run                      main job: convergence (one stage, a pipeline), schedulers, edge cases, faults
   dcp-harness schedule ...             schedule one global batch; table, occupancy map, --json
   dcp-harness converge ...             train bshd / thd / dcp side by side; report, goldens, wandb
   dcp-harness nightly                  both models, more steps, GPUs if present; history + trend plots
@@ -11,6 +11,7 @@
   dcp-harness bench attention          CP attention throughput on GPUs -> reports/
   dcp-harness bench step               training step time, dynamic vs static CP (GPUs; --cpu smoke) -> reports/
   dcp-harness bench microbatch         host vs device time of one micro-batch per compile mode and backend -> reports/
+  dcp-harness bench opaque             host overhead per call of the opaque attention operator -> reports/
   dcp-harness fixtures wikipedia ...   regenerate the committed Wikipedia length sample
 
 Exit codes: 0 success, 1 a verdict or benchmark target failed, 2 bad input (message on stderr), 3 a
@@ -184,8 +185,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--batches", type=int, default=3, help="global batches per configuration (default 3)")
     r.add_argument("--out", type=Path, default=None, help="report root (default reports/)")
     r.add_argument("--steps", type=int, default=50, help="convergence steps (default 50, which has a golden)")
-    r.add_argument("--no-convergence", action="store_true", help="skip the convergence comparison")
+    r.add_argument("--no-convergence", action="store_true", help="skip the convergence comparisons (both)")
     r.add_argument("--no-faults", action="store_true", help="skip the fault catalogue (dcp-harness faults)")
+    r.add_argument("--no-pipeline", action="store_true", help="skip the convergence run under pipeline parallelism")
     _add_stall(r)
     _add_schedule(sub)
     _add_converge(sub)
@@ -296,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
             from harness.bench.common import REPORTS
 
             conv = None if a.no_convergence else {**main_job.DEFAULT_CONVERGENCE, "steps": a.steps}
+            skip = a.no_pipeline or a.no_convergence
+            pipe = None if skip else {**main_job.DEFAULT_PIPELINE, "steps": a.steps}
             code, _ = main_job.run(quick_batches=a.batches, out_root=a.out or REPORTS, convergence=conv,
-                                   faults=not a.no_faults, stall_s=a.stall_timeout)
+                                   pipeline=pipe, faults=not a.no_faults, stall_s=a.stall_timeout)
             return code
         if a.command == "schedule":
             return _cmd_schedule(a)

@@ -1,7 +1,9 @@
 """``dcp-harness run``: the main job on the embedded CPU default.
 
 1. Convergence: bshd vs THD packing vs dynamic CP, tiny GPT, 4 gloo ranks, 50 steps, fp32; every
-   layout within 1e-5 of bshd and of the committed golden at every step (``harness.converge``).
+   layout within 1e-5 of bshd and of the committed golden at every step (``harness.converge``); and
+   the same under pipeline parallelism (2 stages of 2 ranks) against its PP = 1 golden, with the
+   pipeline timeline of one step.
 2. Scheduler comparison (``bench schedule`` on a quick grid) and a rank-by-rank picture of one batch.
 3. The edge-case catalogue (spec 2.8 and the differential suite's findings).
 4. The fault catalogue (``harness.faults``): every re-created integration bug must be caught by its
@@ -49,36 +51,48 @@ def _timeline() -> dict:
 
 
 DEFAULT_CONVERGENCE = {"model": "tiny-gpt", "steps": 50, "world": 4}
+DEFAULT_PIPELINE = {"model": "tiny-gpt", "steps": 50, "world": 4, "pp": 2, "max_seqlen_per_rank": 512}
+"""Two pipeline stages of a 2-rank DP x CP domain; its golden is the PP = 1 case on 2 ranks."""
 
 
-def run(*, quick_batches: int = 3, out_root: Path = REPORTS, convergence: dict | None = DEFAULT_CONVERGENCE,
-        faults: bool = True, stall_s: float | None = None) -> tuple[int, Path]:
+def _converge(spec: dict, default: dict, run_dir: Path, out_root: Path, stall_s, what: str):
     from harness import converge
     from harness.dist.train import TrainConfig
 
+    c = dict(spec)
+    world = c.pop("world")
+    pipe = f", {c['pp']} pipeline stages" if c.get("pp", 1) > 1 else ""
+    print(f"{what}: {c['model']}, {world} gloo ranks{pipe}, {c['steps']} steps, layouts bshd / thd / dcp")
+    golden = "require" if spec == default else "auto"  # the defaults have committed goldens
+    return converge.run(TrainConfig(**c), world=world, golden=golden, run_dir=run_dir,
+                        progress=lambda s: print(s, flush=True), out_root=out_root, stall_s=stall_s)
+
+
+def run(*, quick_batches: int = 3, out_root: Path = REPORTS, convergence: dict | None = DEFAULT_CONVERGENCE,
+        pipeline: dict | None = DEFAULT_PIPELINE, faults: bool = True, stall_s: float | None = None) -> tuple[int, Path]:
     t0 = time.perf_counter()
-    print("dcp-harness run: convergence, scheduler comparison and edge cases on the embedded CPU default")
+    print("dcp-harness run: convergence (one stage and a pipeline), scheduler comparison, edge cases and the fault "
+          "catalogue on the embedded CPU default")
     out_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".run-", dir=out_root))
     try:
-        conv = None
+        conv = pipe = None
         if convergence:
-            c = dict(convergence)
-            world = c.pop("world")
-            print(f"[1/5] convergence: {c['model']}, {world} gloo ranks, {c['steps']} steps, layouts bshd / thd / dcp")
-            golden = "require" if convergence == DEFAULT_CONVERGENCE else "auto"  # the default has a committed golden
-            conv = converge.run(TrainConfig(**c), world=world, golden=golden, run_dir=tmp / "convergence",
-                                progress=lambda s: print(s, flush=True), out_root=out_root, stall_s=stall_s)
-        return _rest(t0, quick_batches, tmp, out_root, conv, faults)
+            conv = _converge(convergence, DEFAULT_CONVERGENCE, tmp / "convergence", out_root, stall_s,
+                             "[1/6] convergence")
+        if pipeline:
+            pipe = _converge(pipeline, DEFAULT_PIPELINE, tmp / "pipeline", out_root, stall_s,
+                             "[2/6] convergence under pipeline parallelism")
+        return _rest(t0, quick_batches, tmp, out_root, conv, faults, pipe)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _rest(t0, quick_batches, tmp, out_root, conv, with_faults=True):
-    print(f"[2/5] scheduler comparison ({quick_batches} global batches per configuration)")
+def _rest(t0, quick_batches, tmp, out_root, conv, with_faults=True, pipe=None):
+    print(f"[3/6] scheduler comparison ({quick_batches} global batches per configuration)")
     bench = bench_schedule.run(quick=True, batches=quick_batches, progress=lambda s: print(s, flush=True))
-    print("[3/5] edge cases (spec 2.8 and the differential suite's findings)")
+    print("[4/6] edge cases (spec 2.8 and the differential suite's findings)")
     edges = run_all()
     for e in edges:
         ours_ok = all(o["ok"] for o in e["ours"].values())
@@ -87,11 +101,14 @@ def _rest(t0, quick_batches, tmp, out_root, conv, with_faults=True):
               f"{'not installed' if up is None else up['kind']}")
     faults = None
     if with_faults:
-        print("[4/5] fault catalogue: clean runs, then every re-created bug with its seam replaced")
+        print("[5/6] fault catalogue: clean runs, then every re-created bug with its seam replaced")
         faults = run_catalogue(progress=lambda s: print(s, flush=True))
-    print("[5/5] report")
+    print("[6/6] report")
     timeline = _timeline()
     checks = list(conv.checks) if conv else []
+    if pipe is not None:
+        label = f"pipeline {pipe.config['pp']} stages: "
+        checks += [{**c, "target": label + c["target"]} for c in pipe.checks]
     checks += [c for c in bench["checks"] if "latency" not in c["target"]]
     checks += [{"target": f"edge case {e['key']}: typed error or valid schedule from every algorithm",
                 "value": sum(o["ok"] for o in e["ours"].values()),
@@ -105,6 +122,7 @@ def _rest(t0, quick_batches, tmp, out_root, conv, with_faults=True):
     verdict = "PASS" if all(c["pass"] for c in checks) else "FAIL"
     result = {"verdict": verdict, "checks": checks + [c for c in bench["checks"] if "latency" in c["target"]],
               "bench": bench, "edge_cases": edges, "faults": faults, "timeline": timeline, "convergence": conv,
+              "pipeline": pipe,
               "producer": producer("dcp-harness run"), "finished": dt.datetime.now().isoformat(timespec="seconds")}
     path = _write(result, tmp, out_root)
     print(f"\nreport: {path / 'index.html'}\nsummary: {path / 'summary.md'}")
@@ -116,13 +134,17 @@ def _write(result: dict, tmp: Path, out_root: Path) -> Path:
     from harness.report.schedule_report import render
 
     html, md = render(result)
-    conv = result["convergence"]
     atomic_write_text(tmp / "index.html", html)
     atomic_write_text(tmp / "summary.md", md)
-    atomic_write_json(tmp / "results.json", {k: v for k, v in result.items() if k not in ("timeline", "convergence")}
+
+    def brief(c):
+        return None if c is None else {"verdict": c.verdict, "case_id": c.case_id, "checks": c.checks,
+                                       "config": c.config}
+
+    atomic_write_json(tmp / "results.json",
+                      {k: v for k, v in result.items() if k not in ("timeline", "convergence", "pipeline")}
                       | {"timeline": {k: v for k, v in result["timeline"].items() if k != "img"},
-                         "convergence": None if conv is None else {"verdict": conv.verdict, "case_id": conv.case_id,
-                                                                   "checks": conv.checks, "config": conv.config}})
+                         "convergence": brief(result["convergence"]), "pipeline": brief(result.get("pipeline"))})
     final = out_root / f"run-{dt.datetime.now():%Y%m%d-%H%M%S}"
     if final.exists():
         final = final.with_name(final.name + f"-{os.getpid()}")

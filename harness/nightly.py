@@ -102,11 +102,12 @@ def run(*, steps: int = 100, models=("tiny-gpt", "tiny-moe"), device: str = "aut
     verdicts = []
     from harness.corpus import CorpusConfig
 
-    for model in models:
+    cases = [(model, pp) for model in models for pp in (1, 2) if pp == 1 or world >= 4]
+    for model, pp in cases:  # each model on one stage, and as 2 pipeline stages of world / 2 ranks
         # bf16 MoE: 128-sequence batches average routing flips the way a real batch does
         corpus = CorpusConfig(sequences_per_batch=128 if (model == "tiny-moe" and device == "cuda") else 32)
-        cfg = TrainConfig(model=model, steps=steps, device=device, dtype=dtype, corpus=corpus,
-                          max_seqlen_per_rank=max(256, 1024 // world))
+        cfg = TrainConfig(model=model, steps=steps, device=device, dtype=dtype, corpus=corpus, pp=pp,
+                          max_seqlen_per_rank=max(256, 1024 // (world // pp)))
         res = converge.run(cfg, world=world, out_root=root / "runs", golden="auto", stall_s=stall_s)
         line = history_line(res)
         path = root / "history.jsonl"

@@ -57,6 +57,10 @@ def render(result: dict) -> tuple[str, str]:
         from harness.report.convergence_report import section
 
         conv_html = section(conv, None)
+    if result.get("pipeline") is not None:
+        from harness.report.convergence_report import section
+
+        conv_html += section(result["pipeline"], None)
     body = [
         "<h1>dcp-harness: convergence, scheduler comparison, edge cases, fault catalogue</h1>",
         f'<p class="meta">{esc(stamp)} &middot; git {esc(result["producer"].get("git_rev"))} &middot; '
@@ -83,10 +87,11 @@ def render(result: dict) -> tuple[str, str]:
           "| check | value | verdict |", "|---|---|---|"]
     md += [f"| {c['target']} | {c.get('shown', format(c['value'], '.4g'))} | {'PASS' if c['pass'] else 'FAIL'} |"
            for c in checks]
-    if conv is not None:
-        from harness.report.convergence_report import markdown
+    for c in (conv, result.get("pipeline")):
+        if c is not None:
+            from harness.report.convergence_report import markdown
 
-        md += ["", markdown(conv)]
+            md += ["", markdown(c)]
     if result.get("faults"):
         md += ["", faults_report.markdown(result["faults"])]
     md += ["", "| distribution | ranks | seqs | scheduler | latency ms | quality | q(L^2/cp) | #mb | invalid |",

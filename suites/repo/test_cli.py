@@ -62,10 +62,12 @@ def test_main_job_writes_a_complete_report(tmp_path):
     assert "verdict: PASS" in r.stdout and "[bshd] step    3/3" in r.stdout
     (run,) = [p for p in tmp_path.iterdir() if p.name.startswith("run-")]
     html = (run / "index.html").read_text()
-    assert html.count("data:image/png;base64,") == 6 and "Edge cases" in html and "Convergence" in html
+    assert "Edge cases" in html and "Convergence" in html and "Pipeline: one step per layout" in html
+    assert "converge__tiny_gpt__w4_pp2__m512__s3__fp32" in html and "[dcp ] step    3/3" in r.stdout
     n = len(__import__("harness.faults", fromlist=["FAULTS"]).FAULTS)
     assert "Fault catalogue" in html and f"faults caught: {n}/{n}" in (run / "summary.md").read_text()
     assert (run / "convergence" / "metrics.jsonl").read_text().count("\n") == 9
+    assert (run / "pipeline" / "metrics.jsonl").read_text().count("\n") == 9
     assert json.loads((run / "results.json").read_text())["verdict"] == "PASS"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run-")]  # no half-written folder
 
