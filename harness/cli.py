@@ -1,9 +1,9 @@
 """``dcp-harness`` (also ``python -m harness``): the command line.
 
-  dcp-harness run                      main job: convergence (one stage, a pipeline), schedulers, edge cases, faults
+  dcp-harness run                      main job: convergence (one stage, a pipeline, the hybrid), schedulers, edge cases, faults
   dcp-harness schedule ...             schedule one global batch; table, occupancy map, --json
   dcp-harness converge ...             train bshd / thd / dcp side by side; report, goldens, wandb
-  dcp-harness nightly                  both models, more steps, GPUs if present; history + trend plots
+  dcp-harness nightly                  every model, more steps, GPUs if present; history + trend plots
   dcp-harness faults                   the fault catalogue: real dynamic-CP bugs re-created, each must be caught
   dcp-harness bench schedule           scheduler latency and quality benchmark -> reports/
   dcp-harness bench thd                zig-zag index speed (CPU) -> reports/
@@ -26,10 +26,12 @@ from pathlib import Path
 
 from harness import __version__
 from harness.bench.step import COMPILE_CHOICES, GRAD_REDUCE_CHOICES
-from harness.dist.watchdog import JobFailure
+from harness.dist.watchdog import JobFailure, Terminated
 from harness.golden import GoldenError
 from harness.io import OutputPathError
+from harness.nightly import NIGHTLY_MODELS
 from harness.plan import ALGORITHMS, CostModel, PlanInputError, check_schedule, gpt_benchmark_cost
+from harness.runtime.model_config import MODELS
 
 
 def _add_schedule(sub) -> None:
@@ -95,7 +97,7 @@ def _add_converge(sub) -> None:
     c.add_argument("--world", type=int, default=4, help="ranks (processes or GPUs): pp stages of a power-of-two "
                                                           "DP x CP domain")
     c.add_argument("--steps", type=int, default=50)
-    c.add_argument("--model", default="tiny-gpt", help="tiny-gpt or tiny-moe")
+    c.add_argument("--model", default="tiny-gpt", help=f"one of {', '.join(MODELS)}")
     c.add_argument("--scheduler", default="balanced", help="dynamic-CP scheduler for the dcp layout")
     c.add_argument("--cp-exchange", choices=["gather", "ring", "auto"], default="gather",
                    help="K/V exchange of CP blocks: gather (all-gather; default), ring (overlapped with attention) "
@@ -185,16 +187,17 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--batches", type=int, default=3, help="global batches per configuration (default 3)")
     r.add_argument("--out", type=Path, default=None, help="report root (default reports/)")
     r.add_argument("--steps", type=int, default=50, help="convergence steps (default 50, which has a golden)")
-    r.add_argument("--no-convergence", action="store_true", help="skip the convergence comparisons (both)")
+    r.add_argument("--no-convergence", action="store_true", help="skip every convergence comparison")
     r.add_argument("--no-faults", action="store_true", help="skip the fault catalogue (dcp-harness faults)")
     r.add_argument("--no-pipeline", action="store_true", help="skip the convergence run under pipeline parallelism")
+    r.add_argument("--no-hybrid", action="store_true", help="skip the convergence run of the hybrid SSM model")
     _add_stall(r)
     _add_schedule(sub)
     _add_converge(sub)
     _add_faults(sub)
-    n = sub.add_parser("nightly", help="both models, more steps, GPUs when present; history with trend plots")
+    n = sub.add_parser("nightly", help="every model, more steps, GPUs when present; history with trend plots")
     n.add_argument("--steps", type=int, default=100)
-    n.add_argument("--models", default="tiny-gpt,tiny-moe")
+    n.add_argument("--models", default=",".join(NIGHTLY_MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
     n.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     n.add_argument("--world", type=int, default=None, help="default: min(4, GPUs) on GPU, 4 on CPU")
     n.add_argument("--root", type=Path, default=None, help="default reports/nightly")
@@ -300,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
             conv = None if a.no_convergence else {**main_job.DEFAULT_CONVERGENCE, "steps": a.steps}
             skip = a.no_pipeline or a.no_convergence
             pipe = None if skip else {**main_job.DEFAULT_PIPELINE, "steps": a.steps}
+            hybrid = None if a.no_hybrid or a.no_convergence else {**main_job.DEFAULT_HYBRID, "steps": a.steps}
             code, _ = main_job.run(quick_batches=a.batches, out_root=a.out or REPORTS, convergence=conv,
-                                   pipeline=pipe, faults=not a.no_faults, stall_s=a.stall_timeout)
+                                   pipeline=pipe, hybrid=hybrid, faults=not a.no_faults, stall_s=a.stall_timeout)
             return code
         if a.command == "schedule":
             return _cmd_schedule(a)
@@ -368,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     except JobFailure as e:
         print(f"dcp-harness: error: {e}", file=sys.stderr)
         return 3
+    except Terminated as e:
+        print(f"dcp-harness: terminated by {e}; the job's processes were killed", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("dcp-harness: interrupted", file=sys.stderr)
         return 130

@@ -41,16 +41,18 @@ GOLDEN_SUITE = "convergence"
 
 
 DEFAULT_MAX_SEQLEN_PER_RANK = TrainConfig().max_seqlen_per_rank
+DEFAULT_BATCH = TrainConfig().corpus.sequences_per_batch
 
 
 def case_id(cfg: TrainConfig, world: int) -> str:
-    """``converge__<model>__w<world>[_pp<P>[_vpp<V>][_afab]][__m<tokens per rank>]__s<steps>__<dtype>``:
-    the pipeline and a non-default ``max_seqlen_per_rank`` are part of the case."""
+    """``converge__<model>__w<world>[_pp<P>[_vpp<V>][_afab]][__m<tokens per rank>][__b<sequences>]__s<steps>__<dtype>``:
+    the pipeline, a non-default ``max_seqlen_per_rank`` and a non-default batch are part of the case."""
     dtype = {"float32": "fp32", "bfloat16": "bf16"}[cfg.dtype]
     pipe = "" if cfg.pp == 1 else f"_pp{cfg.pp}" + (f"_vpp{cfg.vpp}" if cfg.vpp > 1 else "") + \
         ("_afab" if cfg.pipeline == "afab" else "")
     m = "" if cfg.max_seqlen_per_rank == DEFAULT_MAX_SEQLEN_PER_RANK else f"__m{cfg.max_seqlen_per_rank}"
-    return f"converge__{cfg.model.replace('-', '_')}__w{world}{pipe}{m}__s{cfg.steps}__{dtype}"
+    b = "" if cfg.corpus.sequences_per_batch == DEFAULT_BATCH else f"__b{cfg.corpus.sequences_per_batch}"
+    return f"converge__{cfg.model.replace('-', '_')}__w{world}{pipe}{m}{b}__s{cfg.steps}__{dtype}"
 
 
 def reference_case(cfg: TrainConfig, world: int) -> tuple[TrainConfig, int]:
@@ -108,6 +110,9 @@ def evaluate(rows: dict[str, list[dict]], cfg: TrainConfig, world: int, hw: str,
     for layout, rs in rows.items():
         if layout != base:
             checks += _compare(f"{layout} vs {base}", [r["loss"] for r in rs], ref, tol, moe)
+            for k in range(len(rs[0].get("mtp_loss") or [])):  # each multi-token-prediction depth's loss too
+                checks += _compare(f"{layout} vs {base} (MTP depth {k + 1})", [r["mtp_loss"][k] for r in rs],
+                                   [r["mtp_loss"][k] for r in rows[base]], tol, moe)
     if use_golden:
         doc = golden_mod.load(golden_mod.path_for(GOLDEN_SUITE, cid, hw), _update_hint(cfg, world))
         gref = doc["data"]["bshd"]
@@ -116,13 +121,33 @@ def evaluate(rows: dict[str, list[dict]], cfg: TrainConfig, world: int, hw: str,
         gtol = {"max": doc["rule"]["atol"], "mean": doc["rule"]["atol"]}
         for layout, rs in rows.items():
             checks += _compare(f"{layout} vs golden bshd", [r["loss"] for r in rs], gref, gtol, moe)
+            for k in range(len(rs[0].get("mtp_loss") or [])):
+                key = _mtp_key("bshd", k)
+                if key not in doc["data"]:
+                    raise golden_mod.GoldenError(f"golden {cid} has no loss of MTP depth {k + 1} (key {key!r}); "
+                                                 f"rewrite it with: {_update_hint(cfg, world)}")
+                checks += _compare(f"{layout} vs golden bshd (MTP depth {k + 1})", [r["mtp_loss"][k] for r in rs],
+                                   doc["data"][key], gtol, moe)
     return checks
+
+
+def _mtp_key(layout: str, k: int) -> str:
+    """A golden's key for the loss curve of MTP depth ``k + 1`` of ``layout``."""
+    return f"{layout}:mtp{k + 1}"
+
+
+def _golden_data(rows) -> dict:
+    data = {layout: [r["loss"] for r in rs] for layout, rs in rows.items()}
+    for layout, rs in rows.items():
+        for k in range(len(rs[0].get("mtp_loss") or [])):
+            data[_mtp_key(layout, k)] = [r["mtp_loss"][k] for r in rs]
+    return data
 
 
 def write_golden(rows, cfg: TrainConfig, world: int, cid: str, hw: str) -> Path:
     return golden_mod.write(golden_mod.path_for(GOLDEN_SUITE, cid, hw), suite=GOLDEN_SUITE, case_id=cid, hw=hw,
                             config={**cfg.to_dict(), "world": world},
-                            data={layout: [r["loss"] for r in rs] for layout, rs in rows.items()},
+                            data=_golden_data(rows),
                             rule={"kind": "approx", "atol": TOLERANCES[cfg.dtype]["max"], "rtol": 0.0},
                             command=_update_hint(cfg, world))
 
@@ -236,7 +261,8 @@ def _update_hint(cfg: TrainConfig, world: int) -> str:
     """The command that writes this case's golden: the PP = 1 case (``reference_case``)."""
     ref, w = reference_case(cfg, world)
     m = "" if ref.max_seqlen_per_rank == DEFAULT_MAX_SEQLEN_PER_RANK else f" --max-seqlen-per-rank {ref.max_seqlen_per_rank}"
-    return (f"dcp-harness converge --model {ref.model} --world {w} --steps {ref.steps} --device {ref.device}{m} "
+    b = "" if ref.corpus.sequences_per_batch == DEFAULT_BATCH else f" --batch-size {ref.corpus.sequences_per_batch}"
+    return (f"dcp-harness converge --model {ref.model} --world {w} --steps {ref.steps} --device {ref.device}{m}{b} "
             f"--update-golden")
 
 

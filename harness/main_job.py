@@ -3,7 +3,8 @@
 1. Convergence: bshd vs THD packing vs dynamic CP, tiny GPT, 4 gloo ranks, 50 steps, fp32; every
    layout within 1e-5 of bshd and of the committed golden at every step (``harness.converge``); and
    the same under pipeline parallelism (2 stages of 2 ranks) against its PP = 1 golden, with the
-   pipeline timeline of one step.
+   pipeline timeline of one step; and the hybrid model (Mamba-style SSM mixers, attention and MLP
+   layers, 2 gloo ranks) against its golden.
 2. Scheduler comparison (``bench schedule`` on a quick grid) and a rank-by-rank picture of one batch.
 3. The edge-case catalogue (spec 2.8 and the differential suite's findings).
 4. The fault catalogue (``harness.faults``): every re-created integration bug must be caught by its
@@ -53,6 +54,13 @@ def _timeline() -> dict:
 DEFAULT_CONVERGENCE = {"model": "tiny-gpt", "steps": 50, "world": 4}
 DEFAULT_PIPELINE = {"model": "tiny-gpt", "steps": 50, "world": 4, "pp": 2, "max_seqlen_per_rank": 512}
 """Two pipeline stages of a 2-rank DP x CP domain; its golden is the PP = 1 case on 2 ranks."""
+DEFAULT_HYBRID = {"model": "tiny-hybrid", "steps": 50, "world": 2, "max_seqlen_per_rank": 512}
+"""SSM mixer, attention, SSM mixer, MLP ("M*M-") on a 2-rank domain: the mixers' all-to-all runs in
+every CP block dynamic CP forms."""
+CASES = (("convergence", "convergence", ""), ("pipeline", "convergence under pipeline parallelism",
+                                                "pipeline {pp} stages: "),
+         ("hybrid", "convergence of the hybrid SSM model", "hybrid model: "))
+"""(result key, progress title, check label) of the main job's convergence cases, in run order."""
 
 
 def _converge(spec: dict, default: dict, run_dir: Path, out_root: Path, stall_s, what: str):
@@ -69,30 +77,34 @@ def _converge(spec: dict, default: dict, run_dir: Path, out_root: Path, stall_s,
 
 
 def run(*, quick_batches: int = 3, out_root: Path = REPORTS, convergence: dict | None = DEFAULT_CONVERGENCE,
-        pipeline: dict | None = DEFAULT_PIPELINE, faults: bool = True, stall_s: float | None = None) -> tuple[int, Path]:
+        pipeline: dict | None = DEFAULT_PIPELINE, hybrid: dict | None = DEFAULT_HYBRID, faults: bool = True,
+        stall_s: float | None = None) -> tuple[int, Path]:
     t0 = time.perf_counter()
-    print("dcp-harness run: convergence (one stage and a pipeline), scheduler comparison, edge cases and the fault "
-          "catalogue on the embedded CPU default")
+    print("dcp-harness run: convergence (one stage, a pipeline, the hybrid SSM model), scheduler comparison, edge "
+          "cases and the fault catalogue on the embedded CPU default")
     out_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".run-", dir=out_root))
     try:
-        conv = pipe = None
-        if convergence:
-            conv = _converge(convergence, DEFAULT_CONVERGENCE, tmp / "convergence", out_root, stall_s,
-                             "[1/6] convergence")
-        if pipeline:
-            pipe = _converge(pipeline, DEFAULT_PIPELINE, tmp / "pipeline", out_root, stall_s,
-                             "[2/6] convergence under pipeline parallelism")
-        return _rest(t0, quick_batches, tmp, out_root, conv, faults, pipe)
+        specs = {"convergence": (convergence, DEFAULT_CONVERGENCE), "pipeline": (pipeline, DEFAULT_PIPELINE),
+                 "hybrid": (hybrid, DEFAULT_HYBRID)}
+        runs = {}
+        for i, (key, title, _) in enumerate(CASES, 1):
+            spec, default = specs[key]
+            runs[key] = _converge(spec, default, tmp / key, out_root, stall_s, f"[{i}/{STEPS}] {title}") if spec else None
+        return _rest(t0, quick_batches, tmp, out_root, runs, faults)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _rest(t0, quick_batches, tmp, out_root, conv, with_faults=True, pipe=None):
-    print(f"[3/6] scheduler comparison ({quick_batches} global batches per configuration)")
+STEPS = len(CASES) + 4
+
+
+def _rest(t0, quick_batches, tmp, out_root, runs, with_faults=True):
+    n = len(CASES)
+    print(f"[{n + 1}/{STEPS}] scheduler comparison ({quick_batches} global batches per configuration)")
     bench = bench_schedule.run(quick=True, batches=quick_batches, progress=lambda s: print(s, flush=True))
-    print("[4/6] edge cases (spec 2.8 and the differential suite's findings)")
+    print(f"[{n + 2}/{STEPS}] edge cases (spec 2.8 and the differential suite's findings)")
     edges = run_all()
     for e in edges:
         ours_ok = all(o["ok"] for o in e["ours"].values())
@@ -101,14 +113,15 @@ def _rest(t0, quick_batches, tmp, out_root, conv, with_faults=True, pipe=None):
               f"{'not installed' if up is None else up['kind']}")
     faults = None
     if with_faults:
-        print("[5/6] fault catalogue: clean runs, then every re-created bug with its seam replaced")
+        print(f"[{n + 3}/{STEPS}] fault catalogue: clean runs, then every re-created bug with its seam replaced")
         faults = run_catalogue(progress=lambda s: print(s, flush=True))
-    print("[6/6] report")
+    print(f"[{STEPS}/{STEPS}] report")
     timeline = _timeline()
-    checks = list(conv.checks) if conv else []
-    if pipe is not None:
-        label = f"pipeline {pipe.config['pp']} stages: "
-        checks += [{**c, "target": label + c["target"]} for c in pipe.checks]
+    checks = []
+    for key, _, label in CASES:
+        if runs.get(key) is not None:
+            label = label.format(pp=runs[key].config.get("pp"))
+            checks += [{**c, "target": label + c["target"]} for c in runs[key].checks]
     checks += [c for c in bench["checks"] if "latency" not in c["target"]]
     checks += [{"target": f"edge case {e['key']}: typed error or valid schedule from every algorithm",
                 "value": sum(o["ok"] for o in e["ours"].values()),
@@ -121,8 +134,8 @@ def _rest(t0, quick_batches, tmp, out_root, conv, with_faults=True, pipe=None):
                        "shown": f"faults caught: {faults['caught']}/{faults['total']}", "pass": fault_verdict(faults)})
     verdict = "PASS" if all(c["pass"] for c in checks) else "FAIL"
     result = {"verdict": verdict, "checks": checks + [c for c in bench["checks"] if "latency" in c["target"]],
-              "bench": bench, "edge_cases": edges, "faults": faults, "timeline": timeline, "convergence": conv,
-              "pipeline": pipe,
+              "bench": bench, "edge_cases": edges, "faults": faults, "timeline": timeline,
+              **{key: runs.get(key) for key, _, _ in CASES},
               "producer": producer("dcp-harness run"), "finished": dt.datetime.now().isoformat(timespec="seconds")}
     path = _write(result, tmp, out_root)
     print(f"\nreport: {path / 'index.html'}\nsummary: {path / 'summary.md'}")
@@ -141,10 +154,11 @@ def _write(result: dict, tmp: Path, out_root: Path) -> Path:
         return None if c is None else {"verdict": c.verdict, "case_id": c.case_id, "checks": c.checks,
                                        "config": c.config}
 
+    cases = [key for key, _, _ in CASES]
     atomic_write_json(tmp / "results.json",
-                      {k: v for k, v in result.items() if k not in ("timeline", "convergence", "pipeline")}
-                      | {"timeline": {k: v for k, v in result["timeline"].items() if k != "img"},
-                         "convergence": brief(result["convergence"]), "pipeline": brief(result.get("pipeline"))})
+                      {k: v for k, v in result.items() if k not in ("timeline", *cases)}
+                      | {"timeline": {k: v for k, v in result["timeline"].items() if k != "img"}}
+                      | {key: brief(result.get(key)) for key in cases})
     final = out_root / f"run-{dt.datetime.now():%Y%m%d-%H%M%S}"
     if final.exists():
         final = final.with_name(final.name + f"-{os.getpid()}")

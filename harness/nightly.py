@@ -1,6 +1,7 @@
 """``dcp-harness nightly``: the larger convergence configuration and a history across runs.
 
-Both models (tiny GPT, tiny MoE), ``steps`` steps (default 100), on GPUs when present (NCCL, bf16,
+Every model of ``NIGHTLY_MODELS`` (tiny GPT, tiny MoE, tiny GPT with multi-token prediction, the
+Mamba-style hybrid), ``steps`` steps (default 100), on GPUs when present (NCCL, bf16,
 ``min(4, GPUs)`` ranks; checked against bshd with the bf16 tolerances) or on 4 CPU ranks (fp32;
 checked against bshd and the committed golden of that case). Each run is a ``converge-<time>``
 folder under ``reports/nightly/runs/``; one line per run is appended to
@@ -80,7 +81,10 @@ def render_index(history: list[dict], root: Path = NIGHTLY) -> Path:
     return atomic_write_text(root / "index.html", page("dcp-harness nightly", "".join(body)))
 
 
-def run(*, steps: int = 100, models=("tiny-gpt", "tiny-moe"), device: str = "auto", world: int | None = None,
+NIGHTLY_MODELS = ("tiny-gpt", "tiny-moe", "tiny-gpt-mtp", "tiny-hybrid")
+
+
+def run(*, steps: int = 100, models=NIGHTLY_MODELS, device: str = "auto", world: int | None = None,
         root: Path = NIGHTLY, stall_s: float | None = None) -> int:
     import torch
 

@@ -21,11 +21,14 @@ class GroupAuditError(RuntimeError):
     Attributes: ``rank``, ``microbatch``, ``got`` (the group's ranks), ``want`` (the block's ranks);
     the training loop adds ``step`` and ``layout``."""
 
-    def __init__(self, rank: int, microbatch: int, got: list[int], want: list[int]):
-        self.rank, self.microbatch, self.got, self.want = rank, microbatch, list(got), list(want)
+    def __init__(self, rank: int, microbatch: int, got, want: list[int]):
+        self.rank, self.microbatch = rank, microbatch
+        self.got, self.want = got if isinstance(got, str) else list(got), list(want)
+        held = got if isinstance(got, str) else f"holds ranks {list(got)}"
+        held = "is a destroyed group (kept across a re-initialisation)" if isinstance(got, str) else held
         super().__init__(f"group audit: rank {rank}, micro-batch {microbatch}: the CP group handed to attention "
-                         f"holds ranks {list(got)}, the micro-batch's block is ranks {list(want)}; a CP group must "
-                         f"be looked up per micro-batch from its block (a group kept from an earlier micro-batch, "
+                         f"{held}, the micro-batch's block is ranks {list(want)}; a CP group must be looked up per "
+                         f"micro-batch from its block (a group kept from an earlier micro-batch or re-initialisation, "
                          f"or the static CP group, is wrong)")
 
 
@@ -41,7 +44,11 @@ def audit_groups(groups, mbs, chosen, everyone) -> None:
     ``mbs[m]``'s block (see the module doc)."""
     mine = None
     for mb, g in zip(mbs, chosen):
-        got, want = dist.get_process_group_ranks(g), block_ranks(groups, mb)
+        want = block_ranks(groups, mb)
+        try:
+            got = dist.get_process_group_ranks(g)
+        except (KeyError, ValueError, RuntimeError):  # not a live group: destroyed, or never one of ours
+            got = "a destroyed group"
         if got != want:
             mine = (groups.rank, mb.index, got, want)
             break
@@ -54,3 +61,15 @@ def audit_groups(groups, mbs, chosen, everyone) -> None:
     dist.all_gather_object(verdicts, mine, group=everyone)
     rank, m, got, want = min((v for v in verdicts if v), key=lambda v: (v[1], v[0]))
     raise GroupAuditError(rank, m, got, want)
+
+
+class CallAuditError(GroupAuditError):
+    """A module ran a CP operation (and its group) of another micro-batch than the one being computed:
+    it kept the operations of an earlier call (``harness.dist.passes``)."""
+
+    def __init__(self, rank: int, microbatch: int, used: int, got: list[int], want: list[int]):
+        self.used = used
+        RuntimeError.__init__(self, f"group audit: rank {rank}, micro-batch {microbatch}: a CP call ran with micro-batch "
+                                    f"{used}'s operations (its group: ranks {list(got)}; this micro-batch's block: "
+                                    f"ranks {list(want)}); modules must take their CP operations per call, never keep them")
+        self.rank, self.microbatch, self.got, self.want = rank, microbatch, list(got), list(want)

@@ -38,10 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--cfg", default="{}", help="JSON config for the job")
     a = p.parse_args(argv)
+    from harness.dist.watchdog import Heartbeat, die_with_parent
+
+    parent = os.getppid()
+    die_with_parent()
+    if os.getppid() != parent:  # torchrun died before the request took effect
+        return 3
     import torch
     import torch.distributed as dist
-
-    from harness.dist.watchdog import Heartbeat
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     job_cfg = json.loads(a.cfg)

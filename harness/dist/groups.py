@@ -89,12 +89,33 @@ def check_block(start: int, size: int, sizes: list[int], where: str = "block") -
                          f"of {size}: no process group holds exactly its ranks")
 
 
+def lookup(groups: DynamicGroups, size: int):
+    """This rank's live group of ``size`` positions in ``groups`` (a seam: ``harness.faults``
+    re-creates a registry that outlived a re-initialisation, PR #2000's ``_DYNAMIC_DP_CP_GROUPS``)."""
+    if groups.destroyed:
+        raise GroupError("these dynamic groups were destroyed; create new ones (DynamicGroups(...)) after a "
+                         "re-initialisation")
+    if size not in groups._mine:
+        raise GroupError(f"no dynamic group of size {size}; created sizes are {groups.sizes}")
+    return groups._mine[size][0]
+
+
+def live_groups() -> int:
+    """Process groups torch.distributed holds right now (the default group included)."""
+    import torch.distributed as dist
+
+    return len(dist.distributed_c10d._world.pg_map)
+
+
 class DynamicGroups:
     """Create (collectively, on every rank, in one fixed order) all dynamic DP x CP groups.
 
     ``group(size)`` is this rank's group of ``size`` positions; ``for_block(block)`` checks that a
     schedule block is one of them and returns it; ``check_schedule(schedule)`` checks every block.
-    Sizes below ``min_cp_size`` are not created (as upstream)."""
+    Sizes below ``min_cp_size`` are not created (as upstream). ``destroy()`` releases every group it
+    created (each rank, its own handles; a destroyed group is unknown to torch.distributed, so the group
+    audit refuses it); the training runtime creates and destroys them around each layout, as a training
+    framework re-initialises between runs."""
 
     def __init__(self, layout: ParallelLayout, rank: int, *, min_cp_size: int = 1, backend: str | None = None):
         import torch.distributed as dist
@@ -105,12 +126,15 @@ class DynamicGroups:
         self.layout, self.rank = layout, rank
         self.sizes = [s for s in (1 << i for i in range(n.bit_length())) if s >= min_cp_size]
         self._mine: dict[int, tuple[object, list[int]]] = {}
+        self._created: list = []
+        self.destroyed = False
         for stage in range(layout.pp):
             for size in self.sizes:
                 for t in range(layout.tp):
                     for k in range(n // size):
                         ranks = [layout.rank_of(p, t, stage) for p in range(k * size, (k + 1) * size)]
                         group = dist.new_group(ranks, backend=backend)
+                        self._created.append(group)
                         if rank in ranks:
                             self._mine[size] = (group, ranks)
         self.pipeline = None  # this rank's pipeline group (all stages at its position), when pp > 1
@@ -119,13 +143,21 @@ class DynamicGroups:
                 for p in range(n):
                     ranks = [layout.rank_of(p, t, s) for s in range(layout.pp)]
                     group = dist.new_group(ranks, backend=backend)
+                    self._created.append(group)
                     if rank in ranks:
                         self.pipeline = group
 
     def group(self, size: int):
-        if size not in self._mine:
-            raise GroupError(f"no dynamic group of size {size}; created sizes are {self.sizes}")
-        return self._mine[size][0]
+        return lookup(self, size)
+
+    def destroy(self) -> None:
+        """Release every group this object created (idempotent)."""
+        import torch.distributed as dist
+
+        for g in self._created:
+            if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(g)
+        self._created, self.destroyed = [], True
 
     def ranks(self, size: int) -> list[int]:
         self.group(size)

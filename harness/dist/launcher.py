@@ -3,7 +3,10 @@
 torchrun runs in its own session; a thread copies its output to the log file and to ``stream``; the
 main loop polls every ``POLL_S``: a rank process that vanished (seen through its heartbeat's pid), the
 watchdog (``harness.dist.watchdog.stalled``), the overall deadline. On a stall or the deadline the whole
-process group is killed. Any failure raises one ``JobFailure`` naming the rank that failed first.
+process group is killed. torchrun starts every rank in a session of its own, so killing torchrun's group
+does not reach them: the rank processes (children of torchrun, and every pid a heartbeat named) are
+killed one by one, on every way out of ``run``, so that no stopped or blocked rank outlives the job.
+Any failure raises one ``JobFailure`` naming the rank that failed first.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from harness.dist.watchdog import JobFailure, first_failure, process_state, read_beats, stalled
+from harness.dist.watchdog import JobFailure, Terminated, die_with_parent, first_failure, process_state, read_beats, stalled
 
 POLL_S = 0.25
 FAILURE_OUTPUT = re.compile(r"^(Traceback \(most recent call last\)|\[rank\d+\]:|\[W\d+|E\d{4} |W\d{4} )|"
@@ -53,12 +56,67 @@ def _pump(stdout, lines: queue.Queue, log_file) -> None:
     lines.put(None)
 
 
-def _kill(proc) -> None:
+def _children(pid: int) -> set[int]:
+    """Pids whose parent is ``pid`` (Linux /proc; empty elsewhere)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields and int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        return b"harness.dist.entry" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _kill(proc, beats: Path) -> None:
+    """SIGKILL torchrun's group and every rank process (SIGKILL also ends a stopped process)."""
+    ranks = _children(proc.pid) | {b.get("pid") for b in read_beats(beats).values() if b.get("pid")}
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    proc.wait(10)
+    for pid in ranks:
+        if _is_rank(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+
+
+def _reap_ranks(beats: Path) -> None:
+    """After torchrun is gone: kill any rank it left behind (a stopped rank is not reaped by torchrun)."""
+    for b in read_beats(beats).values():
+        pid = b.get("pid")
+        if pid and process_state(pid) != "gone" and _is_rank(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _terminate_raises():
+    """SIGTERM / SIGHUP raise ``Terminated`` while the job runs (Python's default would end the process
+    without the clean-up that kills the ranks); main thread only, the previous handlers restored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated(f"signal {signal.Signals(signum).name}")
+
+    old = {s: signal.signal(s, raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def run(job: str, nproc: int, out: Path, cfg: dict, *, timeout_s: float, stall_s: float, stream, log: Path) -> dict:
@@ -70,13 +128,15 @@ def run(job: str, nproc: int, out: Path, cfg: dict, *, timeout_s: float, stall_s
     try:
         with open(log, "w") as log_file:
             proc = subprocess.Popen(_command(job, nproc, out, cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, env=_env(), bufsize=1, start_new_session=True)
+                                    text=True, env=_env(), bufsize=1, start_new_session=True,
+                                    preexec_fn=die_with_parent)
             pump = threading.Thread(target=_pump, args=(proc.stdout, lines, log_file), daemon=True)
             pump.start()
             try:
-                failure = _watch(proc, lines, stream, beats, nproc, started, timeout_s, stall_s, gone_at)
+                with _terminate_raises():
+                    failure = _watch(proc, lines, stream, beats, nproc, started, timeout_s, stall_s, gone_at)
             except BaseException:
-                _kill(proc)
+                _kill(proc, beats)
                 raise
             pump.join(10)
         if failure is not None:
@@ -93,6 +153,7 @@ def run(job: str, nproc: int, out: Path, cfg: dict, *, timeout_s: float, stall_s
             log.parent.rmdir()  # only when empty: logs of earlier failures stay
         return json.loads(out.read_text())
     finally:
+        _reap_ranks(beats)
         shutil.rmtree(beats, ignore_errors=True)
 
 
@@ -121,5 +182,5 @@ def _watch(proc, lines, stream, beats, nproc, started, timeout_s, stall_s, gone_
             return None
         stall = stalled(beats, nproc, started, stall_s, now)
         if stall is not None or now - started > timeout_s:
-            _kill(proc)
+            _kill(proc, beats)
             return stall or (None, f"still running after the job's limit of {timeout_s:.0f} s")

@@ -131,7 +131,7 @@ class Stage:
         """Whether parameter ``name`` of a ``TinyLM`` is built (and trained) on this stage."""
         if name.startswith("embed."):
             return self.first
-        if name.startswith(("norm.", "head.")):
+        if name.startswith(("norm.", "head.", "mtp.")):  # the LM head and the multi-token prediction blocks
             return self.last
         layer = int(name.split(".")[1])
         return any(layer in c for c in self.chunks)

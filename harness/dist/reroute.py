@@ -29,6 +29,17 @@ SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 PAD_VALUES = {"tokens": 0, "labels": -100, "loss_mask": 0}  # position_ids keep counting
 
 
+def mtp_keys(depth: int) -> tuple[str, ...]:
+    """The extra columns of multi-token prediction (``harness.runtime.mtp``), made per sequence before
+    the CP split: depth k's input tokens ``t_{i+k}``, labels ``t_{i+k+1}`` and mask."""
+    return tuple(f"mtp_{kind}_{k}" for k in range(1, depth + 1) for kind in ("tokens", "labels", "mask"))
+
+
+def pad_value(key: str) -> int:
+    """Padding of a column: labels -100 (ignored by the loss), everything else 0."""
+    return -100 if key == "labels" or key.startswith("mtp_labels") else PAD_VALUES.get(key, 0)
+
+
 class RerouteError(PlanInputError):
     """Ownership or data does not match the schedule."""
 
@@ -44,7 +55,7 @@ def needed_gids(schedule: Schedule, position: int) -> list[int]:
 
 
 def reroute(local: Mapping[int, Mapping[str, torch.Tensor]], owners: Mapping[int, int], schedule: Schedule,
-            position: int, group=None) -> dict[int, dict[str, torch.Tensor]]:
+            position: int, group=None, keys: tuple[str, ...] = SAMPLE_KEYS) -> dict[int, dict[str, torch.Tensor]]:
     """Samples ``local`` (this rank's) -> the samples of this rank's slots (see module doc)."""
     n = schedule.n_ranks
     missing = [g for g in schedule.lengths if g not in owners]
@@ -58,22 +69,22 @@ def reroute(local: Mapping[int, Mapping[str, torch.Tensor]], owners: Mapping[int
         raise RerouteError(f"position {position} owns gids {absent[:10]} but does not hold their samples")
     L = schedule.lengths
     device = next((t.device for s in local.values() for t in s.values()), torch.device("cpu"))
-    blocks = [_stacked(local[g], L[g]) for gs in send for g in gs]
-    buf = torch.cat(blocks) if blocks else torch.empty((0, len(SAMPLE_KEYS)), dtype=torch.int64, device=device)
+    blocks = [_stacked(local[g], L[g], keys) for gs in send for g in gs]
+    buf = torch.cat(blocks) if blocks else torch.empty((0, len(keys)), dtype=torch.int64, device=device)
     out_splits = [sum(L[g] for g in gs) for gs in recv]
-    out = buf.new_empty((sum(out_splits), len(SAMPLE_KEYS)))
+    out = buf.new_empty((sum(out_splits), len(keys)))
     dist.all_to_all_single(out, buf, out_splits, [sum(L[g] for g in gs) for gs in send], group=group)
     received, offset = {}, 0
     for gs in recv:
         for g in gs:
-            received[g] = {k: out[offset:offset + L[g], i] for i, k in enumerate(SAMPLE_KEYS)}
+            received[g] = {k: out[offset:offset + L[g], i] for i, k in enumerate(keys)}
             offset += L[g]
     return {g: received[g] for g in needs[position]}
 
 
-def _stacked(sample: Mapping[str, torch.Tensor], length: int) -> torch.Tensor:
+def _stacked(sample: Mapping[str, torch.Tensor], length: int, keys: tuple[str, ...] = SAMPLE_KEYS) -> torch.Tensor:
     cols = []
-    for k in SAMPLE_KEYS:
+    for k in keys:
         t = sample[k]
         if t.shape != (length,):
             raise RerouteError(f"sample key {k!r} has shape {tuple(t.shape)}, the schedule says {length} tokens")
@@ -141,7 +152,8 @@ def build_microbatches(samples: Mapping[int, Mapping[str, torch.Tensor]], schedu
                 cup = p.cu_seqlens_padded[:-1] + [p.cu_seqlens_padded[-1] + grow]
                 p = type(p)(p.cu_seqlens, cup, max(p.max_seqlen, cup[-1] - cup[-2]))
         widths = [p.cu_seqlens_padded[i + 1] - p.cu_seqlens_padded[i] for i in range(len(gids))]
-        full = {k: torch.cat([_padded(samples[g], k, w) for g, w in zip(gids, widths)]) for k in SAMPLE_KEYS}
+        keys = tuple(samples[gids[0]]) if gids else SAMPLE_KEYS
+        full = {k: torch.cat([_padded(samples[g], k, w) for g, w in zip(gids, widths)]) for k in keys}
         dev = full["tokens"].device
         full["seq"] = torch.cat([torch.full((w,), g, dtype=torch.int64, device=dev) for g, w in zip(gids, widths)])
         idx = torch.as_tensor(zigzag_index_array(p.cu_seqlens_padded, b.size, position - b.start), device=dev)
@@ -158,7 +170,7 @@ def _padded(sample, key: str, padded_len: int) -> torch.Tensor:
     if key == "position_ids":
         fill = t.shape[0] + torch.arange(extra, dtype=t.dtype, device=t.device)
     else:
-        fill = torch.full((extra,), PAD_VALUES[key], dtype=t.dtype, device=t.device)
+        fill = torch.full((extra,), pad_value(key), dtype=t.dtype, device=t.device)
     return torch.cat([t, fill])
 
 

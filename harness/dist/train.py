@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 
 from harness.corpus import global_batch
-from harness.dist import layouts, pipeline
+from harness.dist import layouts, passes, pipeline
 from harness.dist.audit import GroupAuditError, audit_groups
 from harness.dist.cp_attention import CPAttentionPlan, cp_attention
-from harness.dist.groups import DynamicGroups, ParallelLayout
+from harness.dist.groups import DynamicGroups, ParallelLayout, live_groups
 from harness.dist.layouts import LayoutConfig, static_cp_for
 from harness.dist.probes import Probes
-from harness.dist.reroute import ThdMicroBatch, build_microbatches, reroute
+from harness.dist.reroute import SAMPLE_KEYS, ThdMicroBatch, build_microbatches, mtp_keys, reroute
 from harness.dist.train_config import TrainConfig, longest_sequence, model_cost
 from harness.dist.watchdog import Heartbeat
 from harness.plan import Schedule, ScheduleError
@@ -40,7 +40,9 @@ from harness.runtime.model import MODELS, Rotary, TinyLM
 __all__ = ["TrainConfig", "longest_sequence", "model_cost", "train", "train_layout"]
 
 
-def _samples(batch, owners, me, device) -> dict:
+def _samples(batch, owners, me, device, mtp_depth: int = 0) -> dict:
+    """The samples this position loads: tokens, next-token labels, mask, positions, and for multi-token
+    prediction depth k the tokens ``t_{i+k}``, labels ``t_{i+k+1}`` and mask, shifted per sequence."""
     out = {}
     for g, x in enumerate(batch):
         if owners[g] == me:
@@ -48,6 +50,12 @@ def _samples(batch, owners, me, device) -> dict:
             L = t.numel() - 1
             out[g] = {"tokens": t[:-1], "labels": t[1:], "loss_mask": torch.ones(L, dtype=torch.int64, device=device),
                       "position_ids": torch.arange(L, dtype=torch.int64, device=device)}
+            for k in range(1, mtp_depth + 1):
+                n = max(L - k, 0)
+                cols = torch.zeros(3, L, dtype=torch.int64, device=device)
+                cols[1].fill_(-100)
+                cols[0, :n], cols[1, :n], cols[2, :n] = t[k:k + n], t[k + 1:k + 1 + n], 1
+                out[g].update({f"mtp_tokens_{k}": cols[0], f"mtp_labels_{k}": cols[1], f"mtp_mask_{k}": cols[2]})
     return out
 
 
@@ -55,22 +63,6 @@ def _samples(batch, owners, me, device) -> dict:
 # The steps below are module-level functions that ``_step`` looks up when it runs, so that
 # ``harness.faults`` can replace one for the length of a run (``harness.faults.seam.replaced``) to
 # re-create a real integration bug; nothing else changes them.
-
-def rope_positions(mb: ThdMicroBatch) -> torch.Tensor:
-    """RoPE position ids of the rank's slice: each token's position in *its sequence* (carried from
-    the sample through padding and the zig-zag slice), not its place in the rank's buffer."""
-    return mb.data["position_ids"]
-
-
-def labels_for(mb: ThdMicroBatch) -> torch.Tensor:
-    """Next-token labels of the rank's slice, shifted per sequence *before* the CP split."""
-    return mb.data["labels"]
-
-
-def attention_plan(mb: ThdMicroBatch, device, exchange: str) -> CPAttentionPlan:
-    """The CP attention plan of a micro-batch: its sequences' boundaries (``cu_seqlens_padded``)."""
-    return CPAttentionPlan.build(mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, device, exchange=exchange)
-
 
 def stage_cost(cost, stage: int):
     """The cost model a stage plans with: the run's one model, the same on every stage (a seam:
@@ -181,57 +173,24 @@ def _step(model, run, batch, layout, lcfg, cfg, cost, device, probe=None):
     N, me = lcfg.n_ranks, groups.layout.position(groups.rank)
     everyone = groups.group(N)
     owners = {g: g % N for g in range(len(batch))}
-    samples = reroute(_samples(batch, owners, me, device), owners, sched, me, group=everyone)
+    depth = model.c.mtp_depth
+    samples = reroute(_samples(batch, owners, me, device, depth), owners, sched, me, group=everyone,
+                      keys=SAMPLE_KEYS + mtp_keys(depth))
     mbs = build_microbatches(samples, sched, me, padding=padding, fixed_length=fixed)
     cp_groups = [cp_group_for(groups, mb) for mb in mbs]
     audit_groups(groups, mbs, cp_groups, everyone)
     total = loss_denominator(mbs, everyone)
-    sums = {"ce": torch.zeros((), device=device, dtype=torch.float64),
-            "aux": torch.zeros((), device=device, dtype=torch.float64)}
-    passes = _passes(model, run, mbs, cp_groups, cfg, total, device, sums, probe)
-    actions = run.actions(len(mbs))
-    timeline = pipeline.run_passes(run.stage, actions, passes, run.p2p,
-                                   on_loss=lambda m, ce, aux: sums["ce"].add_(ce.detach().double()))
+    zero = lambda: torch.zeros((), device=device, dtype=torch.float64)  # noqa: E731
+    sums = {"ce": zero(), "aux": zero(), "mtp": [zero() for _ in range(depth)]}
+    ops = passes.MicroBatchOps(model, groups, mbs, cp_groups, device, cfg.cp_exchange)
+    chunk_passes = passes.model_passes(model, run.stage, ops, cfg, total, sums, probe)
+    timeline = pipeline.run_passes(run.stage, run.actions(len(mbs)), chunk_passes, run.p2p)
     timeline.cp_sizes = [mb.local_cp_size for mb in mbs]
     processed = sum(mb.data["tokens"].numel() for mb in mbs) if run.stage.first else 0
     hist: dict[int, int] = {}
     for s in sched.cp_size_of().values():
         hist[s] = hist.get(s, 0) + 1
-    return sums["ce"], sums["aux"], processed, sched.num_microbatches, hist, total, timeline
-
-
-def _passes(model, run, mbs, cp_groups, cfg, total, device, sums, probe) -> pipeline.ChunkPasses:
-    """The model side of each pass: micro-batch m through virtual chunk v (embedding on model chunk 0,
-    the loss head on the last); per micro-batch the attention plan and RoPE tables are built once."""
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
-    stage, cache = run.stage, {}
-    head_dim = model.c.hidden // model.c.heads
-
-    def prepared(m):
-        if m not in cache:
-            mb, group = mbs[m], cp_groups[m]
-            aplan = attention_plan(mb, device, cfg.cp_exchange)
-            cache[m] = (lambda q, k, v, p=aplan, g=group: cp_attention(q, k, v, p, g),
-                        Rotary(rope_positions(mb), head_dim, model.c.rope_base), mb.data["loss_mask"].to(torch.float32))
-        return cache[m]
-
-    def forward(v, m, x):
-        attention, rot, real = prepared(m)
-        mb, c = mbs[m], stage.index(v)
-        with autocast:
-            if x is None:
-                x = model.embed(mb.data["tokens"])
-            h, aux = model.run_layers(x, rot, real, attention, layers=stage.chunks[v])
-            if c == stage.num_chunks - 1:
-                ce_T = model.token_ce(h, labels_for(mb), real)
-                if probe is not None:
-                    probe.add(mb, ce_T.detach())
-                h = ce_T.sum()
-        sums["aux"].add_(aux.detach().double())
-        return h, aux
-
-    return pipeline.ChunkPasses(forward=forward, num_tokens=lambda m: mbs[m].data["tokens"].numel(), total=total,
-                                hidden=model.c.hidden, device=device)
+    return sums, processed, sched.num_microbatches, hist, total, timeline
 
 
 def clip_gradients(params, max_norm: float, pipeline_group) -> None:
@@ -254,6 +213,12 @@ def _global_norm(grad_norm: float, pipeline_group, device) -> float:
     t = torch.tensor([grad_norm ** 2], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=pipeline_group)
     return float(t.sqrt())
+
+
+def new_groups(groups: DynamicGroups) -> DynamicGroups:
+    """The groups a layout's run uses: the ones just created (a seam: ``harness.faults`` re-creates a
+    registry that kept the groups of an earlier, destroyed generation)."""
+    return groups
 
 
 @dataclass
@@ -285,8 +250,8 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: _Run
         batch = global_batch(cfg.corpus, step)
         probe = probes.step(step, batch) if probes is not None else None
         try:
-            ce_sum, aux_sum, processed, nmb, hist, denom, timeline = _step(model, run, batch, layout, lcfg, cfg,
-                                                                           cost, device, probe)
+            sums, processed, nmb, hist, denom, timeline = _step(model, run, batch, layout, lcfg, cfg, cost, device,
+                                                                probe)
         except (ScheduleError, GroupAuditError, pipeline.ScheduleAgreementError,
                 PipelineScheduleError) as e:  # raised alike on every rank
             e.step, e.layout = step, layout
@@ -302,7 +267,8 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: _Run
         opt.zero_grad(set_to_none=True)
         if probes is not None:
             probes.after_update(step, model)
-        stats = torch.tensor([float(ce_sum), float(aux_sum), float(processed)], dtype=torch.float64, device=device)
+        stats = torch.tensor([float(sums["ce"]), float(sums["aux"]), float(processed)] + [float(x) for x in sums["mtp"]],
+                             dtype=torch.float64, device=device)
         dist.all_reduce(stats)
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -312,6 +278,8 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: _Run
                "padding_fraction": 1.0 - total / float(stats[2]), "step_time": float(elapsed),
                "tokens_per_s": total / float(elapsed), "microbatches": nmb,
                "cp_histogram": {str(k): v for k, v in sorted(hist.items())}}
+        if sums["mtp"]:  # multi-token prediction: each depth's loss, apart from the LM loss
+            row["mtp_loss"] = [float(x) / denom for x in stats[3:]]
         if cfg.pp > 1 and step == 0:
             row["timeline"] = _gather_timeline(timeline, run, device)
         rows.append(row)
@@ -343,9 +311,8 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
                         micro_batch_size=cfg.micro_batch_size, scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding,
                         vpp_group=pipe.vpp_group)
     playout = ParallelLayout(dp=n, cp=1, pp=cfg.pp)
-    groups = DynamicGroups(playout, rank)
     stage = pipeline.Stage.of(MODELS[cfg.model].layers, cfg.pp, cfg.vpp, playout.stage(rank))
-    run = _Run(groups, pipe, stage, pipeline.P2P(playout, rank, stage.num_chunks) if cfg.pp > 1 else None)
+    p2p = pipeline.P2P(playout, rank, stage.num_chunks) if cfg.pp > 1 else None
     path = cfg_dict.get("metrics_path")
 
     def log(row, steps):
@@ -358,9 +325,19 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
 
     probes = {layout: Probes(stage=stage.stage) for layout in cfg.layouts} if cfg.probes else {}
     heartbeat = Heartbeat.from_cfg(cfg_dict, rank)
-    out = {layout: train_layout(layout, rank, world, cfg, run, lcfg, device, log, probes.get(layout), heartbeat)
-           for layout in cfg.layouts}
+    out = {}
+    for layout in cfg.layouts:  # groups created and destroyed around each layout (a re-initialisation)
+        groups = DynamicGroups(playout, rank)
+        try:
+            out[layout] = train_layout(layout, rank, world, cfg, _Run(new_groups(groups), pipe, stage, p2p), lcfg,
+                                       device, log, probes.get(layout), heartbeat)
+            # every rank past its last collective on these groups before any rank destroys them (gloo
+            # aborts a process whose group is torn down under a peer's pending operation)
+            dist.barrier()
+        finally:
+            groups.destroy()
     result = {"rank": rank, "static_cp": lcfg.static_cp, "longest": longest, "stage": stage.stage,
+              "live_groups": live_groups(),
               "layouts": out if rank == 0 else {}}
     if cfg.probes:
         result["probes"] = {layout: p.result() for layout, p in probes.items()}

@@ -60,6 +60,7 @@ class TrainConfig:
         if bad or not self.layouts:
             raise LayoutError(f"unknown layout(s) {bad or self.layouts!r}; choose from {', '.join(LAYOUTS)}")
         self.pipeline_config().validate(world, MODELS[self.model].layers)
+        self._check_mixer(world)
         n = self.domain(world)
         if n < 1 or n & (n - 1):
             what = f"world size {world}" if self.pp == 1 else f"the DP x CP domain of each stage ({world} / pp {self.pp} = {n})"
@@ -83,6 +84,16 @@ class TrainConfig:
         if self.max_seqlen_per_rank < 1 or self.micro_batch_size < 1:
             raise LayoutError(f"max_seqlen_per_rank and micro_batch_size must be >= 1, got "
                               f"{self.max_seqlen_per_rank} and {self.micro_batch_size}")
+
+    def _check_mixer(self, world: int) -> None:
+        """SSM mixer layers shard their heads over a CP block's ranks; dynamic CP forms blocks as large as
+        a stage's whole DP x CP domain."""
+        m = MODELS[self.model]
+        n = self.domain(world)
+        if "M" in m.kinds and n and m.ssm_heads % n:
+            raise LayoutError(f"model {self.model!r}: its SSM mixers' {m.ssm_heads} heads cannot be split over a CP "
+                              f"block of {n} ranks (the DP x CP domain, the largest block dynamic CP forms); use a "
+                              f"model with ssm_heads a multiple of {n}, or a domain of ranks dividing {m.ssm_heads}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -157,3 +157,23 @@ def first_failure(folder, nproc: int, gone_at: dict[int, float], exit_codes: dic
         r = min(errors, key=lambda k: errors[k][0])
         return r, f"raised {errors[r][1]}"
     return None, "exited with an error before any rank reported"
+
+
+class Terminated(KeyboardInterrupt):
+    """The launcher was sent SIGTERM or SIGHUP while a job ran; the job's processes were killed."""
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits (Linux ``PR_SET_PDEATHSIG``; a
+    no-op elsewhere): torchrun under a launcher that was killed, a rank under a torchrun that was, end
+    too instead of running on unsupervised. Called in the child, first thing."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return

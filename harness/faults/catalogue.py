@@ -21,8 +21,9 @@ from harness.faults.checks import CHECKS
 from harness.faults.seam import SEAMS, replaced
 from harness.plan.errors import PlanInputError
 
-LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "groups", "pipeline", "replay", "step-wise")
-SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "replay", "plan", "stepwise")
+LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "groups", "pipeline", "model", "replay", "step-wise")
+SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-hybrid", "train-reinit",
+             "replay", "plan", "stepwise")
 
 
 class UnknownFaultError(PlanInputError):
@@ -64,11 +65,11 @@ SKYRL = "https://github.com/NovaSky-AI/SkyRL/pull/"
 FAULTS: tuple[Fault, ...] = (
     Fault(name="rope-positions-per-rank", title="RoPE positions numbered per rank, not per sequence",
           source="Megatron-LM PR #3405: RoPE computed wrong position offsets with THD + dynamic CP (also #5243)",
-          url=MEGATRON + "3405", layer="attention", seam="harness.dist.train:rope_positions",
+          url=MEGATRON + "3405", layer="attention", seam="harness.dist.passes:rope_positions",
           make=tf.make_rope_per_rank, check="step1-gradients", expect=r"step-1 gradient of .* differs"),
     Fault(name="labels-rolled-after-split", title="labels shifted after the CP split",
           source="verl PR #4250: labels rolled after CP selection, loss misaligned at chunk boundaries",
-          url=VERL + "4250", layer="loss", seam="harness.dist.train:labels_for", make=tf.make_labels_after_split,
+          url=VERL + "4250", layer="loss", seam="harness.dist.passes:labels_for", make=tf.make_labels_after_split,
           check="step1-gradients", expect=r"step-1 gradient of .* differs"),
     Fault(name="loss-tokens-per-cp-rank", title="loss divided by tokens counted once per CP rank",
           source="verl PR #5869: token count for loss normalisation summed although CP ranks duplicate tokens "
@@ -93,7 +94,7 @@ FAULTS: tuple[Fault, ...] = (
           make=tf.make_misorder_sequences, check="step1-gradients", expect=r"step-1 gradient of .* differs"),
     Fault(name="pack-without-cu-seqlens", title="attention over the pack as one sequence (cu_seqlens lost)",
           source="Megatron-LM PR #6816 bug 1: rerouted sub-samples without cu_seqlens / max_seqlen",
-          url=MEGATRON + "6816", layer="attention", seam="harness.dist.train:attention_plan",
+          url=MEGATRON + "6816", layer="attention", seam="harness.dist.passes:attention_plan",
           make=tf.make_pack_without_cu_seqlens, check="step1-gradients", expect=r"step-1 gradient of .* differs"),
     Fault(name="zigzag-r-plus-cp", title="zig-zag chunks (r, r + cp) in the data, (r, 2cp - 1 - r) in attention",
           source="TransformerEngine thd_get_partitioned_indices: rank r holds chunks r and 2cp - 1 - r",
@@ -154,6 +155,26 @@ FAULTS: tuple[Fault, ...] = (
           url="https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/core/optimizer/clip_grads.py",
           layer="pipeline", seam="harness.dist.train:clip_gradients", make=tf.make_clip_by_stage_norm,
           check="clipped-gradients", expect=r"clipped step-1 gradient of .* differs", scenario="train-pp"),
+    Fault(name="mtp-shift-after-split", title="multi-token prediction shifted after the CP split",
+          source="Megatron-LM PR #2000 (MTP under dynamic CP) and verl PR #4250 (labels rolled after CP selection)",
+          url=MEGATRON + "2000", layer="model", seam="harness.dist.passes:mtp_columns",
+          make=tf.make_mtp_shift_after_split, check="step1-gradients", expect=r"step-1 gradient of .* differs",
+          scenario="train-mtp"),
+    Fault(name="ssm-state-across-sequences", title="SSM scan state carried across a sequence boundary",
+          source="Mamba kernels on packed sequences need seq_idx / cu_seqlens (Megatron-LM PR #2000: MambaMixer "
+                 "under dynamic CP)",
+          url=MEGATRON + "2000", layer="model", seam="harness.runtime.ssm:scan_layout",
+          make=tf.make_scan_across_sequences, check="step1-gradients", expect=r"step-1 gradient of .* differs",
+          scenario="train-hybrid"),
+    Fault(name="module-keeps-cp-group", title="a CP-aware module keeps the previous micro-batch's group",
+          source="Megatron-LM PR #2000: MambaMixer and MTP switch the CP group per micro-batch and must restore it",
+          url=MEGATRON + "2000", layer="groups", seam="harness.runtime.layers:cp_ops", make=tf.make_module_keeps_group,
+          check="group-audit", expect=r"a CP call ran with micro-batch 0's operations", scenario="train-hybrid"),
+    Fault(name="destroyed-group-reused", title="a destroyed dynamic group used after re-initialisation",
+          source="Megatron-LM PR #2000: _DYNAMIC_DP_CP_GROUPS not cleaned up in destroy_model_parallel",
+          url=MEGATRON + "2000", layer="groups", seam="harness.dist.train:new_groups",
+          make=tf.make_destroyed_group_reused, check="group-audit", expect=r"is a destroyed group",
+          scenario="train-reinit"),
     Fault(name="replay-pp-offset-off-by-one", title="a PP stage replays the previous layer's routes",
           source="SkyRL PR #1335: _get_current_pp_stage_layer_range decides each stage's replay rows",
           url=SKYRL + "1335", layer="replay", seam="harness.dist.replay:route_column",

@@ -32,7 +32,14 @@ TRAIN_CONFIGS = {"train": TRAIN,
                               "schedule_delivery": "compute"},
                  # 2 stages x 2 virtual chunks, PR #2000's scheduler aligned to the interleaved group
                  "train-pp-vpp": {**TRAIN, "pp": 2, "vpp": 2, "max_seqlen_per_rank": 256,
-                                  "scheduler": "megatron-pr2000"}}
+                                  "scheduler": "megatron-pr2000"},
+                 # multi-token prediction (depth 1) and the Mamba-style hybrid "M*M-"
+                 "train-mtp": {**TRAIN, "model": "tiny-gpt-mtp"},
+                 "train-hybrid": {**TRAIN, "model": "tiny-hybrid"},
+                 # two layouts in one run: the dynamic groups are destroyed and created again in between
+                 "train-reinit": TRAIN}
+FAULT_LAYOUTS = {"train-reinit": ["thd", "dcp"]}
+"""The layouts a fault run trains (default: dcp only); the checks judge its dcp layout."""
 REPLAY = {"pp": 2, "cp": 2}
 WORLD_TIMEOUT_S = 60.0
 
@@ -91,7 +98,7 @@ def batch_world(rank: int, world: int, spec: dict) -> list[dict]:
         if scenario == "replay":
             res = _replay_run(rank, world, REPLAY, fault)
         else:
-            layouts = ["bshd", "dcp"] if fault is None else ["dcp"]
+            layouts = ["bshd", "dcp"] if fault is None else FAULT_LAYOUTS.get(scenario, ["dcp"])
             res = _train_run(rank, world, {**TRAIN_CONFIGS[scenario], "layouts": layouts}, fault)
         out.append({**res, "seconds": time.perf_counter() - t})
     return out
@@ -249,10 +256,13 @@ def run_stepwise(fault: str | None, workdir=None) -> list[Alarm]:
 def passthrough_world(rank: int, world: int, spec: dict) -> dict:
     """The catalogue's self-test: every seam in ``spec["seams"]`` replaced by a pass-through that
     counts its calls, then a ``train`` (``spec["cfg"]``) or ``replay`` run. A seam that is never
-    called is dead (its faults would change nothing); a pass-through must not change the result."""
+    called is dead (its faults would change nothing); a pass-through must not change the result. With
+    ``spec["clean"]`` the same run goes first without pass-throughs (returned as ``clean``)."""
     from harness.faults.seam import replaced
 
     counts: dict[str, int] = {}
+    run = _replay_run if spec["kind"] == "replay" else _train_run
+    clean = run(rank, world, spec["cfg"], None) if spec.get("clean") else None
 
     def counting(seam):
         def make(original):
@@ -265,9 +275,8 @@ def passthrough_world(rank: int, world: int, spec: dict) -> dict:
     with contextlib.ExitStack() as stack:
         for seam in spec["seams"]:
             stack.enter_context(replaced(seam, counting(seam), label="pass-through"))
-        run = _replay_run if spec["kind"] == "replay" else _train_run
         out = run(rank, world, spec["cfg"], None)
-    return {"counts": counts, "out": out}
+    return {"counts": counts, "out": out, "clean": clean}
 
 
 def workdir():

@@ -7,8 +7,8 @@ also when the run raises; it refuses to stack a second replacement on a seam, so
 be active at once by accident. Nothing outlives the ``with`` block: no flag, no registry entry.
 
 >>> from harness.faults.seam import replaced, resolve
->>> module, attr, original = resolve("harness.dist.train:labels_for")
->>> with replaced("harness.dist.train:labels_for", lambda orig: (lambda mb: orig(mb))):
+>>> module, attr, original = resolve("harness.dist.passes:labels_for")
+>>> with replaced("harness.dist.passes:labels_for", lambda orig: (lambda mb: orig(mb))):
 ...     module.labels_for is original
 False
 >>> module.labels_for is original
@@ -22,9 +22,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 SEAMS: dict[str, str] = {
-    "harness.dist.train:rope_positions": "RoPE position ids of a rank's slice of a micro-batch",
-    "harness.dist.train:labels_for": "next-token labels of a rank's slice",
-    "harness.dist.train:attention_plan": "the CP attention plan of a micro-batch (its cu_seqlens)",
+    "harness.dist.passes:rope_positions": "RoPE position ids of a rank's slice of a micro-batch",
+    "harness.dist.passes:labels_for": "next-token labels of a rank's slice",
+    "harness.dist.passes:attention_plan": "the CP attention plan of a micro-batch (its cu_seqlens)",
+    "harness.dist.passes:mtp_columns": "multi-token prediction's shifted tokens, labels and mask of a rank's slice",
+    "harness.runtime.layers:cp_ops": "the CP operations (attention, SSM mixing) a module uses for a call",
+    "harness.runtime.ssm:scan_layout": "the sequence boundaries the SSM scan resets its state at",
+    "harness.dist.train:new_groups": "the dynamic groups a layout's run uses after (re-)initialisation",
     "harness.dist.train:cp_group_for": "the process group a micro-batch's CP-aware calls get",
     "harness.dist.train:loss_denominator": "the token count the summed loss is divided by",
     "harness.dist.train:reduce_gradients": "the gradient all-reduce after the micro-batches",

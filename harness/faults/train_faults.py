@@ -198,3 +198,53 @@ def make_clip_by_stage_norm(original):
     def clip_gradients(params, max_norm, pipeline_group):
         return original(params, max_norm, None)
     return clip_gradients
+
+
+# ------------------------------------------------------------------ model components and groups
+def make_mtp_shift_after_split(original):
+    """Multi-token prediction's inputs and labels shifted on the rank's zig-zag slice, after the CP split:
+    at every chunk and sequence boundary depth k reads the wrong token (the MTP analogue of the labels
+    bug; PR #2000 added MTP under dynamic CP)."""
+    def mtp_columns(mb, k):
+        tokens, labels, mask = mb.data["tokens"], mb.data["labels"], mb.data["loss_mask"]
+        return torch.roll(tokens, -k), torch.roll(labels, -k), torch.roll(mask, -k)
+    return mtp_columns
+
+
+def make_scan_across_sequences(original):
+    """The SSM scan fed the pack without its sequence boundaries: the state of one sequence runs on into
+    the next (a Mamba kernel called without ``seq_idx`` / ``cu_seqlens`` on a THD pack)."""
+    def scan_layout(seqs):
+        from harness.runtime.ssm import SequenceLayout
+
+        return SequenceLayout((0, seqs.total))
+    return scan_layout
+
+
+def make_module_keeps_group(original):
+    """Every CP-aware module keeps the CP operations (and group) of the first micro-batch it ran and
+    reuses them: the dynamic group is not restored per micro-batch (PR #2000: Mamba and MTP switch the
+    CP group per micro-batch and must restore it after each forward)."""
+    kept: dict = {}
+
+    def cp_ops(module, attention, mixing):
+        attention, mixing = original(module, attention, mixing)
+        return kept.setdefault(id(module), (attention, mixing))
+    return cp_ops
+
+
+def make_destroyed_group_reused(original):
+    """A cache of group handles outlives a re-initialisation: after the dynamic groups are destroyed and
+    created again, the new registry still hands out the first generation's (destroyed) handles - which
+    keep working on gloo, silently (PR #2000: clean up ``_DYNAMIC_DP_CP_GROUPS`` in
+    ``destroy_model_parallel``)."""
+    first: dict = {}
+
+    def new_groups(groups):
+        groups = original(groups)
+        if not first:
+            first.update(groups._mine)
+        else:
+            groups._mine = dict(first)
+        return groups
+    return new_groups

@@ -45,22 +45,23 @@ def _edge_table(edges: list[dict]) -> str:
     return table(rows, ["case", "defect", "input", "installed megatron-core", f"harness ({', '.join(algos)})"], left=5)
 
 
+CONVERGENCE_KEYS = ("convergence", "pipeline", "hybrid")
+"""The main job's convergence cases in its ``result`` (``harness.main_job.CASES``; reports never import
+the job)."""
+
+
 def render(result: dict) -> tuple[str, str]:
     """(html, markdown) for a main-job ``result`` (see ``harness.main_job``)."""
     bench, checks, edges = result["bench"], result["checks"], result["edge_cases"]
     ok = result["verdict"] == "PASS"
     stamp = result.get("finished", dt.datetime.now().isoformat(timespec="seconds"))
     check_rows = [[c["target"], c.get("shown", f"{c['value']:.4g}"), "PASS" if c["pass"] else "FAIL"] for c in checks]
-    conv = result.get("convergence")
+    cases = [result[k] for k in CONVERGENCE_KEYS if result.get(k) is not None]
     conv_html = ""
-    if conv is not None:
+    if cases:
         from harness.report.convergence_report import section
 
-        conv_html = section(conv, None)
-    if result.get("pipeline") is not None:
-        from harness.report.convergence_report import section
-
-        conv_html += section(result["pipeline"], None)
+        conv_html = "".join(section(c, None) for c in cases)
     body = [
         "<h1>dcp-harness: convergence, scheduler comparison, edge cases, fault catalogue</h1>",
         f'<p class="meta">{esc(stamp)} &middot; git {esc(result["producer"].get("git_rev"))} &middot; '
@@ -87,11 +88,10 @@ def render(result: dict) -> tuple[str, str]:
           "| check | value | verdict |", "|---|---|---|"]
     md += [f"| {c['target']} | {c.get('shown', format(c['value'], '.4g'))} | {'PASS' if c['pass'] else 'FAIL'} |"
            for c in checks]
-    for c in (conv, result.get("pipeline")):
-        if c is not None:
-            from harness.report.convergence_report import markdown
+    for c in cases:
+        from harness.report.convergence_report import markdown
 
-            md += ["", markdown(c)]
+        md += ["", markdown(c)]
     if result.get("faults"):
         md += ["", faults_report.markdown(result["faults"])]
     md += ["", "| distribution | ranks | seqs | scheduler | latency ms | quality | q(L^2/cp) | #mb | invalid |",

@@ -8,6 +8,11 @@ slice is rotated exactly like the unsharded sequence). Everything but attention 
 caller passes ``attention(q_THD, k_THD, v_THD) -> o_THD`` for the current micro-batch (CP attention
 with its block's group, or single-process THD attention).
 
+Hybrid models (``ModelConfig.pattern``: SSM mixer, attention and MLP layers, ``harness.runtime.hybrid``)
+and multi-token prediction (``ModelConfig.mtp_depth``, ``harness.runtime.mtp``) build on the same
+pieces (``harness.runtime.layers``). Every CP-aware layer takes the micro-batch's ``attention`` and
+``mixing`` per call.
+
 MoE: the first layer is dense, the others route each token to its top-k experts (softmax over the
 top-k logits; the router computes in fp32, like Megatron's ``moe_router_dtype=fp32``). The router's auxiliary loss is the per-token z-loss ``mean(logsumexp(logits)^2)``
 summed over tokens: a load-balancing loss computed per micro-batch would depend on how a layout
@@ -17,175 +22,28 @@ groups tokens and break the layouts' exact equivalence (upstream noted the same 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness.plan.cost import CostModel
-
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    vocab: int = 256
-    """Vocabulary size."""
-    hidden: int = 64
-    """Hidden size E."""
-    layers: int = 2
-    """Transformer layers."""
-    heads: int = 4
-    """Query heads H."""
-    kv_heads: int = 2
-    """Key/value heads (GQA when < heads)."""
-    ffn: int = 128
-    """MLP inner size F (per expert for MoE)."""
-    mlp: str = "swiglu"
-    """``swiglu`` (gated, 3 matmuls) or ``gelu`` (2 matmuls, Megatron's GPT default)."""
-    experts: int = 0
-    """Experts per MoE layer; 0 = dense model."""
-    top_k: int = 2
-    """Experts per token."""
-    z_loss: float = 1e-3
-    """Router z-loss coefficient (MoE only)."""
-    rope_base: float = 10000.0
-    seed: int = 0
-    """Parameter initialisation seed (same on every rank)."""
-
-    def __post_init__(self):
-        if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}, "
-                             f"which must be divisible by kv_heads={self.kv_heads}")
-        if self.mlp not in MLPS:
-            raise ValueError(f"mlp={self.mlp!r} is not one of {', '.join(MLPS)}")
-        if self.experts and not 1 <= self.top_k <= self.experts:
-            raise ValueError(f"top_k={self.top_k} must be in [1, experts={self.experts}]")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def training_cost(self, **kw) -> CostModel:
-        """The scheduler's FLOP cost model of this model (``CostModel.from_model_shape``): a gated MLP
-        for ``swiglu``, ``top_k`` experts' MLPs per token for MoE; ``kw`` adds its other options."""
-        return CostModel.from_model_shape(
-            num_layers=self.layers, hidden_size=self.hidden, ffn_hidden_size=self.ffn * (self.top_k if self.experts else 1),
-            num_attention_heads=self.heads, num_query_groups=self.kv_heads, gated_mlp=self.mlp == "swiglu",
-            vocab_size=self.vocab, **kw)
-
-
-MLPS = ("swiglu", "gelu")
-
-MODELS = {
-    "tiny-gpt": ModelConfig(),
-    "tiny-moe": ModelConfig(experts=4, top_k=2, layers=3),
-    # the model of Megatron's Dynamic-CP benchmark (examples/dynamic_context_parallel): 12 layers,
-    # hidden 2048, FFN 8192 (GeLU), 16 heads (MHA); for ``dcp-harness bench step``
-    "gpt-12l-h2048": ModelConfig(vocab=32000, hidden=2048, layers=12, heads=16, kv_heads=16, ffn=8192, mlp="gelu"),
-}
-
-
-_FUSED_RMS_NORM = hasattr(F, "rms_norm")
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
-
-    def forward(self, x):
-        if _FUSED_RMS_NORM:  # one kernel each way on CUDA instead of six / ten (launch-bound steps)
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class Rotary:
-    """RoPE tables of one micro-batch's positions, computed once and shared by every layer:
-    ``cos``/``sin`` in fp32 ``[T, 1, D]`` laid out for ``x * cos + rotate_half(x) * sin`` (the
-    half-split convention; the same values, bit for bit, as rotating the halves separately)."""
-
-    def __init__(self, pos_T: torch.Tensor, head_dim: int, base: float):
-        d = head_dim // 2
-        inv = base ** (-torch.arange(d, device=pos_T.device, dtype=torch.float32) / d)
-        ang = pos_T.to(torch.float32)[:, None] * inv[None, :]
-        cos, sin = ang.cos(), ang.sin()
-        self.pos_T = pos_T
-        self.cos = torch.cat([cos, cos], dim=-1)[:, None, :]
-        self.sin = torch.cat([-sin, sin], dim=-1)[:, None, :]
-        self._cast: dict = {}
-
-    def tables(self, dtype):
-        if dtype not in self._cast:
-            self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
-        return self._cast[dtype]
-
-    def __call__(self, x_THD: torch.Tensor) -> torch.Tensor:
-        return _rotate(x_THD, *self.tables(x_THD.dtype))
-
-
-def _rotate(x_THD, cos, sin):
-    """``x * cos + rotate_half(x) * sin`` with ``Rotary``'s tables (sin carries the half's sign)."""
-    d = x_THD.shape[-1] // 2
-    return x_THD * cos + torch.cat([x_THD[..., d:], x_THD[..., :d]], dim=-1) * sin
-
-
-def rope(x_THD: torch.Tensor, pos_T: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotary embedding by *global* positions (half-split convention)."""
-    return Rotary(pos_T, x_THD.shape[-1], base)(x_THD)
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, ffn: int):
-        super().__init__()
-        self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False)
-        self.down = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x):
-        g, u = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(g) * u)
-
-
-class GeLUMLP(nn.Module):
-    def __init__(self, hidden: int, ffn: int):
-        super().__init__()
-        self.up = nn.Linear(hidden, ffn, bias=False)
-        self.down = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down(F.gelu(self.up(x), approximate="tanh"))
-
-
-def dense_mlp(c: ModelConfig) -> nn.Module:
-    return SwiGLU(c.hidden, c.ffn) if c.mlp == "swiglu" else GeLUMLP(c.hidden, c.ffn)
-
-
-class MoE(nn.Module):
-    def __init__(self, c: ModelConfig, layer: int):
-        super().__init__()
-        self.layer = layer  # global layer number: the key of replay data
-        self.router = nn.Linear(c.hidden, c.experts, bias=False)
-        self.experts = nn.ModuleList(dense_mlp(c) for _ in range(c.experts))
-        self.top_k, self.z_coef = c.top_k, c.z_loss
-
-    def forward(self, x_TE, real_T, routing=None):
-        # the router runs in fp32 even under bf16 autocast (standard practice; Megatron's
-        # moe_router_dtype=fp32)
-        logits_TX = F.linear(x_TE.float(), self.router.weight.float())
-        if routing is None:
-            idx_TK = torch.topk(logits_TX.detach(), self.top_k, dim=-1).indices
-        else:
-            idx_TK = routing.select(self.layer, logits_TX, self.top_k)
-        weight_TK = logits_TX.gather(1, idx_TK).softmax(-1).to(x_TE.dtype)  # live scores: router gets gradients
-        out = torch.zeros_like(x_TE)
-        for e, expert in enumerate(self.experts):
-            tok, slot = (idx_TK == e).nonzero(as_tuple=True)
-            if tok.numel():
-                out = out.index_add(0, tok, expert(x_TE[tok]) * weight_TK[tok, slot, None])
-        z = (torch.logsumexp(logits_TX, dim=-1).pow(2) * real_T).sum() * self.z_coef  # real tokens only
-        return out, z
-
+from harness.runtime import layers
+from harness.runtime.hybrid import HYBRID_LAYERS, self_attention
+from harness.runtime.layers import (  # noqa: F401 - re-exported: the model's public pieces
+    Attention,
+    GeLUMLP,
+    Mixing,
+    MoE,
+    RMSNorm,
+    Rotary,
+    SwiGLU,
+    _rotate,
+    cp_ops,
+    dense_mlp,
+    rope,
+)
+from harness.runtime.model_config import MLPS, MODELS, ModelConfig  # noqa: F401 - re-exported
+from harness.runtime.mtp import MTPLayer
 
 # ---------------------------------------------------------------- compiled block segments
 # A dense block is attention plus two per-token segments: (norm, QKV projection, RoPE) before it and
@@ -293,17 +151,14 @@ class Block(nn.Module):
         self.compile_mode: str | None = None
         self.compile_scope: str = "segments"
 
-    def forward(self, x_TE, pos_T, real_T, attention: Attention, routing=None):
+    def forward(self, x_TE, pos_T, real_T, attention: Attention, routing=None, mixing=None):
         """``pos_T``: global position ids, or a ``Rotary`` of them (shared by the layers)."""
         c, D = self.c, self.c.hidden // self.c.heads
         rot = pos_T if isinstance(pos_T, Rotary) else Rotary(pos_T, D, c.rope_base)
+        attention, _ = layers.cp_ops(self, attention, mixing)
         if self.compiled and not isinstance(self.mlp, MoE):
             return self._compiled_forward(x_TE, rot, attention)
-        q, k, v = self.qkv(self.norm1(x_TE)).split([c.heads * D, c.kv_heads * D, c.kv_heads * D], dim=-1)
-        q = rot(q.view(-1, c.heads, D))
-        k = rot(k.view(-1, c.kv_heads, D))
-        o = attention(q, k, v.view(-1, c.kv_heads, D))
-        x_TE = x_TE + self.proj(o.reshape(x_TE.shape[0], -1))
+        x_TE = self_attention(self, c, x_TE, rot, attention)
         if isinstance(self.mlp, MoE):
             h, z = self.mlp(self.norm2(x_TE), real_T, routing)
             return x_TE + h, z
@@ -367,7 +222,9 @@ class TinyLM(nn.Module):
         self.c = c
         with torch.device(device or "cpu"):
             self.embed = nn.Embedding(c.vocab, c.hidden)
-            self.blocks = nn.ModuleList(Block(c, moe=i in self.moe_layers(), layer=i) for i in range(c.layers))
+            self.blocks = nn.ModuleList(self._layer(c, i) for i in range(c.layers))
+            self.mtp = nn.ModuleList(MTPLayer(c, k, Block(c, moe=False, layer=c.layers + k - 1))
+                                     for k in range(1, c.mtp_depth + 1))
             self.norm = RMSNorm(c.hidden)
             self.head = nn.Linear(c.hidden, c.vocab, bias=False)
         gen = torch.Generator(device=device or "cpu").manual_seed(c.seed)
@@ -377,13 +234,18 @@ class TinyLM(nn.Module):
                     std = 0.02 / math.sqrt(2 * c.layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
                     p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * std)
 
+    def _layer(self, c: ModelConfig, i: int) -> nn.Module:
+        kind = c.kinds[i]
+        return Block(c, moe=i in self.moe_layers(), layer=i) if kind == "B" else HYBRID_LAYERS[kind](c)
+
     def moe_layers(self) -> list[int]:
         """Global layers with an MoE block: all but the first (dense) one, for an MoE config."""
         return list(range(1, self.c.layers)) if self.c.experts else []
 
-    def run_layers(self, x, pos_T, real_T, attention: Attention, layers=None, routing=None):
+    def run_layers(self, x, pos_T, real_T, attention: Attention, layers=None, routing=None, mixing=None):
         """Apply blocks ``layers`` (global numbers; default all) to hidden states ``x``; returns
-        (hidden states, aux loss of those blocks). Pipeline stages call this with their range."""
+        (hidden states, aux loss of those blocks). Pipeline stages call this with their range.
+        ``mixing``: the micro-batch's SSM mixing (hybrid models)."""
         aux = torch.zeros((), device=x.device)
         if not isinstance(pos_T, Rotary):
             pos_T = Rotary(pos_T, self.c.hidden // self.c.heads, self.c.rope_base)
@@ -392,13 +254,18 @@ class TinyLM(nn.Module):
             return compiled_chain([self.blocks[i] for i in layers], x, pos_T, attention, self.compiled,
                                   self.compile_mode, scope=self.compile_scope), aux
         for i in layers:
-            x, a = self.blocks[i](x, pos_T, real_T, attention, routing)
+            x, a = self.blocks[i](x, pos_T, real_T, attention, routing, mixing=mixing)
             aux = aux + a
         return x, aux
 
+    def mtp_hidden(self, k: int, h_TE, tokens_T, rot: Rotary, real_T, attention: Attention, mixing=None):
+        """Depth k's hidden states (``harness.runtime.mtp``) from depth k - 1's (``h_TE``)."""
+        return self.mtp[k - 1](h_TE, tokens_T, rot, real_T, attention, mixing)
+
     def _chained(self, layers: list[int]) -> bool:
         """Whether ``layers`` run as one compiled chain (compiled, dense, at least one)."""
-        return bool(self.compiled and layers and not any(isinstance(self.blocks[i].mlp, MoE) for i in layers))
+        return bool(self.compiled and layers and all(isinstance(self.blocks[i], Block)
+                                                     and not isinstance(self.blocks[i].mlp, MoE) for i in layers))
 
     def compile_blocks(self, backend: str | None = "inductor", mode: str | None = None,
                        scope: str = "segments") -> TinyLM:
@@ -429,7 +296,8 @@ class TinyLM(nn.Module):
         self.compiled, self.compile_mode = backend, (mode if backend else None)
         self.compile_scope = scope if backend else "segments"
         for b in self.blocks:
-            b.compiled, b.compile_mode, b.compile_scope = self.compiled, self.compile_mode, self.compile_scope
+            if isinstance(b, Block):
+                b.compiled, b.compile_mode, b.compile_scope = self.compiled, self.compile_mode, self.compile_scope
         return self
 
     compiled: str | None = None

@@ -186,6 +186,12 @@ class SequenceLayout:
         return self._cache[key]
 
 
+def scan_layout(seqs: SequenceLayout) -> SequenceLayout:
+    """The sequences the scan resets its state at: the pack's own (a seam: ``harness.faults`` re-creates
+    a kernel fed the pack without its sequence boundaries, whose state runs on into the next sequence)."""
+    return seqs
+
+
 def segsum(a_XL: torch.Tensor) -> torch.Tensor:
     """``out[..., t, s] = sum(a[..., s + 1 : t + 1])`` for s <= t, -inf above the diagonal. Summed
     per (t, s) from a masked cumulative sum, not as ``cumsum[t] - cumsum[s]``: the difference of two
@@ -313,10 +319,16 @@ class SSMMixer(nn.Module):
         return self.out_proj(y)
 
     def _mix(self, x_Pc, dt_Ph, bc_P, seqs: SequenceLayout, hs: slice) -> torch.Tensor:
-        """Conv and scan of heads ``hs`` over the whole pack (pack order): ``[P, h * D]``."""
+        """Conv and scan of heads ``hs`` over the whole pack (pack order): ``[P, h * D]``. Under bf16
+        autocast they run in fp32 (as Mamba's kernels do: a scan's decays compound over thousands of
+        steps); the result is cast back to the input's dtype."""
+        if torch.is_autocast_enabled(x_Pc.device.type) or x_Pc.dtype in (torch.bfloat16, torch.float16):
+            with torch.autocast(x_Pc.device.type, enabled=False):
+                return self._mix(x_Pc.float(), dt_Ph.float(), bc_P.float(), seqs, hs).to(x_Pc.dtype)
         c, ch = self.c, slice(hs.start * self.c.head_dim, hs.stop * self.c.head_dim)
         x = F.silu(causal_conv(x_Pc, self.conv_x_weight[ch], self.conv_x_bias[ch], seqs))
         B, C = F.silu(causal_conv(bc_P, self.conv_bc_weight, self.conv_bc_bias, seqs)).split(c.state, dim=-1)
         dt = F.softplus(dt_Ph + self.dt_bias[hs])
-        y = chunked_scan(x.unflatten(-1, (-1, c.head_dim)), dt, -self.A_log[hs].exp(), B, C, self.D[hs], seqs, c.chunk)
+        y = chunked_scan(x.unflatten(-1, (-1, c.head_dim)), dt, -self.A_log[hs].exp(), B, C, self.D[hs],
+                         scan_layout(seqs), c.chunk)
         return y.flatten(1)

@@ -22,6 +22,7 @@ from harness.dist.train import TrainConfig
     (TrainConfig(), 2, r"needs a static CP group of 4 ranks .* world has 2"),
     (TrainConfig(corpus=__import__("harness.corpus", fromlist=["CorpusConfig"]).CorpusConfig(sequences_per_batch=31),
                  max_seqlen_per_rank=512), 4, "multiple of 2"),
+    (TrainConfig(model="tiny-hybrid"), 8, r"SSM mixers' 4 heads cannot be split over a CP block of 8 ranks"),
 ])
 def test_layouts_the_world_cannot_run(cfg, world, match, tmp_path):
     with pytest.raises(LayoutError, match=match):

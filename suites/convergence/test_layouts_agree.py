@@ -1,4 +1,5 @@
-"""bshd, THD packing and dynamic CP train the same model: same losses step for step (fp32, CPU)."""
+"""bshd, THD packing and dynamic CP train the same model: same losses step for step (fp32, CPU), for
+attention-only, MoE, multi-token prediction and hybrid SSM (Mamba-style) models."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from harness.dist.train import train
 pytestmark = pytest.mark.dist_cpu
 
 
-@pytest.fixture(scope="module", params=["tiny-gpt", "tiny-moe", "tiny-gpt@ring"])
+@pytest.fixture(scope="module", params=["tiny-gpt", "tiny-moe", "tiny-gpt@ring", "tiny-gpt-mtp",
+                                                  "tiny-hybrid"])
 def runs(request, tmp_path_factory):
     """Each model with the all-gather K/V exchange, and tiny-gpt with the ring exchange (every CP
     block of every layout then passes K/V around its ring)."""
@@ -31,6 +33,9 @@ def test_all_layouts_agree_within_1e_5(runs):
             row = rows[layout][step]
             assert abs(row["loss"] - ref["loss"]) <= 1e-5, (layout, step, row["loss"], ref["loss"])
             assert abs(row["aux_loss"] - ref["aux_loss"]) <= 1e-6
+            assert ("mtp_loss" in row) == ("mtp_loss" in ref)
+            if "mtp_loss" in ref:  # each MTP depth's loss, not only the total
+                assert max(abs(a - b) for a, b in zip(row["mtp_loss"], ref["mtp_loss"], strict=True)) <= 1e-5
             assert row["tokens"] == ref["tokens"]
 
 
@@ -42,6 +47,8 @@ def test_padding_and_schedules_differ_as_designed(runs):
         assert rows["bshd"][step]["padding_fraction"] > rows["thd"][step]["padding_fraction"]
         assert rows["bshd"][step]["cp_histogram"] == {"2": 16}
     assert all(rows[layout][0]["grad_norm"] > 0 for layout in rows)
+    if model == "tiny-gpt-mtp":
+        assert all(len(rows[layout][0]["mtp_loss"]) == 1 and rows[layout][0]["mtp_loss"][0] > 0 for layout in rows)
     if model == "tiny-moe":
         assert rows["bshd"][0]["aux_loss"] > 0  # router z-loss over real tokens only
     else:

@@ -1,6 +1,7 @@
 """Pipelines against the committed PP = 1 goldens (50 steps, fp32, gloo): PP 2 x 2 (4 processes, the
 PP = 1 case on 2 ranks at 512 tokens per rank) and PP 2 x 4 (8 processes, the main job's 4-rank case),
-with and without interleaving, tiny GPT and tiny MoE (the MoE rule as everywhere). Slow: 1.5-4
+with and without interleaving, tiny GPT and tiny MoE (the MoE rule as everywhere), and PP 2 x 2 of
+multi-token prediction (the MTP block on the last stage) and of the hybrid SSM model. Slow: 1.5-4
 minutes each on 2 cores."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from harness.dist.train import TrainConfig
 pytestmark = pytest.mark.slow
 
 CASES = [("tiny-gpt", 4, 1), ("tiny-gpt", 4, 2), ("tiny-gpt", 8, 1), ("tiny-gpt", 8, 2),
-         ("tiny-moe", 4, 1), ("tiny-moe", 8, 1), ("tiny-moe", 8, 2)]
+         ("tiny-moe", 4, 1), ("tiny-moe", 8, 1), ("tiny-moe", 8, 2),
+         ("tiny-gpt-mtp", 4, 2), ("tiny-hybrid", 4, 1)]
 
 
 @pytest.mark.parametrize("model, world, vpp", CASES, ids=[f"{m}-w{w}-vpp{v}" for m, w, v in CASES])

@@ -27,8 +27,8 @@ def _rows(model: str, world: int, tmp, **kw) -> dict:
     return _RUNS[key]
 
 
-def _agree(got: dict, ref: dict) -> None:
-    assert set(got) == set(ref) == {"bshd", "thd", "dcp"}
+def _agree(got: dict, ref: dict, layouts=("bshd", "thd", "dcp")) -> None:
+    assert set(got) == set(ref) == set(layouts)
     for layout in ref:
         for a, b in zip(got[layout], ref[layout], strict=True):
             assert abs(a["loss"] - b["loss"]) <= 1e-5, (layout, a["step"], a["loss"], b["loss"])
@@ -50,6 +50,20 @@ def test_tiny_gpt_pipelines_equal_one_stage(name, tmp_path_factory):
 def test_tiny_moe_pipeline_equals_one_stage(tmp_path_factory):
     _agree(_rows("tiny-moe", 4, tmp_path_factory.mktemp("moe-pp"), pp=2),
            _rows("tiny-moe", 2, tmp_path_factory.mktemp("moe-ref")))
+
+
+@pytest.mark.parametrize("model, kw", [("tiny-gpt-mtp", {"pp": 2, "vpp": 2}), ("tiny-hybrid", {"pp": 2})],
+                         ids=["mtp-pp2-vpp2", "hybrid-pp2"])
+def test_mtp_and_hybrid_pipelines_equal_one_stage(model, kw, tmp_path_factory):
+    """The MTP block runs on the last stage (its own embedding, the trunk's output head); the SSM mixers
+    sit on both stages of "M*M-". Both still train exactly as one stage (the dynamic-CP layout here;
+    bshd and thd under PP are the 50-step goldens' in the slow suite)."""
+    got = _rows(model, 4, tmp_path_factory.mktemp(model), layouts=["dcp"], **kw)
+    ref = _rows(model, 2, tmp_path_factory.mktemp(model + "-ref"), layouts=["dcp"])
+    _agree(got, ref, layouts=("dcp",))
+    if model == "tiny-gpt-mtp":
+        for a, b in zip(got["dcp"], ref["dcp"], strict=True):
+            assert abs(a["mtp_loss"][0] - b["mtp_loss"][0]) <= 1e-5, a["step"]
 
 
 def test_fewer_micro_batches_than_stages_and_a_single_one(tmp_path_factory):

@@ -1,5 +1,6 @@
 """A CLI job whose rank stops or dies ends within its bound with exit code 3 and one
-``dcp-harness: error:`` line naming the rank and the log; the log holds the whole output."""
+``dcp-harness: error:`` line naming the rank and the log; the log holds the whole output, and no rank
+process outlives the job (torchrun starts ranks in sessions of their own)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,20 @@ def _worker(root: int, rank: int) -> int | None:
     return None
 
 
+def _alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that still exist as rank processes (a zombie counts as gone)."""
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if state not in "ZX" and b"harness.dist.entry" in cmd:
+            alive.append(pid)
+    return alive
+
+
 @pytest.mark.parametrize("sig, expect, limit_s", [
     (signal.SIGSTOP, r"rank 2 made no progress for \d+ s \(its process is stopped, e\.g\. by SIGSTOP\); its last "
                      r"report: layout bshd, step \d+ of 400", 90),
@@ -60,7 +75,8 @@ def test_a_rank_that_stops_or_dies_ends_converge_with_one_line(tmp_path, sig, ex
             seen.append(line)
             if "step    2/400" in line:
                 break
-        pid = _worker(proc.pid, 2)
+        ranks = [_worker(proc.pid, r) for r in range(4)]
+        pid = ranks[2]
         assert pid is not None, "".join(seen)[-2000:] + (proc.stderr.read() if proc.poll() is not None else "")
         t = time.monotonic()
         os.kill(pid, sig)
@@ -69,10 +85,72 @@ def test_a_rank_that_stops_or_dies_ends_converge_with_one_line(tmp_path, sig, ex
     finally:
         if proc.poll() is None:
             proc.kill()
-        subprocess.run(["pkill", "-9", "-P", str(proc.pid)], check=False)
+        left = _alive([p for p in ranks if p] if "ranks" in locals() else [])
+        for p in left:
+            os.kill(p, signal.SIGKILL)
+    assert not left, f"rank processes {left} outlived the job"
     assert proc.returncode == 3 and took < limit_s, (proc.returncode, took, err[-2000:])
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dcp-harness: error: torchrun converge on 4 processes"), err
     assert re.search(expect, lines[0]), lines[0]
     log = Path(lines[0].rsplit("; output: ", 1)[1])
     assert log.parent == tmp_path / "logs" and "step    2/400" in log.read_text()
+
+
+def _start_and_reach_step_2(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "converge", "--steps", "400", "--golden", "off",
+                             "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if "step    2/400" in line:
+            break
+    ranks = [p for p in (_worker(proc.pid, r) for r in range(4)) if p]
+    torchrun = [p for p in _descendants(proc.pid) if b"torch.distributed.run" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(ranks) == 4 and len(torchrun) == 1, (ranks, torchrun)
+    return proc, ranks + torchrun
+
+
+def _gone_within(pids, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        left = [p for p in pids if _is_process(p)]
+        if not left:
+            return []
+        time.sleep(0.2)
+    return [p for p in pids if _is_process(p)]
+
+
+def _is_process(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (OSError, IndexError):
+        return False
+
+
+def test_sigterm_to_the_cli_ends_the_whole_job(tmp_path):
+    """A scheduler's SIGTERM (a time limit, a cancelled CI job): one line, exit 143, no process left."""
+    proc, pids = _start_and_reach_step_2(tmp_path)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        left = _gone_within(pids, 15)
+    finally:
+        for p in pids:
+            if _is_process(p):
+                os.kill(p, signal.SIGKILL)
+    assert proc.returncode == 143, (proc.returncode, err[-2000:])
+    assert err.strip() == "dcp-harness: terminated by signal SIGTERM; the job's processes were killed", err
+    assert not left, f"processes {left} outlived the job"
+
+
+def test_a_killed_cli_takes_torchrun_and_every_rank_with_it(tmp_path):
+    """SIGKILL cannot be handled: torchrun and the ranks ask the kernel to kill them with their parent."""
+    proc, pids = _start_and_reach_step_2(tmp_path)
+    try:
+        proc.kill()
+        proc.wait(10)
+        left = _gone_within(pids, 15)
+    finally:
+        for p in pids:
+            if _is_process(p):
+                os.kill(p, signal.SIGKILL)
+    assert not left, f"processes {left} outlived the killed launcher"

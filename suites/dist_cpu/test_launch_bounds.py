@@ -1,9 +1,13 @@
 """torchrun jobs are bounded: a rank that raises, dies or stops ends the job within seconds with one
-``JobFailure`` naming that rank, and the job's whole output stays in a log file."""
+``JobFailure`` naming that rank, the job's whole output stays in a log file, and no process of the job
+outlives it (a stopped rank included)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +20,21 @@ pytestmark = pytest.mark.dist_cpu
 def _launch(tmp_path, **cfg):
     return launch("selftest", 4, tmp_path / "out.json", {"device": "cpu", "steps": 6, **cfg}, stall_s=6,
                   log=tmp_path / "logs" / "selftest.log")
+
+
+def _processes_of(tmp_path) -> list[int]:
+    """Live processes whose command line names ``tmp_path`` (torchrun and the ranks of a job there)."""
+    mine = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes()
+                state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if str(tmp_path).encode() in cmd and state not in "ZX":
+                mine.append(int(d.name))
+    return mine
 
 
 def test_a_healthy_job_returns_and_leaves_no_log(tmp_path):
@@ -39,6 +58,10 @@ def test_a_failing_rank_ends_the_job_with_one_line_naming_it(tmp_path, how, expe
     e = info.value
     assert e.rank == 2 and e.log.exists() and "\n" not in str(e)
     assert str(e).endswith(f"; output: {e.log}")
+    left = _processes_of(tmp_path)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes {left} outlived the failed job"
 
 
 def test_the_watchdog_names_the_stopped_rank_and_waits_for_startup(tmp_path):

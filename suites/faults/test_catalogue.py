@@ -13,7 +13,7 @@ from harness.faults import CHECKS, FAULTS, LAYERS, SEAMS, SeamError, UnknownFaul
 from harness.faults import checks as ck
 from harness.faults.seam import resolve
 
-ISSUE_LAYERS = {"plan", "reroute", "attention", "loss", "gradients", "groups", "pipeline", "replay", "step-wise"}
+ISSUE_LAYERS = {"plan", "reroute", "attention", "loss", "gradients", "groups", "pipeline", "model", "replay", "step-wise"}
 
 
 def test_every_fault_is_complete():
@@ -47,14 +47,14 @@ def test_a_fault_is_active_only_inside_its_context(fault):
 
 
 def test_the_seam_is_restored_when_the_run_raises_and_never_stacked():
-    module, attr, original = resolve("harness.dist.train:labels_for")
+    module, attr, original = resolve("harness.dist.passes:labels_for")
     with pytest.raises(RuntimeError, match="boom"):
         with get("labels-rolled-after-split").applied():
             raise RuntimeError("boom")
     assert getattr(module, attr) is original
     with get("labels-rolled-after-split").applied():
         with pytest.raises(SeamError, match="already replaced by 'labels-rolled-after-split'"):
-            with replaced("harness.dist.train:labels_for", lambda o: o):
+            with replaced("harness.dist.passes:labels_for", lambda o: o):
                 pass
     assert getattr(module, attr) is original
     with pytest.raises(SeamError, match="not a registered seam"):

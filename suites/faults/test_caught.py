@@ -72,6 +72,29 @@ def test_every_seam_is_live_and_a_passthrough_changes_nothing(tmp_path):
     assert all(r["out"]["replay_mismatches"] == 0 for r in rep)
 
 
+MODEL_SEAM_MODULES = ("harness.dist.passes", "harness.runtime", "harness.dist.pipeline", "harness.dist.train")
+
+
+@pytest.mark.parametrize("cfg", [
+    {**sc.TRAIN_CONFIGS["train-pp"], "model": "tiny-gpt-mtp", "layouts": ["dcp"]},
+    {**sc.TRAIN_CONFIGS["train-hybrid"], "layouts": ["dcp"]},
+], ids=["mtp-pp2", "hybrid"])
+def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg, tmp_path):
+    """The seams of the forward passes, the model's CP calls, the SSM scan and the pipeline stages:
+    wrapped by call counters in a pipelined MTP run and a hybrid (SSM) run, each one is called, and the
+    run's parameters equal those of the same run without pass-throughs, bit for bit."""
+    seams = [s for s in SEAMS if s.startswith(MODEL_SEAM_MODULES)]
+    got = run_on_ranks(sc.passthrough_world, world_size=sc.WORLD, tmp_path=tmp_path,
+                       args=({"kind": "train", "cfg": cfg, "seams": seams, "clean": True},), timeout_s=180)
+    counts = {s: sum(r["counts"].get(s, 0) for r in got) for s in seams}
+    wanted = [s for s in seams if ("scan_layout" in s) == (cfg["model"] == "tiny-hybrid")
+              and ("mtp_columns" in s) <= (cfg["model"] == "tiny-gpt-mtp")
+              and ("stage_view" in s) <= (cfg.get("pp", 1) > 1)]
+    assert all(counts[s] > 0 for s in wanted), {s: counts[s] for s in wanted}
+    for r in got:
+        assert r["out"]["probes"]["dcp"]["digests"] == r["clean"]["probes"]["dcp"]["digests"]
+
+
 @pytest.mark.slow
 def test_the_whole_catalogue_through_the_cli(tmp_path):
     out = tmp_path / "faults.json"

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("model", ["tiny-gpt", "tiny-moe"])
+@pytest.mark.parametrize("model", ["tiny-gpt", "tiny-moe", "tiny-gpt-mtp", "tiny-hybrid"])
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_layouts_agree_in_bf16(nproc, model, tmp_path):
     if not torch.cuda.is_available() or torch.cuda.device_count() < nproc:
@@ -34,7 +34,7 @@ def test_layouts_agree_in_bf16(nproc, model, tmp_path):
     assert {c["target"].split(":")[0] for c in res.checks} >= {"thd vs bshd", "dcp vs bshd"}
 
 
-@pytest.mark.parametrize("model", ["tiny-gpt", "tiny-moe"])
+@pytest.mark.parametrize("model", ["tiny-gpt", "tiny-moe", "tiny-gpt-mtp", "tiny-hybrid"])
 @pytest.mark.parametrize("vpp", [1, 2])
 def test_pipeline_of_two_stages_with_dynamic_cp_in_bf16(vpp, model, tmp_path):
     """PP 2 x dynamic CP 2 on 4 GPUs (NCCL point to point between the stages, CP groups inside each

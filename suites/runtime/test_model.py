@@ -52,6 +52,21 @@ def test_moe_config_is_checked():
         ModelConfig(hidden=66)
 
 
+@pytest.mark.parametrize("kw, match", [
+    ({"mtp_depth": -1}, r"mtp_depth=-1 must be an int >= 0"),
+    ({"mtp_depth": 1.5}, r"mtp_depth=1.5 must be an int"),
+    ({"mtp_weight": -0.1}, r"mtp_weight=-0.1 must be >= 0"),
+    ({"layers": 4, "pattern": "M*X-"}, r"pattern='M\*X-' must have one of 'M', '\*', '-' per layer \(4 layers\); "
+                                       r"unknown \['X'\]"),
+    ({"layers": 4, "pattern": "M*-"}, r"pattern='M\*-' must have one of .* per layer \(4 layers\)$"),
+    ({"layers": 2, "pattern": "M*", "experts": 4}, "a hybrid pattern has no MoE layers"),
+    ({"ssm_heads": 0, "ssm_chunk": 0}, "ssm_heads=0, ssm_chunk=0: SSM sizes must be >= 1"),
+])
+def test_mtp_and_hybrid_configs_are_checked(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**kw)
+
+
 def test_loss_falls_on_the_corpus():
     """One THD pack per step (8 sequences of 64 tokens), single process."""
     corpus = CorpusConfig(sequences_per_batch=8, lengths="const:value=64")

@@ -1,0 +1,128 @@
+"""Building blocks of the tiny models (single process, torch): RMSNorm, RoPE tables, the MLPs, the MoE
+layer, and ``cp_ops``, the one place every CP-aware module takes its micro-batch's CP operations from.
+
+Shape legend: ``T`` local tokens, ``E`` hidden size, ``H`` query heads, ``Hkv`` key/value heads, ``D``
+head dim, ``F`` FFN size, ``X`` experts, ``K`` top-k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from harness.runtime.model_config import ModelConfig
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Mixing = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+"""``mixing(mixer, x_TE) -> y_TE``: an SSM mixer applied with the micro-batch's sequence layout and CP
+exchange (``harness.runtime.ssm``)."""
+
+
+def cp_ops(module: nn.Module, attention: Attention | None, mixing: Mixing | None) -> tuple:
+    """The CP operations a module uses for this call: exactly the ones it was handed. Modules never keep
+    a micro-batch's group (it is inside these callables) between calls; a seam where ``harness.faults``
+    re-creates a module that does."""
+    return attention, mixing
+
+
+_FUSED_RMS_NORM = hasattr(F, "rms_norm")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):
+        if _FUSED_RMS_NORM:  # one kernel each way on CUDA instead of six / ten (launch-bound steps)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Rotary:
+    """RoPE tables of one micro-batch's positions, computed once and shared by every layer:
+    ``cos``/``sin`` in fp32 ``[T, 1, D]`` laid out for ``x * cos + rotate_half(x) * sin`` (the
+    half-split convention; the same values, bit for bit, as rotating the halves separately)."""
+
+    def __init__(self, pos_T: torch.Tensor, head_dim: int, base: float):
+        d = head_dim // 2
+        inv = base ** (-torch.arange(d, device=pos_T.device, dtype=torch.float32) / d)
+        ang = pos_T.to(torch.float32)[:, None] * inv[None, :]
+        cos, sin = ang.cos(), ang.sin()
+        self.pos_T = pos_T
+        self.cos = torch.cat([cos, cos], dim=-1)[:, None, :]
+        self.sin = torch.cat([-sin, sin], dim=-1)[:, None, :]
+        self._cast: dict = {}
+
+    def tables(self, dtype):
+        if dtype not in self._cast:
+            self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+        return self._cast[dtype]
+
+    def __call__(self, x_THD: torch.Tensor) -> torch.Tensor:
+        return _rotate(x_THD, *self.tables(x_THD.dtype))
+
+
+def _rotate(x_THD, cos, sin):
+    """``x * cos + rotate_half(x) * sin`` with ``Rotary``'s tables (sin carries the half's sign)."""
+    d = x_THD.shape[-1] // 2
+    return x_THD * cos + torch.cat([x_THD[..., d:], x_THD[..., :d]], dim=-1) * sin
+
+
+def rope(x_THD: torch.Tensor, pos_T: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotary embedding by *global* positions (half-split convention)."""
+    return Rotary(pos_T, x_THD.shape[-1], base)(x_THD)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        g, u = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(g) * u)
+
+
+class GeLUMLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+def dense_mlp(c: ModelConfig) -> nn.Module:
+    return SwiGLU(c.hidden, c.ffn) if c.mlp == "swiglu" else GeLUMLP(c.hidden, c.ffn)
+
+
+class MoE(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer  # global layer number: the key of replay data
+        self.router = nn.Linear(c.hidden, c.experts, bias=False)
+        self.experts = nn.ModuleList(dense_mlp(c) for _ in range(c.experts))
+        self.top_k, self.z_coef = c.top_k, c.z_loss
+
+    def forward(self, x_TE, real_T, routing=None):
+        # the router runs in fp32 even under bf16 autocast (standard practice; Megatron's
+        # moe_router_dtype=fp32)
+        logits_TX = F.linear(x_TE.float(), self.router.weight.float())
+        if routing is None:
+            idx_TK = torch.topk(logits_TX.detach(), self.top_k, dim=-1).indices
+        else:
+            idx_TK = routing.select(self.layer, logits_TX, self.top_k)
+        weight_TK = logits_TX.gather(1, idx_TK).softmax(-1).to(x_TE.dtype)  # live scores: router gets gradients
+        out = torch.zeros_like(x_TE)
+        for e, expert in enumerate(self.experts):
+            tok, slot = (idx_TK == e).nonzero(as_tuple=True)
+            if tok.numel():
+                out = out.index_add(0, tok, expert(x_TE[tok]) * weight_TK[tok, slot, None])
+        z = (torch.logsumexp(logits_TX, dim=-1).pow(2) * real_T).sum() * self.z_coef  # real tokens only
+        return out, z

@@ -1,0 +1,113 @@
+"""Model configurations: ``ModelConfig`` (one frozen dataclass for every model the harness trains)
+and ``MODELS``, the named ones (``dcp-harness converge --model NAME``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from harness.plan.cost import CostModel
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    vocab: int = 256
+    """Vocabulary size."""
+    hidden: int = 64
+    """Hidden size E."""
+    layers: int = 2
+    """Transformer layers."""
+    heads: int = 4
+    """Query heads H."""
+    kv_heads: int = 2
+    """Key/value heads (GQA when < heads)."""
+    ffn: int = 128
+    """MLP inner size F (per expert for MoE)."""
+    mlp: str = "swiglu"
+    """``swiglu`` (gated, 3 matmuls) or ``gelu`` (2 matmuls, Megatron's GPT default)."""
+    experts: int = 0
+    """Experts per MoE layer; 0 = dense model."""
+    top_k: int = 2
+    """Experts per token."""
+    z_loss: float = 1e-3
+    """Router z-loss coefficient (MoE only)."""
+    rope_base: float = 10000.0
+    seed: int = 0
+    """Parameter initialisation seed (same on every rank)."""
+    pattern: str = ""
+    """Hybrid layer pattern, one character per layer (Megatron's ``hybrid_override_pattern``): ``M``
+    an SSM mixer layer, ``*`` an attention layer, ``-`` an MLP layer; empty = every layer a transformer
+    block (attention + MLP)."""
+    ssm_heads: int = 4
+    """SSM heads of a mixer layer (sharded over a CP block's ranks: a multiple of the largest block)."""
+    ssm_head_dim: int = 16
+    """Channels per SSM head."""
+    ssm_state: int = 16
+    """SSM state size N."""
+    ssm_chunk: int = 64
+    """Chunk length of the chunked scan."""
+    mtp_depth: int = 0
+    """Multi-token prediction depth D (DeepSeek-V3 / Megatron MTP): D extra blocks, block k combining
+    the hidden state with the embedding of token i + k to predict token i + k + 1; 0 = none."""
+    mtp_weight: float = 0.3
+    """The MTP losses' weight: loss = LM loss + mtp_weight / D x the sum of the D MTP losses."""
+
+    def __post_init__(self):
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}, "
+                             f"which must be divisible by kv_heads={self.kv_heads}")
+        if self.mlp not in MLPS:
+            raise ValueError(f"mlp={self.mlp!r} is not one of {', '.join(MLPS)}")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k={self.top_k} must be in [1, experts={self.experts}]")
+        if not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
+            raise ValueError(f"mtp_depth={self.mtp_depth!r} must be an int >= 0 (0 = no multi-token prediction)")
+        if not self.mtp_weight >= 0:
+            raise ValueError(f"mtp_weight={self.mtp_weight!r} must be >= 0")
+        small = {k: getattr(self, k) for k in ("ssm_heads", "ssm_head_dim", "ssm_state", "ssm_chunk")
+                 if getattr(self, k) < 1}
+        if small:
+            raise ValueError(f"{', '.join(f'{k}={v}' for k, v in small.items())}: SSM sizes must be >= 1")
+        if self.pattern:
+            bad = sorted(set(self.pattern) - set(LAYER_KINDS))
+            if bad or len(self.pattern) != self.layers:
+                raise ValueError(f"pattern={self.pattern!r} must have one of {', '.join(map(repr, LAYER_KINDS))} per "
+                                 f"layer ({self.layers} layers)" + (f"; unknown {bad}" if bad else ""))
+            if self.experts:
+                raise ValueError("a hybrid pattern has no MoE layers: use experts=0 with pattern")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def kinds(self) -> str:
+        """One character per layer: ``B`` a transformer block, else the pattern's kind."""
+        return self.pattern or "B" * self.layers
+
+    def training_cost(self, **kw) -> CostModel:
+        """The scheduler's FLOP cost model of this model (``CostModel.from_model_shape``): a gated MLP
+        for ``swiglu``, ``top_k`` experts' MLPs per token for MoE; ``kw`` adds its other options. A
+        hybrid model is priced as its attention layers (the only quadratic part) plus as many MLPs as it
+        has MLP and mixer layers (the mixers' linear work is of the same order)."""
+        layers = self.kinds.count("B") + self.kinds.count("*") + self.mtp_depth
+        return CostModel.from_model_shape(
+            num_layers=max(layers, 1), hidden_size=self.hidden,
+            ffn_hidden_size=self.ffn * (self.top_k if self.experts else 1) * max(
+                1, round((self.kinds.count("B") + self.kinds.count("-") + self.kinds.count("M")) / max(layers, 1))),
+            num_attention_heads=self.heads, num_query_groups=self.kv_heads, gated_mlp=self.mlp == "swiglu",
+            vocab_size=self.vocab, **kw)
+
+
+MLPS = ("swiglu", "gelu")
+LAYER_KINDS = ("M", "*", "-")
+
+MODELS = {
+    "tiny-gpt": ModelConfig(),
+    "tiny-moe": ModelConfig(experts=4, top_k=2, layers=3),
+    # the model of Megatron's Dynamic-CP benchmark (examples/dynamic_context_parallel): 12 layers,
+    # hidden 2048, FFN 8192 (GeLU), 16 heads (MHA); for ``dcp-harness bench step``
+    "gpt-12l-h2048": ModelConfig(vocab=32000, hidden=2048, layers=12, heads=16, kv_heads=16, ffn=8192, mlp="gelu"),
+    # tiny GPT with one multi-token-prediction block
+    "tiny-gpt-mtp": ModelConfig(mtp_depth=1),
+    # mixer, attention, mixer, MLP: a Mamba-style hybrid (Megatron's hybrid_override_pattern "M*M-")
+    "tiny-hybrid": ModelConfig(layers=4, pattern="M*M-"),
+}

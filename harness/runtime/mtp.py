@@ -1,0 +1,39 @@
+"""Multi-token prediction (DeepSeek-V3; Megatron's MTP): depth k of D predicts token i + k + 1.
+
+Block k combines the previous depth's hidden state h^{k-1} (h^0: the last layer's output, before the
+final norm) with the embedding of token i + k: ``h'_i = proj([norm(h^{k-1}_i); norm(emb(t_{i+k}))])``,
+runs one transformer block over the sequence (same positions, same causal attention and CP plan), and
+the model's head predicts ``t_{i+k+1}``. The shifted inputs ``t_{i+k}``, labels ``t_{i+k+1}`` and masks
+(the last k positions of a sequence have no target) are made *per sequence before the CP split*
+(``harness.dist.train``): a shift after the split would cross chunk and sequence boundaries.
+
+Departure from DeepSeek-V3 / Megatron: each MTP block has its own embedding table instead of sharing
+the main one, so that a pipeline keeps MTP on its last stage without sending the first stage's
+embedding there (the head is shared: it lives on the last stage anyway).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from harness.runtime import layers
+from harness.runtime.layers import Attention, RMSNorm, Rotary
+from harness.runtime.model_config import ModelConfig
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, c: ModelConfig, depth: int, block: nn.Module):
+        super().__init__()
+        self.depth = depth
+        self.norm_h, self.norm_e = RMSNorm(c.hidden), RMSNorm(c.hidden)
+        self.embed = nn.Embedding(c.vocab, c.hidden)
+        self.combine = nn.Linear(2 * c.hidden, c.hidden, bias=False)
+        self.block = block
+
+    def forward(self, h_TE, tokens_T, rot: Rotary, real_T, attention: Attention, mixing=None):
+        """This depth's hidden states (before the final norm), from the previous depth's."""
+        attention, mixing = layers.cp_ops(self, attention, mixing)
+        x = self.combine(torch.cat([self.norm_h(h_TE), self.norm_e(self.embed(tokens_T))], dim=-1))
+        x, _ = self.block(x, rot, real_T, attention, mixing=mixing)
+        return x
