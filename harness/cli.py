@@ -30,6 +30,7 @@ from harness.dist.watchdog import JobFailure, Terminated
 from harness.golden import GoldenError
 from harness.io import OutputPathError
 from harness.nightly import NIGHTLY_MODELS
+from harness.nightly.history import HistoryError
 from harness.plan import ALGORITHMS, CostModel, PlanInputError, check_schedule, gpt_benchmark_cost
 from harness.runtime.model_config import MODELS
 
@@ -51,6 +52,9 @@ def _add_schedule(sub) -> None:
     p.add_argument("--algorithm", choices=sorted(ALGORITHMS), default="balanced")
     p.add_argument("--cost", choices=["gpt", "megatron"], default="gpt",
                    help="cost model for balanced and for the printed figures (default: the 12-layer GPT)")
+    p.add_argument("--execution", choices=["independent", "synchronous"], default="independent",
+                   help="how the step runs, the model balanced optimises and the figures use: independent CP blocks "
+                        "(default) or a barrier after every micro-batch (MoE with expert parallelism)")
     p.add_argument("--json", metavar="PATH", help="write the schedule and its figures as JSON")
     p.add_argument("--rows", type=int, default=40, help="micro-batches to print (default 40)")
 
@@ -72,10 +76,11 @@ def _cmd_schedule(a) -> int:
         lengths, source = sample(a.dist, a.num_sequences, a.seed), f"{a.dist} (seed {a.seed})"
     cost = gpt_benchmark_cost() if a.cost == "gpt" else CostModel.megatron()
     s = schedule(lengths, n_ranks=a.ranks, max_seqlen_per_rank=a.max_seqlen_per_rank, min_cp_size=a.min_cp,
-                 vpp_group=a.vpp, algorithm=a.algorithm, cost=cost)
+                 vpp_group=a.vpp, algorithm=a.algorithm, cost=cost, execution=a.execution)
     bad = check_schedule(s)
     print(f"{a.algorithm}: {len(lengths)} sequences, {sum(lengths)} tokens from {source}; {a.ranks} ranks, "
-          f"max_seqlen_per_rank {a.max_seqlen_per_rank}, min_cp {a.min_cp}, vpp {a.vpp}, cost {cost.name}")
+          f"max_seqlen_per_rank {a.max_seqlen_per_rank}, min_cp {a.min_cp}, vpp {a.vpp}, cost {cost.name}, "
+          f"execution {s.execution.describe()}")
     print(microbatch_table(s, a.rows))
     print()
     print(occupancy_map(s, limit=a.rows))
@@ -109,6 +114,10 @@ def _add_converge(sub) -> None:
     c.add_argument("--schedule-delivery", choices=["broadcast", "compute"], default="broadcast",
                    help="dynamic-CP schedules: computed on the first stage and sent down (broadcast) or computed "
                         "by every stage (compute); the stages are checked to agree")
+    c.add_argument("--ep", action="store_true",
+                   help="expert parallelism (MoE models): shard the experts over each stage's DP x CP domain, "
+                        "tokens dispatched to them by all-to-all; the dcp schedule is made for the synchronous "
+                        "execution model")
     c.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: float32 on CPU, bfloat16 on GPU")
     c.add_argument("--lengths", default=None, help="length spec of the corpus (harness.workloads)")
@@ -140,7 +149,8 @@ def _cmd_converge(a) -> int:
     res = converge.run(cfg, world=a.world, out_root=a.out or REPORTS,
                        golden="update" if a.update_golden else a.golden, stall_s=a.stall_timeout)
     for c in res.checks:
-        print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['value']:.3g}")
+        mark = "PASS" if c["pass"] else converge.NOT_EXERCISED if c.get("exercise") else "FAIL"
+        print(f"  [{mark}] {c['target']}: {c['value']:.3g}")
     print(f"report: {res.run_dir / 'index.html'}\nverdict: {res.verdict}")
     return 0 if res.verdict == "PASS" else 1
 
@@ -195,19 +205,28 @@ def parser() -> argparse.ArgumentParser:
     _add_schedule(sub)
     _add_converge(sub)
     _add_faults(sub)
-    n = sub.add_parser("nightly", help="every model, more steps, GPUs when present; history with trend plots")
+    n = sub.add_parser("nightly", help="every model, more steps, GPUs when present; history with trend plots",
+                       description="The nightly convergence job: exit 0 when every case passed, 1 when one failed or "
+                                   "was not exercised (dynamic CP never formed a CP group > 1), 2 for a usage error.")
     n.add_argument("--steps", type=int, default=100)
     n.add_argument("--models", default=",".join(NIGHTLY_MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
-    n.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
-    n.add_argument("--world", type=int, default=None, help="default: min(4, GPUs) on GPU, 4 on CPU")
+    n.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
+                   help="auto: the distributed cases on GPUs when there are >= 2, else on 4 CPU ranks (and the "
+                        "single-GPU numerics on a lone GPU)")
+    n.add_argument("--world", type=int, default=None, help="ranks of the distributed cases (>= 2; default: min(4, "
+                                                           "GPUs) on GPUs, 4 on CPU)")
     n.add_argument("--root", type=Path, default=None, help="default reports/nightly")
+    n.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the run's summary as JSON")
     _add_stall(n)
     b = sub.add_parser("bench", help="benchmarks (write reports/<name>.json)")
     bsub = b.add_subparsers(dest="bench", required=True)
     bs = bsub.add_parser("schedule", help="scheduler latency and quality vs upstream and the lower bound")
-    bs.add_argument("--quick", action="store_true", help="3 configurations instead of 6")
+    bs.add_argument("--quick", action="store_true", help="3 configurations instead of 6, a smaller input family")
     bs.add_argument("--batches", type=int, default=5, help="global batches per configuration (default 5)")
     bs.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_schedule.json)")
+    bs.add_argument("--execution", choices=["independent", "synchronous", "all"], default="all",
+                    help="execution models whose targets the seeded input family checks (default all)")
+    bs.add_argument("--seed", type=int, default=0, help="seed of the input family (default 0)")
     ba = bsub.add_parser("attention", help="(GPU) CP attention fwd+bwd throughput and per-GPU efficiency")
     ba.add_argument("--nproc", type=int, default=None, help="GPUs to use (default min(4, available))")
     ba.add_argument("--out", type=Path, default=None, help="JSON path (default reports/bench_attention.json)")
@@ -316,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "nightly":
             from harness import nightly
 
-            return nightly.run(steps=a.steps, models=tuple(a.models.split(",")), device=a.device, world=a.world,
-                               root=a.root or nightly.NIGHTLY, stall_s=a.stall_timeout)
+            return nightly.run(steps=a.steps, models=tuple(m.strip() for m in a.models.split(",") if m.strip()),
+                               device=a.device, world=a.world, root=a.root or nightly.NIGHTLY,
+                               stall_s=a.stall_timeout, json_path=a.json)
         if a.command == "bench":
             if a.bench == "attention":
                 from harness.bench import attention
@@ -360,13 +380,14 @@ def main(argv: list[str] | None = None) -> int:
                 return thd.main(out=a.out)
             from harness.bench import schedule as bench_schedule
 
-            return bench_schedule.main(quick=a.quick, batches=a.batches, out=a.out)
+            return bench_schedule.main(quick=a.quick, batches=a.batches, out=a.out, execution=a.execution,
+                                       seed=a.seed)
         if a.command == "fixtures":
             from harness.workloads import make_wikipedia_sample
 
             print(f"wrote {make_wikipedia_sample(a.source, a.n, a.seed)}")
             return 0
-    except (PlanInputError, GoldenError, OutputPathError) as e:
+    except (PlanInputError, GoldenError, OutputPathError, HistoryError) as e:
         print(f"dcp-harness: error: {e}", file=sys.stderr)
         return 2
     except JobFailure as e:

@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import re
 import shutil
 import statistics
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from harness import golden as golden_mod
 from harness.bench.common import REPORTS
 from harness.dist.layouts import LayoutError, static_cp_for
-from harness.dist.train import TrainConfig, longest_sequence
-from harness.io import atomic_write_json, atomic_write_text
+from harness.dist.train import TrainConfig, execution_line, longest_sequence
+from harness.io import atomic_write_json, atomic_write_text, temporary_folder
 
 TOLERANCES = {"float32": {"max": 1e-5, "mean": 1e-5}, "bfloat16": {"max": 2e-3, "mean": 5e-4}}
 MOE_EXACT_STEPS, MOE_WINDOW, MOE_BAND = 20, 10, 0.01
@@ -42,25 +42,38 @@ GOLDEN_SUITE = "convergence"
 
 DEFAULT_MAX_SEQLEN_PER_RANK = TrainConfig().max_seqlen_per_rank
 DEFAULT_BATCH = TrainConfig().corpus.sequences_per_batch
+DEFAULT_LENGTHS = TrainConfig().corpus.lengths
+DEFAULT_SEED = TrainConfig().corpus.seed
 
 
 def case_id(cfg: TrainConfig, world: int) -> str:
-    """``converge__<model>__w<world>[_pp<P>[_vpp<V>][_afab]][__m<tokens per rank>][__b<sequences>]__s<steps>__<dtype>``:
-    the pipeline, a non-default ``max_seqlen_per_rank`` and a non-default batch are part of the case."""
+    """``converge__<model>__w<world>[_pp<P>[_vpp<V>][_afab]][_ep][__m<tokens per rank>][__b<sequences>][__<lengths>][__seed<corpus seed>]__s<steps>__<dtype>``:
+    the pipeline, expert parallelism, a non-default ``max_seqlen_per_rank``, batch, length spec and corpus seed are
+    part of the case."""
     dtype = {"float32": "fp32", "bfloat16": "bf16"}[cfg.dtype]
     pipe = "" if cfg.pp == 1 else f"_pp{cfg.pp}" + (f"_vpp{cfg.vpp}" if cfg.vpp > 1 else "") + \
         ("_afab" if cfg.pipeline == "afab" else "")
+    pipe += "_ep" if cfg.expert_parallel else ""
     m = "" if cfg.max_seqlen_per_rank == DEFAULT_MAX_SEQLEN_PER_RANK else f"__m{cfg.max_seqlen_per_rank}"
     b = "" if cfg.corpus.sequences_per_batch == DEFAULT_BATCH else f"__b{cfg.corpus.sequences_per_batch}"
-    return f"converge__{cfg.model.replace('-', '_')}__w{world}{pipe}{m}{b}__s{cfg.steps}__{dtype}"
+    L = "" if cfg.corpus.lengths == DEFAULT_LENGTHS else "__" + _lengths_tag(cfg.corpus.lengths)
+    L += "" if cfg.corpus.seed == DEFAULT_SEED else f"__seed{cfg.corpus.seed}"
+    return f"converge__{cfg.model.replace('-', '_')}__w{world}{pipe}{m}{b}{L}__s{cfg.steps}__{dtype}"
+
+
+def _lengths_tag(spec: str) -> str:
+    """A non-default length spec as a file-name-safe part of the case id:
+    ``lognormal:mean=160,sigma=1.2,min=16,max=512`` -> ``lognormal-mean160-sigma1.2-min16-max512``."""
+    return re.sub(r"[^A-Za-z0-9.-]", "", spec.replace(":", "-").replace(",", "-").replace("=", ""))
 
 
 def reference_case(cfg: TrainConfig, world: int) -> tuple[TrainConfig, int]:
-    """The PP = 1 case a pipelined run must equal: the same run on one stage's DP x CP domain (its
-    golden is the pipeline's golden)."""
-    if cfg.pp == 1:
+    """The case a pipelined or expert-parallel run must equal: the same run on one stage's DP x CP domain
+    with every expert on every rank (its golden is the pipeline's and the EP run's golden)."""
+    if cfg.pp == 1 and not cfg.expert_parallel:
         return cfg, world
-    return replace(cfg, pp=1, vpp=1, pipeline="1f1b", schedule_delivery="broadcast"), world // cfg.pp
+    return replace(cfg, pp=1, vpp=1, pipeline="1f1b", schedule_delivery="broadcast",
+                   expert_parallel=False), world // cfg.pp
 
 
 def hardware(cfg: TrainConfig) -> str:
@@ -87,15 +100,16 @@ def _compare(name: str, losses: list[float], ref: list[float], tol: dict, moe: b
     exact = len(ref) if not moe else min(len(ref), MOE_EXACT_STEPS)
     d = [abs(a - b) for a, b in zip(losses[:exact], ref[:exact])]
     span = "" if exact == len(ref) else f" (first {exact} steps)"
-    out = [{"target": f"{name}: max |delta loss|{span} <= {tol['max']:g}", "value": max(d), "pass": max(d) <= tol["max"]}]
+    out = [{"target": f"{name}: max |delta loss|{span} <= {tol['max']:g}", "value": max(d), "limit": tol["max"],
+            "pass": max(d) <= tol["max"]}]
     if tol["mean"] != tol["max"]:
         out.append({"target": f"{name}: mean |delta loss|{span} <= {tol['mean']:g}", "value": statistics.fmean(d),
-                    "pass": statistics.fmean(d) <= tol["mean"]})
+                    "limit": tol["mean"], "pass": statistics.fmean(d) <= tol["mean"]})
     if exact < len(ref):
         w = min(MOE_WINDOW, len(ref))
         rel = abs(statistics.fmean(losses[-w:]) - statistics.fmean(ref[-w:])) / abs(statistics.fmean(ref[-w:]))
         out.append({"target": f"{name}: last-{w}-step mean loss within {MOE_BAND:.0%} (MoE routing)", "value": rel,
-                    "pass": rel <= MOE_BAND})
+                    "limit": MOE_BAND, "pass": rel <= MOE_BAND})
     return out
 
 
@@ -170,23 +184,23 @@ def preflight(cfg: TrainConfig, world: int) -> None:
         raise LayoutError(f"bshd splits each global batch ({seqs} sequences) over {dp} data-parallel replicas in "
                           f"micro-batches of {cfg.micro_batch_size}: use a batch size that is a multiple of "
                           f"{dp * cfg.micro_batch_size}")
-    _plan_every_step(cfg, n, C)
+    _plan_every_step(cfg, n, C, cfg.execution_model(world)[0])
 
 
-def _plan_every_step(cfg: TrainConfig, n: int, static_cp: int) -> None:
+def _plan_every_step(cfg: TrainConfig, n: int, static_cp: int, execution=None) -> None:
     """Schedule every step of every layout as the ranks will (pure and fast), so that a batch the
     configuration cannot run (e.g. a VPP group a micro-batch cannot be split for) fails here, naming
     the step and the layout, before any process starts."""
-    from harness.corpus import global_batch
+    from harness.corpus import batch_lengths
     from harness.dist.layouts import LayoutConfig, plan
     from harness.dist.train_config import model_cost
 
     lcfg = LayoutConfig(n_ranks=n, max_seqlen_per_rank=cfg.max_seqlen_per_rank, static_cp=static_cp,
                         micro_batch_size=cfg.micro_batch_size, scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding,
-                        vpp_group=cfg.pipeline_config().vpp_group)
+                        vpp_group=cfg.pipeline_config().vpp_group, execution=execution)
     cost = model_cost(cfg)
     for step in range(cfg.steps):
-        lengths = [len(x) - 1 for x in global_batch(cfg.corpus, step)]
+        lengths = batch_lengths(cfg.corpus, step)
         for layout in cfg.layouts:
             try:
                 plan(layout, lengths, lcfg, cost)
@@ -204,20 +218,25 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
     from harness.dist.entry import launch
 
     preflight(cfg, world)
-    if golden == "update" and cfg.pp > 1:
-        raise LayoutError(f"goldens are written by the PP = 1 case a pipeline must equal; run: {_update_hint(cfg, world)}")
+    if golden == "update" and (cfg.pp > 1 or cfg.expert_parallel):
+        raise LayoutError(f"goldens are written by the PP = 1, non-expert-parallel case a pipeline or expert-parallel "
+                          f"run must equal; run: {_update_hint(cfg, world)}")
     cid, hw = case_id(cfg, world), hardware(cfg)
     gpath = golden_mod.path_for(GOLDEN_SUITE, case_id(*reference_case(cfg, world)), hw)
     if golden == "require" or (golden == "auto" and gpath.exists()):
         golden_mod.load(gpath, _update_hint(cfg, world))  # missing / corrupted: fail before training
     if run_dir is None:
         out_root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".converge-", dir=out_root))
+        tmp = temporary_folder(".converge-", out_root)
     else:
         tmp = Path(run_dir)
         tmp.mkdir(parents=True, exist_ok=True)
     try:
         progress(f"converge {cid}: layouts {', '.join(cfg.layouts)} on {world} {cfg.device} ranks ({hw})")
+        progress(f"  {execution_line(cfg, world)}")
+        if "dcp" in cfg.layouts and cfg.domain(world) == 1:
+            progress("  dcp on a DP x CP domain of one rank never forms a CP group > 1: its verdict is NOT EXERCISED "
+                     "(dynamic CP needs a domain of >= 2 ranks)")
         stamp = f"{dt.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
         res = launch("converge", world, tmp / "results_raw.json", {**cfg.to_dict(), "metrics_path": str(tmp / "metrics.jsonl")},
                      stream=lambda line: progress("  " + line) if line.startswith("[") else None,
@@ -227,20 +246,24 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
         if golden == "update":
             progress(f"wrote golden {write_golden(rows, cfg, world, cid, hw)}")
         use = golden == "require" or (golden == "auto" and gpath.exists())
-        checks = evaluate(rows, cfg, world, hw, use_golden=use)
-        verdict = "PASS" if all(c["pass"] for c in checks) else "FAIL"
+        exercise = dcp_exercise(rows, cfg.domain(world))
+        checks = evaluate(rows, cfg, world, hw, use_golden=use) + exercise_checks(exercise)
+        verdict = verdict_of(checks)
         config = {**cfg.to_dict(), "world": world, "static_cp": rank0["static_cp"], "longest": rank0["longest"],
-                  "case_id": cid, "hardware": hw, "golden": str(gpath) if use else None}
+                  "case_id": cid, "hardware": hw, "golden": str(gpath) if use else None, "dcp_exercise": exercise}
         result = ConvergeResult(verdict, tmp, cid, rows, checks, config)
+        tracking = None
+        if report:
+            from harness.report.tracking import log_runs
+
+            tracking = log_runs(cid, rows, config, tmp)
         atomic_write_json(tmp / "results.json", {"verdict": verdict, "case_id": cid, "config": config,
-                                                 "checks": checks, "layouts": rows,
+                                                 "checks": checks, "layouts": rows, "tracking": tracking,
                                                  "producer": golden_mod.producer("dcp-harness converge")})
         (tmp / "results_raw.json").unlink()
         if report:
             from harness.report.convergence_report import render_standalone
-            from harness.report.tracking import log_runs
 
-            tracking = log_runs(cid, rows, config, tmp)
             html, md = render_standalone(result, tracking)
             atomic_write_text(tmp / "index.html", html)
             atomic_write_text(tmp / "summary.md", md)
@@ -255,6 +278,45 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
         if run_dir is None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+NOT_EXERCISED = "NOT EXERCISED"
+"""The verdict of a run whose dcp layout never formed a CP group of more than one rank: its agreement
+says nothing about dynamic CP (one rank, or lengths that never needed CP)."""
+
+
+def dcp_exercise(rows: dict[str, list[dict]], domain: int) -> dict | None:
+    """What dynamic CP did in the run's dcp layout (None without one): CP groups formed per size over
+    all its micro-batches, the number of distinct sizes, the micro-batches with a CP group > 1, and the
+    steps that mixed CP 1 with the largest group of the DP x CP domain (0 on a domain of one rank)."""
+    rs = rows.get("dcp")
+    if not rs:
+        return None
+    hist: dict[str, int] = {}
+    for r in rs:
+        for k, v in r["cp_groups"].items():
+            hist[k] = hist.get(k, 0) + v
+    mixed = sum({"1", str(domain)} <= set(r["cp_groups"]) for r in rs) if domain > 1 else 0
+    return {"cp_groups": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))), "distinct_sizes": len(hist),
+            "microbatches": sum(r["microbatches"] for r in rs),
+            "microbatches_cp_gt1": sum(r["microbatches_cp_gt1"] for r in rs),
+            "largest": domain, "steps": len(rs), "steps_mixed": mixed}
+
+
+def exercise_checks(exercise: dict | None) -> list[dict]:
+    """The check that the dcp layout formed a CP group > 1 (failing it gives ``NOT_EXERCISED``)."""
+    if exercise is None:
+        return []
+    n = exercise["microbatches_cp_gt1"]
+    return [{"target": f"dcp: micro-batches with a CP group > 1 (of {exercise['microbatches']}; CP groups "
+                       f"{exercise['cp_groups']})", "value": n, "pass": n > 0, "exercise": True}]
+
+
+def verdict_of(checks: list[dict]) -> str:
+    """FAIL when a numerical check fails; else NOT EXERCISED when dynamic CP never ran; else PASS."""
+    if not all(c["pass"] for c in checks if not c.get("exercise")):
+        return "FAIL"
+    return "PASS" if all(c["pass"] for c in checks) else NOT_EXERCISED
 
 
 def _update_hint(cfg: TrainConfig, world: int) -> str:
@@ -274,7 +336,7 @@ def config_from_args(a) -> TrainConfig:
     cfg = TrainConfig(model=a.model, layouts=tuple(x.strip() for x in a.layouts.split(",") if x.strip()),
                       steps=a.steps, scheduler=a.scheduler, device=a.device, corpus=corpus,
                       cp_exchange=a.cp_exchange, pp=a.pp, vpp=a.vpp, pipeline=a.pipeline,
-                      schedule_delivery=a.schedule_delivery,
+                      schedule_delivery=a.schedule_delivery, expert_parallel=bool(getattr(a, "ep", False)),
                       dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"))
     if a.max_seqlen_per_rank:
         cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank)

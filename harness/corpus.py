@@ -57,9 +57,14 @@ def _markov(rng, n: int, succ, cum) -> np.ndarray:
     return out
 
 
+def batch_lengths(c: CorpusConfig, step: int) -> list[int]:
+    """The sequence lengths L of global batch ``step`` (what planning needs, without drawing tokens)."""
+    return sample(c.lengths, c.sequences_per_batch, seed=c.seed * 1_000_003 + step)
+
+
 def global_batch(c: CorpusConfig, step: int) -> list[np.ndarray]:
-    """The token arrays (length L + 1 each) of global batch ``step``."""
-    lengths = sample(c.lengths, c.sequences_per_batch, seed=c.seed * 1_000_003 + step)
+    """The token arrays (length L + 1 each) of global batch ``step`` (``batch_lengths``)."""
+    lengths = batch_lengths(c, step)
     succ, cum = _chain(c)
     out = []
     for i, L in enumerate(lengths):

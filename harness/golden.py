@@ -40,26 +40,38 @@ def path_for(suite: str, case_id: str, hw: str = "any", root: Path = GOLDEN_DIR)
 CODE_PATHS = ("harness", "suites", "conftest.py", "pyproject.toml")
 """What ``producer`` checks for local changes: the code a result depends on."""
 
+SOURCE = Path(__file__).resolve().parent.parent
+"""The folder the running ``harness`` package was imported from (a checkout, or site-packages)."""
 
-def producer(command: str = "") -> dict[str, Any]:
-    """Who wrote a file: ``git_rev`` (HEAD, short; ``+dirty`` when tracked code differs from it -
-    ``CODE_PATHS``, not the goldens and reports that runs write - so a result is never attributed to a
-    commit whose code it did not run), versions, the command."""
+
+def source_revision() -> str:
+    """The revision of the harness code that runs, never of the repository around the current folder:
+    ``<HEAD, short>`` (``+dirty`` when tracked code differs from it - ``CODE_PATHS``, not the goldens and
+    reports that runs write) when ``SOURCE`` is the top of a git checkout, else ``installed <version>``."""
+    from harness import __version__
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=SOURCE, capture_output=True, text=True, timeout=10).stdout.strip()
+
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=10).stdout.strip() or None
-        if rev and subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
-                                  cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip():
+        top = git("rev-parse", "--show-toplevel")
+        rev = git("rev-parse", "--short", "HEAD") if top and Path(top).resolve() == SOURCE.resolve() else ""
+        if rev and git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS):
             rev += "+dirty"
     except (OSError, subprocess.SubprocessError):
-        rev = None
+        rev = ""
+    return rev or f"installed {__version__}"
+
+
+def producer(command: str = "") -> dict[str, Any]:
+    """Who wrote a file: ``git_rev`` (``source_revision``), versions, the command."""
     from harness import __version__
 
     versions = {"dcp-harness": __version__, "python": platform.python_version()}
     for mod in ("numpy", "torch"):
         if mod in sys.modules:
             versions[mod] = getattr(sys.modules[mod], "__version__", "?")
-    return {"git_rev": rev, "versions": versions, "command": command}
+    return {"git_rev": source_revision(), "versions": versions, "command": command}
 
 
 def write(path: Path, *, suite: str, case_id: str, hw: str, config: dict, data: Any,

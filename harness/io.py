@@ -39,6 +39,14 @@ def _umask() -> int:
     return mask
 
 
+def temporary_folder(prefix: str, parent: str | Path) -> Path:
+    """A new folder in ``parent`` for output assembled there and renamed when complete, with the
+    umask's mode (``tempfile.mkdtemp`` makes 0700, which a web server serving a report cannot read)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(path, 0o777 & ~_umask())
+    return path
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Replace ``path`` with ``data`` so that readers see the old file or the new one, never half."""
     path = Path(path)

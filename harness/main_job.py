@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from harness.edge_cases import run_all
 from harness.faults.run import run_catalogue
 from harness.faults.run import verdict as fault_verdict
 from harness.golden import producer
-from harness.io import atomic_write_json, atomic_write_text
+from harness.io import atomic_write_json, atomic_write_text, temporary_folder
 from harness.plan import gpt_benchmark_cost, schedule, simulate
 from harness.workloads import sample
 
@@ -83,7 +82,7 @@ def run(*, quick_batches: int = 3, out_root: Path = REPORTS, convergence: dict |
     print("dcp-harness run: convergence (one stage, a pipeline, the hybrid SSM model), scheduler comparison, edge "
           "cases and the fault catalogue on the embedded CPU default")
     out_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".run-", dir=out_root))
+    tmp = temporary_folder(".run-", out_root)
     try:
         specs = {"convergence": (convergence, DEFAULT_CONVERGENCE), "pipeline": (pipeline, DEFAULT_PIPELINE),
                  "hybrid": (hybrid, DEFAULT_HYBRID)}

@@ -8,6 +8,9 @@ megatron-core scheduler (``megatron-core``, when installed). Figures per configu
 are medians over batches of: latency (itself a median of repeated calls), quality = simulated step
 time / lower bound under the 12-layer, hidden-2048, FFN-8192 GPT cost (and under ``L**2/cp``),
 micro-batch count, and the number of batches whose schedule breaks an invariant.
+
+Then, per execution model (``--execution independent|synchronous|all``), the targets on a seeded family of
+varied inputs beside megatron-dev (``harness.bench.schedule_targets``), each with its verdict.
 """
 
 from __future__ import annotations
@@ -115,15 +118,25 @@ COLUMNS = [("distribution", "distribution", "s"), ("ranks", "ranks", "d"), ("seq
            ("quality_l2", "q(L^2/cp)", ".3f"), ("microbatches", "#mb", ".0f"), ("invalid_batches", "invalid", "d")]
 
 
-def main(*, quick: bool = False, batches: int = 5, out=None) -> int:
+def main(*, quick: bool = False, batches: int = 5, out=None, execution: str = "all", seed: int = 0) -> int:
+    """The grid (independent model), then the family's targets under each execution model of ``execution``
+    (``independent``, ``synchronous`` or ``all``; ``harness.bench.schedule_targets``)."""
+    from harness.bench import schedule_targets
+    from harness.bench.schedule_family import family
+
+    executions = schedule_targets.EXECUTIONS if execution == "all" else (execution,)
     print(f"bench schedule: {'quick' if quick else 'full'} grid, {batches} global batches per configuration")
     result = run(quick=quick, batches=batches)
     print(table(result["rows"], COLUMNS))
     print()
     for c in result["checks"]:
         print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['value']:.4g}")
+    gpt = gpt_benchmark_cost()
+    targets = schedule_targets.run(gpt, executions, quick=quick, seed=seed)
+    print(schedule_targets.render(targets, family(seed, count=24 if quick else 120, large=0 if quick else 4)))
+    checks = result["checks"] + [c for m in targets["models"].values() for c in m["checks"]]
     path = write_report("schedule", {"quick": quick, "batches": batches, "configs": QUICK_CONFIGS if quick else CONFIGS,
-                                           "distributions": DISTRIBUTIONS}, result["rows"], out=out,
-                        checks=result["checks"], cost=result["cost"])
+                                     "distributions": DISTRIBUTIONS, "executions": list(executions), "seed": seed},
+                        result["rows"], out=out, checks=checks, cost=result["cost"], targets=targets)
     print(f"\nwrote {path}")
-    return 0 if all(c["pass"] for c in result["checks"]) else 1
+    return 0 if all(c["pass"] for c in checks) else 1

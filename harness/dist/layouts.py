@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from harness.plan import CostModel, Schedule, cp_min, schedule, validate_schedule
 from harness.plan.errors import PlanInputError
+from harness.plan.execution import resolve_execution
 from harness.plan.layout import Block
 from harness.plan.thd import pad_length, padding_divisor
 
@@ -43,6 +44,12 @@ class LayoutConfig:
     """``local`` (2 x local_cp_size) or ``domain`` (2 x N, Megatron)."""
     vpp_group: int | None = None
     """Micro-batch counts must be a multiple of this (the interleaved pipeline schedule's group)."""
+    execution: object = None
+    """The execution model the thd and dcp schedules are made for (``harness.plan.Execution`` or its name;
+    None: independent); ``TrainConfig.execution_model`` picks it."""
+    expert_parallel: bool = False
+    """MoE experts sharded over the domain (``harness.dist.expert_parallel``): their gradients are complete
+    on their owner and are not all-reduced."""
 
 
 def static_cp_for(longest: int, cfg_n_ranks: int, max_seqlen_per_rank: int) -> int:
@@ -62,10 +69,10 @@ def plan(layout: str, lengths: list[int], cfg: LayoutConfig, cost: CostModel | N
     C, N = cfg.static_cp, cfg.n_ranks
     if layout == "thd":
         return schedule(lengths, n_ranks=N, max_seqlen_per_rank=cfg.max_seqlen_per_rank, min_cp_size=C,
-                        vpp_group=cfg.vpp_group, algorithm="dp-balanced"), "local", 0
+                        vpp_group=cfg.vpp_group, algorithm="dp-balanced", execution=cfg.execution), "local", 0
     if layout == "dcp":
         return schedule(lengths, n_ranks=N, max_seqlen_per_rank=cfg.max_seqlen_per_rank, algorithm=cfg.scheduler,
-                        vpp_group=cfg.vpp_group, cost=cost), cfg.dcp_padding, 0
+                        vpp_group=cfg.vpp_group, cost=cost, execution=cfg.execution), cfg.dcp_padding, 0
     dp, mbs, n = N // C, cfg.micro_batch_size, len(lengths)
     if n % (dp * mbs):
         raise LayoutError(f"bshd splits the global batch into {dp} data-parallel replicas x micro-batches of "
@@ -81,7 +88,8 @@ def plan(layout: str, lengths: list[int], cfg: LayoutConfig, cost: CostModel | N
     longest = pad_length(max(lengths), padding_divisor(cp_size=C))
     return Schedule.from_blocks(mbs_layout, lengths=lengths, n_ranks=N,
                                 max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest * mbs // C),
-                                vpp_group=cfg.vpp_group, algorithm="bshd"), "fixed", longest
+                                vpp_group=cfg.vpp_group, algorithm="bshd",
+                                execution=resolve_execution(cfg.execution)), "fixed", longest
 
 
 def sample_id_groups(sched: Schedule) -> list[list[list[int]]]:
@@ -96,6 +104,7 @@ def deliver(sched: Schedule) -> Schedule:
     naming the invariant, micro-batch and ranks before any rank runs a wrong block)."""
     out = Schedule.from_microbatches(sample_id_groups(sched), lengths=list(sched.lengths.items()), n_ranks=sched.n_ranks,
                                      max_seqlen_per_rank=sched.max_seqlen_per_rank, min_cp_size=sched.min_cp_size,
-                                     vpp_group=sched.vpp_group, algorithm=sched.algorithm, cost=sched.cost)
+                                     vpp_group=sched.vpp_group, algorithm=sched.algorithm, cost=sched.cost,
+                                     execution=sched.execution)
     validate_schedule(out)
     return out

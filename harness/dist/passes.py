@@ -21,6 +21,7 @@ import torch
 from harness.dist import pipeline
 from harness.dist.audit import CallAuditError, block_ranks
 from harness.dist.cp_attention import CPAttentionPlan, cp_attention
+from harness.dist.expert_parallel import ExpertDispatch, TokenSlice
 from harness.dist.reroute import ThdMicroBatch
 from harness.dist.ssm_cp import CPChannelExchange
 from harness.runtime.model import Rotary
@@ -55,9 +56,22 @@ class MicroBatchOps:
     """The CP operations of every micro-batch of one step on one rank, built once per micro-batch,
     each checking that it runs for the micro-batch being computed (the call audit)."""
 
-    def __init__(self, model, groups, mbs, cp_groups, device, exchange: str):
+    def __init__(self, model, groups, mbs, cp_groups, device, exchange: str, experts=None):
         self.model, self.groups, self.mbs, self.cp_groups = model, groups, mbs, cp_groups
         self.device, self.exchange, self.current, self._cache = device, exchange, None, {}
+        self.shard, self._dispatch = experts, {}  # expert parallelism: this rank's ExpertShard (else None)
+
+    def experts(self, m: int):
+        """The expert dispatch of micro-batch m over the stage's DP x CP group (``harness.dist.expert_parallel``),
+        or None without expert parallelism (every expert on this rank)."""
+        if self.shard is None:
+            return None
+        if m not in self._dispatch:
+            mb = self.mbs[m]
+            self._dispatch[m] = ExpertDispatch(self.shard, self.groups.group(self.shard.size),
+                                               TokenSlice(tuple(mb.cu_seqlens_padded), mb.local_cp_size, mb.cp_rank),
+                                               before=lambda m=m: self._audit(m))
+        return self._dispatch[m]
 
     def of(self, m: int):
         """(attention, mixing, RoPE tables, real-token mask) of micro-batch m."""
@@ -102,7 +116,8 @@ def model_passes(model, stage: pipeline.Stage, ops: MicroBatchOps, cfg, total: f
         with autocast:
             if x is None:
                 x = model.embed(mb.data["tokens"])
-            h, aux = model.run_layers(x, rot, real, attention, layers=stage.chunks[v], mixing=mixing)
+            h, aux = model.run_layers(x, rot, real, attention, layers=stage.chunks[v], mixing=mixing,
+                                      experts=ops.experts(m))
             if stage.index(v) == stage.num_chunks - 1:
                 h = _losses(model, mb, h, rot, real, attention, mixing, sums, probe)
         sums["aux"].add_(aux.detach().double())

@@ -4,7 +4,7 @@ On every rank, per layout: at the first step, every real token the rank trained 
 its sequence, cross-entropy) - read from the micro-batch's ``seq`` and ``position_ids`` columns, which
 travel with the token, so a token is attributed to where it came from whatever the runtime did to it -
 and every parameter's reduced gradient before and after clipping; after every step, the reduced gradient norm and a digest of the parameters
-(replicas must stay identical). The records are small for the tiny models (~0.5 MB a rank).
+(replicas must stay identical; under expert parallelism the replicated ones: each expert has one owner). The records are small for the tiny models (~0.5 MB a rank).
 """
 
 from __future__ import annotations
@@ -32,9 +32,12 @@ class StepProbe:
         return {"seq": seq.tolist(), "pos": pos.tolist(), "ce": ce.tolist()}
 
 
-def param_digest(model) -> str:
+def param_digest(model, skip=None) -> str:
+    """A digest of ``model``'s parameters (those whose name ``skip`` accepts left out)."""
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
+        if skip is not None and skip(name):
+            continue
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
@@ -43,8 +46,10 @@ def param_digest(model) -> str:
 class Probes:
     """What one rank records while training one layout (see the module doc)."""
 
-    def __init__(self, sequence_steps: int = 1, stage: int = 0):
-        self.sequence_steps, self.stage = sequence_steps, stage
+    def __init__(self, sequence_steps: int = 1, stage: int = 0, sharded: bool = False):
+        """``sharded``: experts are sharded over the ranks (expert parallelism): the digests cover the
+        replicated parameters only."""
+        self.sequence_steps, self.stage, self.sharded = sequence_steps, stage, sharded
         self.sequences: list[dict] = []
         self.grads: dict[str, list] | None = None
         self.clipped: dict[str, list] | None = None
@@ -70,7 +75,12 @@ class Probes:
                             if p.grad is not None}
 
     def after_update(self, step: int, model) -> None:
-        self.digests.append(param_digest(model))
+        if self.sharded:
+            from harness.dist.expert_parallel import is_expert_param
+
+            self.digests.append(param_digest(model, skip=is_expert_param))
+        else:
+            self.digests.append(param_digest(model))
 
     def result(self) -> dict:
         return {"sequences": [{"step": s["step"], "lengths": s["lengths"], **s["probe"].result()}

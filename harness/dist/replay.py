@@ -11,10 +11,13 @@
    gradients point to point); the CP ranks of a stage hold zig-zag slices of
    each THD micro-batch and run CP attention in their stage's group. The replay store of a rank is
    filled with ``harness.plan.replay.thd_routes`` for the routers of its stage, keyed by global layer.
+   With ``ep`` the experts are sharded over the stage's CP ranks (``harness.dist.expert_parallel``): the
+   tokens go to their replayed experts' owners and back, all-to-all, in every MoE layer.
 3. Checks: (a) in ``replay`` mode every real token's chosen experts at every MoE layer equal the
    rollout's for that (sample, position) - looked up independently through the token's position id;
    (b) in ``free`` mode the perturbed routers choose differently for some tokens; (c) the replayed loss
-   and every parameter gradient equal a single-process replayed reference (no PP, no CP).
+   and every parameter gradient equal a single-process replayed reference (no PP, no CP, no EP; under EP
+   each expert's gradient is compared on its owner).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from harness.corpus import CorpusConfig, global_batch
 from harness.dist import pipeline
 from harness.dist.cp_attention import CPAttentionPlan, cp_attention
+from harness.dist.expert_parallel import ExpertDispatch, ExpertShard, TokenSlice, is_expert_param, shard_experts
 from harness.dist.groups import DynamicGroups, ParallelLayout
 from harness.dist.watchdog import Heartbeat
 from harness.plan.pipeline import layer_ranges, routers_on_stage
@@ -36,7 +40,7 @@ from harness.runtime.model import ModelConfig, TinyLM
 from harness.runtime.replay import ReplayStore, Routing
 
 MODEL = ModelConfig(experts=4, top_k=2, layers=4, seed=3)
-DEFAULT = {"pp": 2, "cp": 2, "sequences": 6, "microbatches": 2, "lengths": "uniform:min=8,max=120",
+DEFAULT = {"pp": 2, "cp": 2, "ep": False, "sequences": 6, "microbatches": 2, "lengths": "uniform:min=8,max=120",
            "perturb": 0.05, "seed": 0, "device": "cpu", "dtype": "float32"}
 
 
@@ -134,7 +138,8 @@ def _microbatch_inputs(cfg, seqs, gids, m, c_rank, routes, stage_ranges, model, 
         store.put(layer, m, c_rank, torch.as_tensor(rows[:, route_column(layer, stage_ranges[0])], device=dev))
     routing = Routing(mode, store if mode == "replay" else None, microbatch=m, cp_rank=c_rank)
     return {"t": t, "owner": owner[idx], "routing": routing, "plan": CPAttentionPlan.build(p.cu_seqlens_padded, cp,
-                                                                                           c_rank, dev)}
+                                                                                           c_rank, dev),
+            "tokens": TokenSlice(tuple(p.cu_seqlens_padded), cp, c_rank)}
 
 
 def _mismatches(inp, routes) -> tuple[int, int]:
@@ -160,6 +165,9 @@ def _run(mode, cfg, rank, seqs, mbs, routes, total, groups):
     stage_ranges = layer_ranges(MODEL.layers, pp)[p_rank]
     model, dev = training_model(cfg), _device(cfg)
     group = groups.group(cp)
+    shard = ExpertShard(MODEL.experts, cp, c_rank) if cfg["ep"] else None
+    if shard is not None:
+        shard_experts(model, shard)
     inputs = [_microbatch_inputs(cfg, seqs, gids, m, c_rank, routes, stage_ranges, model, mode, dev)
               for m, gids in enumerate(mbs)]
     sums = {"loss": torch.zeros((), dtype=torch.float64, device=dev)}
@@ -169,8 +177,9 @@ def _run(mode, cfg, rank, seqs, mbs, routes, total, groups):
         t, realf = inp["t"], inp["t"]["real"].float()
         attn = lambda q, k, v_, p=inp["plan"]: cp_attention(q, k, v_, p, group)  # noqa: E731
         with _autocast(cfg):
+            experts = None if shard is None else ExpertDispatch(shard, group, inp["tokens"])
             h, aux = model.run_layers(model.embed(t["tok"]) if x is None else x, t["pos"], realf, attn,
-                                      layers=stage.chunks[v], routing=inp["routing"])
+                                      layers=stage.chunks[v], routing=inp["routing"], experts=experts)
             if stage.last:
                 h = model.loss_from_hidden(h, t["lab"], realf)
         sums["loss"] += float((h + aux).detach()) if stage.last else float(aux.detach())
@@ -184,8 +193,8 @@ def _run(mode, cfg, rank, seqs, mbs, routes, total, groups):
     mismatches, checked = (sum(x) for x in zip(*(_mismatches(inp, routes) for inp in inputs)))
     loss = sums["loss"]
     grads = {n: q.grad for n, q in model.named_parameters() if stage.owns(n) and q.grad is not None}
-    for g in grads.values():
-        if cp > 1:
+    for n, g in grads.items():
+        if cp > 1 and not (shard is not None and is_expert_param(n)):  # an expert's gradient is whole on its owner
             dist.all_reduce(g, group=group)
     dist.all_reduce(loss)
     return float(loss) / total, grads, mismatches, checked  # CP ranks hold disjoint tokens: the sum is the loss
@@ -205,7 +214,7 @@ def replay_check(rank: int, world: int, cfg: dict | None = None) -> dict:
     loss, grads, mism, checked = _run("replay", cfg, rank, seqs, mbs, routes, total, groups)
     _, _, free_mism, free_checked = _run("free", cfg, rank, seqs, mbs, routes, total, groups)
     rel = {n: float((g - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30)) for n, g in grads.items()}
-    return {"rank": rank, "pp_rank": rank // cfg["cp"], "cp_rank": rank % cfg["cp"], "dtype": cfg["dtype"],
+    return {"rank": rank, "pp_rank": rank // cfg["cp"], "cp_rank": rank % cfg["cp"], "dtype": cfg["dtype"], "ep": cfg["ep"],
             "replay_mismatches": mism,
             "tokens_checked": checked, "free_mismatches": free_mism, "free_checked": free_checked,
             "loss": loss, "ref_loss": ref_loss, "grad_rel": rel}

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from harness.corpus import global_batch
-from harness.dist import layouts, passes, pipeline
+from harness.dist import expert_parallel, layouts, passes, pipeline
 from harness.dist.audit import GroupAuditError, audit_groups
 from harness.dist.cp_attention import CPAttentionPlan, cp_attention
 from harness.dist.groups import DynamicGroups, ParallelLayout, live_groups
@@ -86,10 +86,10 @@ def loss_denominator(mbs: list[ThdMicroBatch], group) -> float:
     return float(count)
 
 
-def all_reduce_flat(model, group) -> float:
-    """SUM-all-reduce every gradient of ``model`` over ``group`` in one flat buffer; returns the
-    reduced gradient norm."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+def all_reduce_flat(model, group, replicated=None) -> float:
+    """SUM-all-reduce every gradient of ``model`` (of the parameters whose name ``replicated`` accepts,
+    default all) over ``group`` in one flat buffer; returns the reduced gradient norm."""
+    grads = [p.grad for n, p in model.named_parameters() if p.grad is not None and (replicated is None or replicated(n))]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     offset = 0
@@ -101,8 +101,15 @@ def all_reduce_flat(model, group) -> float:
 
 def reduce_gradients(model, groups: DynamicGroups, lcfg: LayoutConfig) -> float:
     """SUM-all-reduce every gradient over the DP x CP ranks (the loss is already divided by the global
-    token count); returns the reduced gradient norm."""
-    return all_reduce_flat(model, groups.group(lcfg.n_ranks))
+    token count); returns the reduced gradient norm. Expert parallelism: an expert's gradient is already
+    whole on its owner (``harness.dist.expert_parallel``) and stays as it is; the norm adds the shards'
+    squares summed over the domain."""
+    group = groups.group(lcfg.n_ranks)
+    if not lcfg.expert_parallel:
+        return all_reduce_flat(model, group)
+    norm = all_reduce_flat(model, group, replicated=lambda n: not expert_parallel.is_expert_param(n))
+    shards = [p for n, p in model.named_parameters() if expert_parallel.is_expert_param(n)]
+    return (norm ** 2 + float(expert_parallel.shard_square_norm(shards, group))) ** 0.5
 
 
 # ------------------------------------------------------------------------------------------ step
@@ -166,7 +173,7 @@ def _restored(payload) -> Exception:
 
 def _step(model, run, batch, layout, lcfg, cfg, cost, device, probe=None):
     """Forward/backward of one global batch on this rank's stage; returns (CE sum of the last stage,
-    aux sum, processed tokens, #mb, cp hist, loss denominator, pass timeline)."""
+    aux sum, processed tokens, #mb, CP usage (``cp_usage``), loss denominator, pass timeline)."""
     groups = run.groups
     lengths = [len(x) - 1 for x in batch]
     sched, padding, fixed = _schedule(layout, lengths, lcfg, cost, run)
@@ -182,26 +189,48 @@ def _step(model, run, batch, layout, lcfg, cfg, cost, device, probe=None):
     total = loss_denominator(mbs, everyone)
     zero = lambda: torch.zeros((), device=device, dtype=torch.float64)  # noqa: E731
     sums = {"ce": zero(), "aux": zero(), "mtp": [zero() for _ in range(depth)]}
-    ops = passes.MicroBatchOps(model, groups, mbs, cp_groups, device, cfg.cp_exchange)
+    if run.experts is not None:  # every rank joins every micro-batch's all-to-alls: the same count everywhere
+        expert_parallel.check_lockstep(len(mbs), everyone, device)
+    ops = passes.MicroBatchOps(model, groups, mbs, cp_groups, device, cfg.cp_exchange, experts=run.experts)
     chunk_passes = passes.model_passes(model, run.stage, ops, cfg, total, sums, probe)
     timeline = pipeline.run_passes(run.stage, run.actions(len(mbs)), chunk_passes, run.p2p)
     timeline.cp_sizes = [mb.local_cp_size for mb in mbs]
     processed = sum(mb.data["tokens"].numel() for mb in mbs) if run.stage.first else 0
-    hist: dict[int, int] = {}
+    return sums, processed, sched.num_microbatches, cp_usage(sched), total, timeline
+
+
+def cp_usage(sched: Schedule) -> dict:
+    """What CP did in one step, read off the schedule the ranks ran: ``cp_histogram`` (sequences per
+    CP size), ``cp_groups`` (CP groups formed per size over the micro-batches: every block that holds
+    a sequence counts once) and ``microbatches_cp_gt1`` (micro-batches with a CP group of > 1 rank)."""
+    seqs: dict[int, int] = {}
     for s in sched.cp_size_of().values():
-        hist[s] = hist.get(s, 0) + 1
-    return sums, processed, sched.num_microbatches, hist, total, timeline
+        seqs[s] = seqs.get(s, 0) + 1
+    blocks = [[b.size for b in mb if b.gids] for mb in sched.layout]
+    groups: dict[int, int] = {}
+    for s in (s for mb in blocks for s in mb):
+        groups[s] = groups.get(s, 0) + 1
+    return {"cp_histogram": {str(k): v for k, v in sorted(seqs.items())},
+            "cp_groups": {str(k): v for k, v in sorted(groups.items())},
+            "microbatches_cp_gt1": sum(any(s > 1 for s in mb) for mb in blocks)}
 
 
-def clip_gradients(params, max_norm: float, pipeline_group) -> None:
+def clip_gradients(params, max_norm: float, pipeline_group, shards=None) -> None:
     """Clip by the gradient norm of the whole model: with pipeline stages, the stages' squared norms
-    are summed over the rank's pipeline (every stage holds different parameters)."""
+    are summed over the rank's pipeline (every stage holds different parameters). ``shards``: (the
+    expert-parallel parameters among ``params``, the DP x CP group they are sharded over) - their
+    squared norms are summed over that group first."""
     grads = [p.grad for p in params if p.grad is not None]
-    if pipeline_group is None:
+    if pipeline_group is None and shards is None:
         torch.nn.utils.clip_grad_norm_(params, max_norm)
         return
-    sq = torch.stack([g.detach().double().norm() ** 2 for g in grads]).sum() if grads else torch.zeros(())
-    dist.all_reduce(sq, group=pipeline_group)
+    sharded = {id(p) for p in shards[0]} if shards is not None else set()
+    mine = [p.grad for p in params if p.grad is not None and id(p) not in sharded]
+    sq = torch.stack([g.detach().double().norm() ** 2 for g in mine]).sum() if mine else torch.zeros((), dtype=torch.float64)
+    if shards is not None:
+        sq = sq + expert_parallel.shard_square_norm(shards[0], shards[1])
+    if pipeline_group is not None:
+        dist.all_reduce(sq, group=pipeline_group)
     coef = min(1.0, max_norm / (float(sq.sqrt()) + 1e-6))
     for g in grads:
         g.mul_(coef)
@@ -229,6 +258,8 @@ class _Run:
     pipe: object
     stage: pipeline.Stage
     p2p: pipeline.P2P | None
+    experts: expert_parallel.ExpertShard | None = None
+    """The experts this rank owns under expert parallelism (None: every expert, replicated)."""
 
     def actions(self, num_microbatches: int):
         if self.pipe.pp == 1:
@@ -240,6 +271,11 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: _Run
                  probes=None, heartbeat: Heartbeat | None = None) -> list[dict]:
     torch.manual_seed(cfg.corpus.seed)
     model = TinyLM(MODELS[cfg.model]).to(device)
+    shards = None
+    if run.experts is not None:  # the same initial model everywhere; each rank keeps its experts
+        expert_parallel.shard_experts(model, run.experts)
+        shards = ([p for n, p in model.named_parameters() if run.stage.owns(n) and expert_parallel.is_expert_param(n)],
+                  run.groups.group(run.experts.size))
     params = [p for n, p in model.named_parameters() if run.stage.owns(n)]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     cost, rows = model_cost(cfg), []
@@ -250,17 +286,17 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: _Run
         batch = global_batch(cfg.corpus, step)
         probe = probes.step(step, batch) if probes is not None else None
         try:
-            sums, processed, nmb, hist, denom, timeline = _step(model, run, batch, layout, lcfg, cfg, cost, device,
+            sums, processed, nmb, usage, denom, timeline = _step(model, run, batch, layout, lcfg, cfg, cost, device,
                                                                 probe)
-        except (ScheduleError, GroupAuditError, pipeline.ScheduleAgreementError,
-                PipelineScheduleError) as e:  # raised alike on every rank
+        except (ScheduleError, GroupAuditError, pipeline.ScheduleAgreementError, PipelineScheduleError,
+                expert_parallel.DispatchAuditError, expert_parallel.LockstepError) as e:  # raised alike on every rank
             e.step, e.layout = step, layout
             raise
         grad_norm = _global_norm(reduce_gradients(model, run.groups, lcfg), run.groups.pipeline, device)
         if probes is not None:
             probes.after_reduce(step, model, grad_norm)
         if cfg.grad_clip:
-            clip_gradients(params, cfg.grad_clip, run.groups.pipeline)
+            clip_gradients(params, cfg.grad_clip, run.groups.pipeline, **({"shards": shards} if shards else {}))
         if probes is not None:
             probes.after_clip(step, model)
         opt.step()
@@ -276,8 +312,7 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: _Run
         row = {"layout": layout, "step": step, "loss": float(stats[0]) / denom, "aux_loss": float(stats[1]) / denom,
                "grad_norm": grad_norm, "tokens": int(total), "processed_tokens": int(stats[2]),
                "padding_fraction": 1.0 - total / float(stats[2]), "step_time": float(elapsed),
-               "tokens_per_s": total / float(elapsed), "microbatches": nmb,
-               "cp_histogram": {str(k): v for k, v in sorted(hist.items())}}
+               "tokens_per_s": total / float(elapsed), "microbatches": nmb, **usage}
         if sums["mtp"]:  # multi-token prediction: each depth's loss, apart from the LM loss
             row["mtp_loss"] = [float(x) / denom for x in stats[3:]]
         if cfg.pp > 1 and step == 0:
@@ -298,6 +333,12 @@ def _gather_timeline(timeline, run: _Run, device) -> list[dict] | None:
     return out
 
 
+def execution_line(cfg: TrainConfig, world: int) -> str:
+    """The line a run prints: the execution model its schedules are made for, and why."""
+    ex, why = cfg.execution_model(world)
+    return f"execution model: {ex.describe()} ({why})"
+
+
 def train(rank: int, world: int, cfg_dict: dict) -> dict:
     """Run every layout of ``cfg_dict`` (a ``TrainConfig`` as a dict, plus ``metrics_path``)."""
     cfg = TrainConfig.from_dict(cfg_dict)
@@ -309,7 +350,10 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
     lcfg = LayoutConfig(n_ranks=n, max_seqlen_per_rank=cfg.max_seqlen_per_rank,
                         static_cp=static_cp_for(longest, n, cfg.max_seqlen_per_rank),
                         micro_batch_size=cfg.micro_batch_size, scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding,
-                        vpp_group=pipe.vpp_group)
+                        vpp_group=pipe.vpp_group, execution=cfg.execution_model(world)[0],
+                        expert_parallel=cfg.expert_parallel)
+    if rank == 0:
+        print(execution_line(cfg, world), flush=True)
     playout = ParallelLayout(dp=n, cp=1, pp=cfg.pp)
     stage = pipeline.Stage.of(MODELS[cfg.model].layers, cfg.pp, cfg.vpp, playout.stage(rank))
     p2p = pipeline.P2P(playout, rank, stage.num_chunks) if cfg.pp > 1 else None
@@ -323,13 +367,16 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
             with open(path, "a") as f:
                 f.write(json.dumps({k: v for k, v in row.items() if k != "timeline"}) + "\n")
 
-    probes = {layout: Probes(stage=stage.stage) for layout in cfg.layouts} if cfg.probes else {}
+    probes = {layout: Probes(stage=stage.stage, sharded=cfg.expert_parallel) for layout in cfg.layouts} \
+        if cfg.probes else {}
+    shard = expert_parallel.ExpertShard(MODELS[cfg.model].experts, n, playout.position(rank)) \
+        if cfg.expert_parallel else None
     heartbeat = Heartbeat.from_cfg(cfg_dict, rank)
     out = {}
     for layout in cfg.layouts:  # groups created and destroyed around each layout (a re-initialisation)
         groups = DynamicGroups(playout, rank)
         try:
-            out[layout] = train_layout(layout, rank, world, cfg, _Run(new_groups(groups), pipe, stage, p2p), lcfg,
+            out[layout] = train_layout(layout, rank, world, cfg, _Run(new_groups(groups), pipe, stage, p2p, shard), lcfg,
                                        device, log, probes.get(layout), heartbeat)
             # every rank past its last collective on these groups before any rank destroys them (gloo
             # aborts a process whose group is torn down under a peer's pending operation)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from harness.corpus import CorpusConfig, global_batch
+from harness.corpus import CorpusConfig, batch_lengths
 from harness.dist.layouts import LAYOUTS, LayoutError
 from harness.plan import CostModel
 from harness.runtime.model import MODELS
@@ -43,6 +43,29 @@ class TrainConfig:
     schedule_delivery: str = "broadcast"
     """``broadcast`` (the first stage computes each schedule and sends it down the pipelines) or
     ``compute`` (every stage computes it); the stages are checked to agree either way."""
+    expert_parallel: bool = False
+    """MoE models: shard every MoE layer's experts over the DP x CP domain of each stage
+    (``harness.dist.expert_parallel``; the experts a multiple of the domain's ranks). Every MoE layer of
+    every micro-batch sends its tokens to the experts' owners and back (all-to-alls over the domain), so
+    the domain's ranks run their micro-batches in lockstep: the dcp schedule is made for the
+    ``synchronous`` execution model."""
+
+    def execution_model(self, world: int):
+        """(the ``harness.plan.Execution`` the thd / dcp schedules are made for, why): ``synchronous``
+        with expert parallelism, ``pipeline`` with stages, else ``independent``."""
+        from harness.plan.execution import INDEPENDENT, SYNCHRONOUS, Execution
+
+        n = self.domain(world)
+        if self.pp > 1:
+            why = f"{self.pp} stages, {self.pipeline_config().kind}"
+            if self.expert_parallel:
+                why += (f"; MoE expert parallelism also joins each stage's {n}-rank DP x CP domain in every pass, "
+                        "which the pipeline model does not price")
+            return Execution.pipeline(self.pp, vpp=self.vpp, schedule=self.pipeline), why
+        if self.expert_parallel:
+            return SYNCHRONOUS, f"MoE with expert parallelism over the {n}-rank DP x CP domain"
+        what = "MoE without expert parallelism" if MODELS[self.model].experts else "dense model"
+        return INDEPENDENT, f"{what}: CP blocks synchronise only their own ranks"
 
     def pipeline_config(self):
         from harness.dist.pipeline import PipelineConfig
@@ -61,6 +84,7 @@ class TrainConfig:
             raise LayoutError(f"unknown layout(s) {bad or self.layouts!r}; choose from {', '.join(LAYOUTS)}")
         self.pipeline_config().validate(world, MODELS[self.model].layers)
         self._check_mixer(world)
+        self._check_experts(world)
         n = self.domain(world)
         if n < 1 or n & (n - 1):
             what = f"world size {world}" if self.pp == 1 else f"the DP x CP domain of each stage ({world} / pp {self.pp} = {n})"
@@ -95,6 +119,19 @@ class TrainConfig:
                               f"block of {n} ranks (the DP x CP domain, the largest block dynamic CP forms); use a "
                               f"model with ssm_heads a multiple of {n}, or a domain of ranks dividing {m.ssm_heads}")
 
+    def _check_experts(self, world: int) -> None:
+        if not self.expert_parallel:
+            return
+        m = MODELS[self.model]
+        if not m.experts:
+            raise LayoutError(f"expert parallelism needs an MoE model; {self.model!r} has no experts: use a model "
+                              f"with experts (e.g. tiny-moe) or turn expert parallelism off")
+        from harness.dist.expert_parallel import check_divisible
+
+        n = self.domain(world)
+        if n:
+            check_divisible(m.experts, n, repr(self.model))
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -107,7 +144,7 @@ class TrainConfig:
 
 
 def longest_sequence(cfg: TrainConfig) -> int:
-    return max(len(x) - 1 for s in range(cfg.steps) for x in global_batch(cfg.corpus, s))
+    return max(max(batch_lengths(cfg.corpus, s)) for s in range(cfg.steps))
 
 
 def model_cost(cfg: TrainConfig) -> CostModel:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from harness.faults import ep_faults as ep
 from harness.faults import rl_faults as rl
 from harness.faults import schedule_faults as sf
 from harness.faults import train_faults as tf
@@ -23,7 +24,7 @@ from harness.plan.errors import PlanInputError
 
 LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "groups", "pipeline", "model", "replay", "step-wise")
 SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-hybrid", "train-reinit",
-             "replay", "plan", "stepwise")
+             "train-ep", "replay", "plan", "stepwise")
 
 
 class UnknownFaultError(PlanInputError):
@@ -175,6 +176,19 @@ FAULTS: tuple[Fault, ...] = (
           url=MEGATRON + "2000", layer="groups", seam="harness.dist.train:new_groups",
           make=tf.make_destroyed_group_reused, check="group-audit", expect=r"is a destroyed group",
           scenario="train-reinit"),
+    Fault(name="ep-dispatch-wrong-cp-slice", title="tokens dispatched to experts by the other CP chunk's routes",
+          source="Megatron-LM PR #2000 (dynamic CP with MoE): each rank's tokens are its zig-zag CP slice, so the "
+                 "token dispatcher must permute them by their own rows of the routing map",
+          url=MEGATRON + "2000", layer="model", seam="harness.dist.expert_parallel:dispatch_routes",
+          make=ep.make_dispatch_other_chunk, check="step1-gradients", expect=r"step-1 gradient of .* differs",
+          scenario="train-ep"),
+    Fault(name="ep-expert-counts-off-by-one", title="per-expert token counts off by one expert between ranks",
+          source="Megatron-core MoEAlltoAllTokenDispatcher: output splits come from the counts the other ranks "
+                 "send (num_global_tokens_per_local_expert); they must match what each rank sends",
+          url="https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/core/transformer/moe/token_dispatcher.py",
+          layer="model", seam="harness.dist.expert_parallel:announced_counts", make=ep.make_counts_off_by_one,
+          check="expert-dispatch", expect=r"expert dispatch audit: MoE layer \d+: rank \d+ announces",
+          scenario="train-ep"),
     Fault(name="replay-pp-offset-off-by-one", title="a PP stage replays the previous layer's routes",
           source="SkyRL PR #1335: _get_current_pp_stage_layer_range decides each stage's replay rows",
           url=SKYRL + "1335", layer="replay", seam="harness.dist.replay:route_column",

@@ -2,8 +2,8 @@
 ``Alarm`` a check raises when a run breaks it.
 
 In-run checks stop the run where they fire (every rank raises the same error): ``schedule-invariants``
-(``harness.plan.validate_schedule`` on the blocks every rank runs, in ``harness.dist.layouts.deliver``)
-and ``group-audit`` (``harness.dist.audit``). The others compare a run's probes
+(``harness.plan.validate_schedule`` on the blocks every rank runs, in ``harness.dist.layouts.deliver``),
+``group-audit`` (``harness.dist.audit``) and ``expert-dispatch`` (``harness.dist.expert_parallel``). The others compare a run's probes
 (``harness.dist.probes``) with the clean bshd run of the same scenario, or need no reference at all
 (``token-accounting``, ``replica-consistency``). Numeric checks carry a tolerance; their margin is
 observed deviation / tolerance (fp32 on CPU: the clean dynamic-CP run stays within ~2e-7 of bshd on
@@ -21,6 +21,8 @@ CHECKS: dict[str, str] = {
     "group-audit": "every micro-batch's CP-aware calls get exactly its block's process group (in the run)",
     "schedule-agreement": "every pipeline stage runs the first stage's blocks (in the run, before activations move)",
     "pipeline-schedule": "the micro-batch count fits the pipeline schedule (interleaved: a multiple of its group)",
+    "expert-dispatch": "every rank's announced per-expert counts add up to the token rows it sends each expert owner "
+                       "(in the run, before the tokens' all-to-all)",
     "token-accounting": "at step 1 every position of every sequence is trained exactly once over all ranks",
     "replica-consistency": "after every step all ranks hold bit-identical parameters",
     "step1-gradients": "at step 1 every parameter's reduced gradient on every rank equals the bshd run's (relative)",

@@ -4,6 +4,7 @@
   every step mixes CP blocks of 1, 2 and 4 ranks (16 sequences a batch; the small batch has 3
   sequences of 200-400 tokens, fewer than the ranks). The clean run trains bshd and dcp; a fault run
   trains dcp only, with the fault active on every rank, and is judged against the clean bshd run.
+- ``train-ep``: the ``train`` run with the tiny MoE under expert parallelism (one expert per rank).
 - ``replay``: router replay under PP 2 x CP 2 (``harness.dist.replay.replay_check``).
 - ``plan``: PR #2000's scheduler on the input that triggers the vacuous room check (N = 10,
   [8000, 7000] at 2048 tokens per rank), run as upstream's driver runs it; judged by ``check_schedule``.
@@ -37,7 +38,9 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  "train-mtp": {**TRAIN, "model": "tiny-gpt-mtp"},
                  "train-hybrid": {**TRAIN, "model": "tiny-hybrid"},
                  # two layouts in one run: the dynamic groups are destroyed and created again in between
-                 "train-reinit": TRAIN}
+                 "train-reinit": TRAIN,
+                 # the tiny MoE with expert parallelism over the 4-rank domain (one expert per rank)
+                 "train-ep": {**TRAIN, "model": "tiny-moe", "expert_parallel": True}}
 FAULT_LAYOUTS = {"train-reinit": ["thd", "dcp"]}
 """The layouts a fault run trains (default: dcp only); the checks judge its dcp layout."""
 REPLAY = {"pp": 2, "cp": 2}
@@ -53,6 +56,7 @@ def _fault(name):
 def _train_run(rank: int, world: int, cfg: dict, fault: str | None) -> dict:
     """One train run on one rank: its rows and probes, or the in-run alarm every rank raised."""
     from harness.dist.audit import GroupAuditError
+    from harness.dist.expert_parallel import DispatchAuditError
     from harness.dist.pipeline import ScheduleAgreementError
     from harness.dist.train import train
     from harness.plan import ScheduleError
@@ -73,6 +77,10 @@ def _train_run(rank: int, world: int, cfg: dict, fault: str | None) -> dict:
         return {"alarm": Alarm("schedule-agreement", str(e), {"layout": getattr(e, "layout", None),
                                                              "step": getattr(e, "step", 0) + 1, "stage": e.stage,
                                                              "microbatch": e.microbatch}).to_dict()}
+    except DispatchAuditError as e:
+        return {"alarm": Alarm("expert-dispatch", str(e), {"layout": getattr(e, "layout", None),
+                                                          "step": getattr(e, "step", 0) + 1, "layer": e.layer,
+                                                          "rank": e.sender}).to_dict()}
     except PipelineScheduleError as e:
         return {"alarm": Alarm("pipeline-schedule", str(e), {"layout": getattr(e, "layout", None),
                                                             "step": getattr(e, "step", 0) + 1}).to_dict()}

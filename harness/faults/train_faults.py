@@ -184,9 +184,11 @@ def make_stage_own_cost(original):
 
 def make_vpp_group_not_passed(original):
     """The scheduler is not told the interleaved pipeline's micro-batch group
-    (``microbatch_group_size_per_vp_stage``): the micro-batch count is whatever the batch gives."""
+    (``microbatch_group_size_per_vp_stage``), nor the pipeline it runs under (whose execution model
+    carries the group): the micro-batch count is whatever the batch gives."""
     def schedule(lengths, **kw):
         kw.pop("vpp_group", None)
+        kw.pop("execution", None)
         return original(lengths, **kw)
     return schedule
 
@@ -195,8 +197,8 @@ def make_clip_by_stage_norm(original):
     """Gradients clipped by each stage's own norm: the squared norms are not summed over the pipeline
     (Megatron all-reduces the norm over the model-parallel group before clipping), so every stage
     scales its gradients by a different factor."""
-    def clip_gradients(params, max_norm, pipeline_group):
-        return original(params, max_norm, None)
+    def clip_gradients(params, max_norm, pipeline_group, **kw):
+        return original(params, max_norm, None, **kw)
     return clip_gradients
 
 

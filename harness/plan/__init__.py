@@ -2,14 +2,15 @@
 
 Public API (stable):
     schedule(lengths, *, n_ranks, max_seqlen_per_rank, min_cp_size=1, vpp_group=None,
-             algorithm="balanced", cost=None) -> Schedule
+             algorithm="balanced", cost=None, execution=None) -> Schedule   (Schedule.execution records it)
     validate_schedule(schedule_or_microbatches, lengths=None, **domain)   raises ScheduleError
     check_schedule(...) -> list[Violation]
     cp_min(L, max_seqlen_per_rank, min_cp_size=1)
     CostModel (megatron(), affine_quadratic(), from_model_shape())
-    lower_bound(..., execution=INDEPENDENT), simulate(schedule, cost=None, execution=INDEPENDENT),
-    simulate_step_time(schedule), quality(schedule, cost=None, execution=INDEPENDENT), stats(...)
-    Execution (INDEPENDENT, SYNCHRONOUS, Execution.pipeline(pp, vpp=1, schedule="1f1b"))
+    lower_bound(..., execution=None), simulate(schedule, cost=None, execution=None),
+    simulate_step_time(schedule), quality(schedule, cost=None, execution=None), stats(...)
+        (execution: an Execution or its name; None = the schedule's own, independent for lower_bound)
+    Execution (INDEPENDENT, SYNCHRONOUS, Execution.pipeline(pp, vpp=1, schedule="1f1b")), resolve_execution
 """
 
 from harness.plan.api import ALGORITHMS, schedule
@@ -41,6 +42,8 @@ from harness.plan.execution import (
     Execution,
     ExecutionError,
     PassTime,
+    UnknownExecutionError,
+    resolve_execution,
     shares_from_layers,
     with_microbatch_order,
 )
@@ -55,4 +58,5 @@ __all__ = [
     "VPPAlignmentError", "Violation", "check_schedule", "cp_min", "gpt_benchmark_cost", "is_power_of_two",
     "lower_bound", "normalize_lengths", "quality", "schedule", "schedule_lower_bound", "shares_from_layers",
     "Simulation", "simulate", "simulate_step_time", "stats", "validate_schedule", "with_microbatch_order",
+    "UnknownExecutionError", "resolve_execution",
 ]

@@ -16,26 +16,27 @@ from harness.plan.balanced import schedule_balanced
 from harness.plan.cost import CostModel
 from harness.plan.dp_balanced import schedule_dp_balanced
 from harness.plan.errors import UnknownAlgorithmError
+from harness.plan.execution import Execution, ExecutionError, resolve_execution
 from harness.plan.layout import Schedule, layout_from_sizes
 from harness.plan.lengths import check_domain, check_fits, normalize_lengths
 from harness.plan.megatron_dev import schedule_dev
 from harness.plan.megatron_pr2000 import schedule_pr2000
 
-# name -> (function(pairs, n_ranks, mslpr, min_cp, vpp, cost) -> blocks per micro-batch, summary)
+# name -> (function(pairs, n_ranks, mslpr, min_cp, vpp, cost, execution) -> blocks per micro-batch, summary)
 ALGORITHMS: dict[str, tuple[Callable, str]] = {
-    "balanced": (schedule_balanced, "ours: lane-balanced, lockstep CP blocks, cost-model aware (default)"),
-    "megatron-pr2000": (lambda p, n, m, c, v, _: schedule_pr2000(p, n, m, c, v),
+    "balanced": (schedule_balanced, "ours: best simulated step under the given execution model and cost (default)"),
+    "megatron-pr2000": (lambda p, n, m, c, v, _, __: schedule_pr2000(p, n, m, c, v),
                         "Megatron-LM PR #2000 next_hdp_group, exact"),
-    "megatron-dev": (lambda p, n, m, c, v, _: schedule_dev(p, n, m, c, v),
+    "megatron-dev": (lambda p, n, m, c, v, _, __: schedule_dev(p, n, m, c, v),
                      "Megatron-LM PR #5154 next_hdp_group_packing_aware, exact"),
-    "dp-balanced": (lambda p, n, m, c, v, _: schedule_dp_balanced(p, n, m, c, v),
+    "dp-balanced": (lambda p, n, m, c, v, _, __: schedule_dp_balanced(p, n, m, c, v),
                     "Megatron DpBalancedScheduler: static CP, THD packing"),
 }
 
 
 def schedule(lengths, *, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
              vpp_group: int | None = None, algorithm: str = "balanced",
-             cost: CostModel | None = None) -> Schedule:
+             cost: CostModel | None = None, execution: Execution | str | None = None) -> Schedule:
     """Schedule a global batch onto a DP x CP domain of ``n_ranks`` positions.
 
     Args:
@@ -49,6 +50,13 @@ def schedule(lengths, *, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
         algorithm: one of ``ALGORITHMS``.
         cost: the cost model ``balanced`` optimises (default: upstream's ``L**2/cp``); the Megatron
             algorithms always use their own estimator. Stored on the schedule for its loads.
+        execution: how the step runs, the model ``balanced`` optimises (``harness.plan.execution``): an
+            ``Execution`` or its name, ``"independent"`` (default: CP blocks synchronise only their ranks) or
+            ``"synchronous"`` (a barrier over the domain after every micro-batch: MoE with expert parallelism);
+            a pipeline needs ``Execution.pipeline(pp, vpp=, schedule=)``, whose interleaved micro-batch group
+            is the default ``vpp_group``. The Megatron algorithms place sequences as upstream does whatever it
+            is (exact parity). Stored on the schedule (``Schedule.execution``): ``simulate``, ``quality``,
+            ``stats`` judge it by this model unless told otherwise.
     Raises:
         PlanInputError (a ``ValueError``) subclasses naming the value and the fix.
     """
@@ -56,12 +64,28 @@ def schedule(lengths, *, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
         raise UnknownAlgorithmError(
             f"unknown algorithm {algorithm!r}; choose one of {', '.join(sorted(ALGORITHMS))}"
         )
+    ex = resolve_execution(execution)
     check_domain(n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group)
+    vpp_group = _group(vpp_group, ex)
     pairs = normalize_lengths(lengths)
     check_fits(pairs, n_ranks, max_seqlen_per_rank)
     cost = cost or CostModel.megatron()
     vpp = vpp_group if vpp_group and vpp_group > 1 else None
     fn, _ = ALGORITHMS[algorithm]
-    mbs = fn(pairs, n_ranks, max_seqlen_per_rank, min_cp_size, vpp, cost) if pairs else []
+    mbs = fn(pairs, n_ranks, max_seqlen_per_rank, min_cp_size, vpp, cost, ex) if pairs else []
     return Schedule(tuple(layout_from_sizes(mb) for mb in mbs), dict(pairs), n_ranks,
-                    max_seqlen_per_rank, min_cp_size, vpp_group, algorithm, cost)
+                    max_seqlen_per_rank, min_cp_size, vpp_group, algorithm, cost, ex)
+
+
+def _group(vpp_group: int | None, ex: Execution) -> int | None:
+    """The micro-batch multiple: ``vpp_group``, or the interleaved pipeline's group when it is not given;
+    one that the pipeline's group does not divide is an error naming both."""
+    need = ex.vpp_group
+    if not need or need == 1:
+        return vpp_group
+    if not vpp_group or vpp_group == 1:
+        return need
+    if vpp_group % need:
+        raise ExecutionError(f"vpp_group={vpp_group} is not a multiple of the micro-batch group {need} of "
+                             f"execution {ex.describe()!r}; pass vpp_group={need} (or a multiple) or leave it None")
+    return vpp_group

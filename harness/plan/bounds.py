@@ -67,32 +67,36 @@ from harness.plan.execution import (
     BoundTerms,
     Execution,
     Simulation,
-    check_execution,
     execution_bound,
+    resolve_execution,
     simulate_execution,
 )
 from harness.plan.layout import Schedule
 from harness.plan.lengths import check_domain, normalize_lengths
 
 
-def simulate(schedule: Schedule, cost: CostModel | None = None, execution: Execution = INDEPENDENT) -> Simulation:
+def simulate(schedule: Schedule, cost: CostModel | None = None, execution: Execution | str | None = None) -> Simulation:
     """Run the step-time model of ``schedule`` under ``cost`` (default: the schedule's own) and ``execution``
-    (default: independent ranks; ``harness.plan.execution`` has the others and their rules)."""
-    return simulate_execution(schedule, cost or schedule.cost, execution)
+    (an ``Execution`` or its name; default: the one the schedule was made for, ``Schedule.execution``;
+    ``harness.plan.execution`` has the models and their rules)."""
+    return simulate_execution(schedule, cost or schedule.cost, resolve_execution(execution, schedule.execution))
 
 
 def simulate_step_time(schedule: Schedule, cost: CostModel | None = None,
-                       execution: Execution = INDEPENDENT) -> float:
-    """Simulated step time of ``schedule`` under ``cost`` (default: the schedule's own) and ``execution``."""
+                       execution: Execution | str | None = None) -> float:
+    """Simulated step time of ``schedule`` under ``cost`` (default: the schedule's own) and ``execution``
+    (default: ``Schedule.execution``)."""
     return simulate(schedule, cost, execution).step_time
 
 
 def lower_bound(lengths, *, n_ranks: int, max_seqlen_per_rank: int, cost: CostModel | None = None,
-                min_cp_size: int = 1, vpp_group: int | None = None, execution: Execution = INDEPENDENT) -> float:
-    """A lower bound on the step time of any valid schedule of ``lengths`` under ``execution`` (see module doc).
-    An interleaved pipeline's micro-batch group counts as ``vpp_group`` when that is not given."""
+                min_cp_size: int = 1, vpp_group: int | None = None,
+                execution: Execution | str | None = None) -> float:
+    """A lower bound on the step time of any valid schedule of ``lengths`` under ``execution`` (an ``Execution``
+    or its name; default independent; see module doc). An interleaved pipeline's micro-batch group counts as
+    ``vpp_group`` when that is not given."""
     check_domain(n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group)
-    check_execution(execution)
+    execution = resolve_execution(execution)
     c = cost or CostModel.megatron()
     pairs = normalize_lengths(lengths)
     if not pairs:
@@ -163,17 +167,20 @@ def cp_rows_min(lengths, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
 
 
 def schedule_lower_bound(schedule: Schedule, cost: CostModel | None = None,
-                         execution: Execution = INDEPENDENT) -> float:
-    """``lower_bound`` of ``schedule``'s batch and domain under ``cost`` (default: the schedule's)."""
+                         execution: Execution | str | None = None) -> float:
+    """``lower_bound`` of ``schedule``'s batch and domain under ``cost`` and ``execution`` (default: the
+    schedule's own)."""
+    execution = resolve_execution(execution, schedule.execution)
     return lower_bound(list(schedule.lengths.items()), n_ranks=schedule.n_ranks,
                        max_seqlen_per_rank=schedule.max_seqlen_per_rank, cost=cost or schedule.cost,
                        min_cp_size=schedule.min_cp_size, vpp_group=schedule.vpp_group, execution=execution)
 
 
-def quality(schedule: Schedule, cost: CostModel | None = None, execution: Execution = INDEPENDENT) -> float:
-    """Simulated step time / lower bound (1.0 is optimal) under ``cost`` (default: the schedule's) and
-    ``execution`` (default: independent ranks)."""
+def quality(schedule: Schedule, cost: CostModel | None = None, execution: Execution | str | None = None) -> float:
+    """Simulated step time / lower bound (1.0 is optimal) under ``cost`` and ``execution`` (default: the
+    schedule's own, ``Schedule.cost`` / ``Schedule.execution``)."""
     c = cost or schedule.cost
+    execution = resolve_execution(execution, schedule.execution)
     lb = schedule_lower_bound(schedule, c, execution)
     return simulate_step_time(schedule, c, execution) / lb if lb > 0 else 1.0
 
@@ -200,9 +207,11 @@ class ScheduleStats:
     """The execution model of ``step_time``, ``lower_bound`` and ``quality`` (``Execution.describe``)."""
 
 
-def stats(schedule: Schedule, cost: CostModel | None = None, execution: Execution = INDEPENDENT) -> ScheduleStats:
-    """The figures of ``ScheduleStats`` under ``cost`` (default: the schedule's) and ``execution``."""
+def stats(schedule: Schedule, cost: CostModel | None = None,
+          execution: Execution | str | None = None) -> ScheduleStats:
+    """The figures of ``ScheduleStats`` under ``cost`` and ``execution`` (default: the schedule's own)."""
     c = cost or schedule.cost
+    execution = resolve_execution(execution, schedule.execution)
     lb = schedule_lower_bound(schedule, c, execution)
     sim = simulate(schedule, c, execution)
     step = sim.step_time

@@ -72,11 +72,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from harness.plan.cost import CostModel
 from harness.plan.errors import PlanInputError
-from harness.plan.layout import Schedule
 from harness.plan.pipeline_schedule import check_pipeline, chunk_index, replay, stage_actions
+
+if TYPE_CHECKING:  # layout.py stores an Execution on every Schedule
+    from harness.plan.layout import Schedule
 
 EXECUTION_KINDS = ("independent", "synchronous", "pipeline")
 PIPELINE_SCHEDULES = ("afab", "1f1b", "interleaved")
@@ -193,9 +196,57 @@ class Execution:
             return self.kind
         return f"pipeline pp {self.pp}" + (f" x vpp {self.vpp}" if self.vpp > 1 else "") + f", {self.pipeline_kind}"
 
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["chunk_shares"] = None if self.chunk_shares is None else list(self.chunk_shares)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Execution:
+        d = dict(d)
+        if d.get("chunk_shares") is not None:
+            d["chunk_shares"] = tuple(d["chunk_shares"])
+        return cls(**d)
+
 
 INDEPENDENT = Execution()
 SYNCHRONOUS = Execution(kind="synchronous")
+NAMED: dict[str, Execution] = {"independent": INDEPENDENT, "synchronous": SYNCHRONOUS}
+"""Execution models that a name alone selects (``resolve_execution``); the pipeline needs its sizes."""
+
+
+class UnknownExecutionError(ExecutionError):
+    """An execution model name that is not known, or one that needs parameters a name cannot give."""
+
+
+def resolve_execution(execution: Execution | str | None, default: Execution = INDEPENDENT) -> Execution:
+    """``execution`` as an ``Execution``: an ``Execution`` as is, a name of ``NAMED`` (``"independent"``,
+    ``"synchronous"``), None -> ``default``. ``"pipeline"`` needs its sizes: ``Execution.pipeline(pp, vpp=,
+    schedule=)``.
+
+    >>> resolve_execution("synchronous").describe(), resolve_execution(None).describe()
+    ('synchronous', 'independent')
+    >>> resolve_execution("pipeline")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    harness.plan.execution.UnknownExecutionError: execution 'pipeline' needs its stage count: ...
+    """
+    if execution is None:
+        return default
+    if isinstance(execution, Execution):
+        return execution
+    if isinstance(execution, str):
+        key = execution.strip().lower()
+        if key in NAMED:
+            return NAMED[key]
+        if key == "pipeline":
+            raise UnknownExecutionError("execution 'pipeline' needs its stage count: pass Execution.pipeline(pp, "
+                                        "vpp=1, schedule='1f1b') (from harness.plan), not the name")
+        raise UnknownExecutionError(f"unknown execution model {execution!r}; choose one of "
+                                    f"{', '.join(repr(k) for k in NAMED)} or Execution.pipeline(pp, vpp=, schedule=)")
+    raise UnknownExecutionError(f"execution must be an Execution or one of {', '.join(repr(k) for k in NAMED)}, "
+                                f"got {execution!r} ({type(execution).__name__}); e.g. execution='synchronous' or "
+                                f"Execution.pipeline(2)")
 
 
 def shares_from_layers(chunks: Sequence[Sequence[int | Sequence[int]]]) -> tuple[float, ...]:
@@ -386,6 +437,7 @@ def execution_bound(terms: BoundTerms, execution: Execution) -> float:
     return BOUNDS[check_execution(execution).kind](terms, execution)
 
 
-__all__ = ["BOUNDS", "EXECUTION_KINDS", "INDEPENDENT", "SIMULATORS", "SYNCHRONOUS", "BoundTerms", "Execution",
-           "ExecutionError", "PassTime", "Simulation", "check_execution", "execution_bound", "shares_from_layers",
-           "simulate_execution", "with_microbatch_order"]
+__all__ = ["BOUNDS", "EXECUTION_KINDS", "INDEPENDENT", "NAMED", "SIMULATORS", "SYNCHRONOUS", "BoundTerms",
+           "Execution", "ExecutionError", "PassTime", "Simulation", "UnknownExecutionError", "check_execution",
+           "execution_bound", "resolve_execution", "shares_from_layers", "simulate_execution",
+           "with_microbatch_order"]

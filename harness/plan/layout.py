@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.plan.cost import CostModel
+from harness.plan.execution import INDEPENDENT, Execution
 from harness.plan.lengths import normalize_lengths
 
 
@@ -76,6 +77,9 @@ class Schedule:
     vpp_group: int | None = None
     algorithm: str = "custom"
     cost: CostModel = field(default_factory=CostModel.megatron)
+    execution: Execution = INDEPENDENT
+    """The execution model the schedule was made for; ``simulate`` / ``quality`` / ``stats`` judge it by this
+    one unless told otherwise (``harness.plan.execution``)."""
 
     @classmethod
     def from_blocks(cls, layout, *, lengths, **kw) -> Schedule:
@@ -129,6 +133,7 @@ class Schedule:
             "min_cp_size": self.min_cp_size,
             "vpp_group": self.vpp_group,
             "cost": self.cost.to_dict(),
+            "execution": self.execution.to_dict(),
             "lengths": [[g, L] for g, L in self.lengths.items()],
             "microbatches": [
                 [{"start": b.start, "size": b.size, "gids": list(b.gids)} for b in mb] for mb in self.layout
@@ -142,4 +147,5 @@ class Schedule:
             layout, lengths=[tuple(p) for p in d["lengths"]], n_ranks=d["n_ranks"],
             max_seqlen_per_rank=d["max_seqlen_per_rank"], min_cp_size=d["min_cp_size"],
             vpp_group=d["vpp_group"], algorithm=d["algorithm"], cost=CostModel(**d["cost"]),
+            execution=Execution.from_dict(d["execution"]) if "execution" in d else INDEPENDENT,
         )

@@ -20,7 +20,8 @@ def _schedules(result):
     lcfg = LayoutConfig(n_ranks=cfg.domain(result.config["world"]), max_seqlen_per_rank=cfg.max_seqlen_per_rank,
                         static_cp=result.config["static_cp"], micro_batch_size=cfg.micro_batch_size,
                         scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding,
-                        vpp_group=cfg.pipeline_config().vpp_group)
+                        vpp_group=cfg.pipeline_config().vpp_group,
+                        execution=cfg.execution_model(result.config["world"])[0])
     return {layout: plan(layout, lengths, lcfg, model_cost(cfg))[0] for layout in result.rows}
 
 
@@ -57,7 +58,7 @@ HEADER = ["layout", "first loss", "last loss", "max |delta| vs bshd", "tokens/s 
 def section(result, tracking: dict | None = None) -> str:
     c = result.config
     schedules = _schedules(result)
-    checks = [[x["target"], f"{x['value']:.3g}", "PASS" if x["pass"] else "FAIL"] for x in result.checks]
+    checks = [[x["target"], f"{x['value']:.3g}", _mark(x)] for x in result.checks]
     track = "" if tracking is None else f"<p class=\"meta\">tracking: {esc(tracking)}</p>"
     return "".join([
         f"<h2>Convergence: bshd vs THD packing vs dynamic CP ({esc(result.case_id)})</h2>",
@@ -65,6 +66,7 @@ def section(result, tracking: dict | None = None) -> str:
         f'{c["steps"]} steps, {c["corpus"]["sequences_per_batch"]} sequences per global batch '
         f'({esc(c["corpus"]["lengths"])}), max_seqlen_per_rank {c["max_seqlen_per_rank"]}, static CP {c["static_cp"]}, '
         f'scheduler {esc(c["scheduler"])}; golden: {esc(c["golden"] or "not compared")}</p>', track,
+        _exercise_line(c.get("dcp_exercise")),
         table(checks, ["check", "value", "verdict"], left=1),
         table(summary_rows(result), HEADER, left=1),
         figure_png(plots.loss_curves(result.rows)),
@@ -77,9 +79,23 @@ def section(result, tracking: dict | None = None) -> str:
     ])
 
 
+def _mark(check: dict) -> str:
+    return "PASS" if check["pass"] else "NOT EXERCISED" if check.get("exercise") else "FAIL"
+
+
+def _exercise_line(ex: dict | None) -> str:
+    """What dynamic CP did in the dcp layout (``harness.converge.dcp_exercise``)."""
+    if not ex:
+        return ""
+    sizes = ", ".join(f"CP {k}: {v}" for k, v in ex["cp_groups"].items())
+    return (f'<p class="meta">dynamic CP: CP groups formed over {ex["microbatches"]} micro-batches: {esc(sizes)} '
+            f'({ex["distinct_sizes"]} distinct sizes); {ex["microbatches_cp_gt1"]} micro-batches with CP &gt; 1; '
+            f'{ex["steps_mixed"]} of {ex["steps"]} steps mixed CP 1 and CP {ex["largest"]}</p>')
+
+
 def markdown(result) -> str:
     lines = [f"## Convergence {result.case_id}: {result.verdict}", "", "| check | value | verdict |", "|---|---|---|"]
-    lines += [f"| {x['target']} | {x['value']:.3g} | {'PASS' if x['pass'] else 'FAIL'} |" for x in result.checks]
+    lines += [f"| {x['target']} | {x['value']:.3g} | {_mark(x)} |" for x in result.checks]
     lines += ["", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(map(str, r)) + " |" for r in summary_rows(result)]
     pipe = _pipeline_section(result, _schedules(result), markdown=True) if _pipelined(result) else ""

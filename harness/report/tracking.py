@@ -20,7 +20,7 @@ def log_runs(group: str, rows: dict[str, list[dict]], config: dict, run_dir: Pat
         return {"wandb": "not installed: pip install -e '.[tracking]' to log wandb runs"}
     mode = os.environ.get("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
-    dirs = []
+    dirs, urls = [], {}
     for layout, rs in rows.items():
         run = wandb.init(project=os.environ.get("WANDB_PROJECT", "dcp-harness"), group=group, name=f"{group}--{layout}",
                          job_type=layout, config={**config, "layout": layout}, dir=str(run_dir), mode=mode,
@@ -28,5 +28,6 @@ def log_runs(group: str, rows: dict[str, list[dict]], config: dict, run_dir: Pat
         for r in rs:
             run.log({k: r[k] for k in KEYS if k in r}, step=r["step"])
         dirs.append(run.dir)
+        urls[layout] = getattr(run, "url", None) if mode == "online" else None
         run.finish()
-    return {"wandb": mode, "runs": len(dirs), "dir": "wandb/ (in the run folder)"}
+    return {"wandb": mode, "runs": len(dirs), "dir": "wandb/ (in the run folder)", "urls": urls}

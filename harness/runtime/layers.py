@@ -19,6 +19,11 @@ Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Mixing = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 """``mixing(mixer, x_TE) -> y_TE``: an SSM mixer applied with the micro-batch's sequence layout and CP
 exchange (``harness.runtime.ssm``)."""
+Experts = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``experts(moe, x_TE, idx_TK, weight_TK) -> y_TE``: an MoE layer's experts applied to the tokens routed to
+them, weighted by the gate weights and summed per token. ``None`` (single process): ``local_experts``;
+expert parallelism: ``harness.dist.expert_parallel`` sends each token to the ranks that own its experts
+and back."""
 
 
 def cp_ops(module: nn.Module, attention: Attention | None, mixing: Mixing | None) -> tuple:
@@ -108,9 +113,9 @@ class MoE(nn.Module):
         self.layer = layer  # global layer number: the key of replay data
         self.router = nn.Linear(c.hidden, c.experts, bias=False)
         self.experts = nn.ModuleList(dense_mlp(c) for _ in range(c.experts))
-        self.top_k, self.z_coef = c.top_k, c.z_loss
+        self.top_k, self.z_coef, self.num_experts = c.top_k, c.z_loss, c.experts
 
-    def forward(self, x_TE, real_T, routing=None):
+    def forward(self, x_TE, real_T, routing=None, experts: Experts | None = None):
         # the router runs in fp32 even under bf16 autocast (standard practice; Megatron's
         # moe_router_dtype=fp32)
         logits_TX = F.linear(x_TE.float(), self.router.weight.float())
@@ -119,10 +124,21 @@ class MoE(nn.Module):
         else:
             idx_TK = routing.select(self.layer, logits_TX, self.top_k)
         weight_TK = logits_TX.gather(1, idx_TK).softmax(-1).to(x_TE.dtype)  # live scores: router gets gradients
-        out = torch.zeros_like(x_TE)
-        for e, expert in enumerate(self.experts):
-            tok, slot = (idx_TK == e).nonzero(as_tuple=True)
-            if tok.numel():
-                out = out.index_add(0, tok, expert(x_TE[tok]) * weight_TK[tok, slot, None])
+        out = (local_experts if experts is None else experts)(self, x_TE, idx_TK, weight_TK)
         z = (torch.logsumexp(logits_TX, dim=-1).pow(2) * real_T).sum() * self.z_coef  # real tokens only
         return out, z
+
+
+def local_experts(moe: MoE, x_TE, idx_TK, weight_TK):
+    """Every expert of ``moe`` on this process: expert e runs on its tokens (in token order) and adds
+    its weighted output into theirs, expert after expert."""
+    if len(moe.experts) != moe.num_experts:
+        raise ValueError(f"MoE layer {moe.layer} holds {len(moe.experts)} of its {moe.num_experts} experts "
+                         "(sharded for expert parallelism): pass the micro-batch's expert dispatch "
+                         "(experts=..., harness.dist.expert_parallel) to run it")
+    out = torch.zeros_like(x_TE)
+    for e, expert in enumerate(moe.experts):
+        tok, slot = (idx_TK == e).nonzero(as_tuple=True)
+        if tok.numel():
+            out = out.index_add(0, tok, expert(x_TE[tok]) * weight_TK[tok, slot, None])
+    return out

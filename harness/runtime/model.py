@@ -151,8 +151,9 @@ class Block(nn.Module):
         self.compile_mode: str | None = None
         self.compile_scope: str = "segments"
 
-    def forward(self, x_TE, pos_T, real_T, attention: Attention, routing=None, mixing=None):
-        """``pos_T``: global position ids, or a ``Rotary`` of them (shared by the layers)."""
+    def forward(self, x_TE, pos_T, real_T, attention: Attention, routing=None, mixing=None, experts=None):
+        """``pos_T``: global position ids, or a ``Rotary`` of them (shared by the layers). ``experts``: the
+        micro-batch's expert dispatch (``layers.Experts``; None: every expert here)."""
         c, D = self.c, self.c.hidden // self.c.heads
         rot = pos_T if isinstance(pos_T, Rotary) else Rotary(pos_T, D, c.rope_base)
         attention, _ = layers.cp_ops(self, attention, mixing)
@@ -160,7 +161,7 @@ class Block(nn.Module):
             return self._compiled_forward(x_TE, rot, attention)
         x_TE = self_attention(self, c, x_TE, rot, attention)
         if isinstance(self.mlp, MoE):
-            h, z = self.mlp(self.norm2(x_TE), real_T, routing)
+            h, z = self.mlp(self.norm2(x_TE), real_T, routing, experts)
             return x_TE + h, z
         return x_TE + self.mlp(self.norm2(x_TE)), x_TE.new_zeros((), dtype=torch.float32)
 
@@ -242,10 +243,12 @@ class TinyLM(nn.Module):
         """Global layers with an MoE block: all but the first (dense) one, for an MoE config."""
         return list(range(1, self.c.layers)) if self.c.experts else []
 
-    def run_layers(self, x, pos_T, real_T, attention: Attention, layers=None, routing=None, mixing=None):
+    def run_layers(self, x, pos_T, real_T, attention: Attention, layers=None, routing=None, mixing=None,
+                   experts=None):
         """Apply blocks ``layers`` (global numbers; default all) to hidden states ``x``; returns
         (hidden states, aux loss of those blocks). Pipeline stages call this with their range.
-        ``mixing``: the micro-batch's SSM mixing (hybrid models)."""
+        ``mixing``: the micro-batch's SSM mixing (hybrid models). ``experts``: the micro-batch's expert
+        dispatch (MoE models under expert parallelism, ``harness.dist.expert_parallel``)."""
         aux = torch.zeros((), device=x.device)
         if not isinstance(pos_T, Rotary):
             pos_T = Rotary(pos_T, self.c.hidden // self.c.heads, self.c.rope_base)
@@ -253,8 +256,9 @@ class TinyLM(nn.Module):
         if self._chained(layers):
             return compiled_chain([self.blocks[i] for i in layers], x, pos_T, attention, self.compiled,
                                   self.compile_mode, scope=self.compile_scope), aux
+        extra = {} if experts is None else {"experts": experts}  # MoE blocks only (hybrid layers have no experts)
         for i in layers:
-            x, a = self.blocks[i](x, pos_T, real_T, attention, routing, mixing=mixing)
+            x, a = self.blocks[i](x, pos_T, real_T, attention, routing, mixing=mixing, **extra)
             aux = aux + a
         return x, aux
 

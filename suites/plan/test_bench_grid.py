@@ -64,7 +64,9 @@ def test_balanced_reaches_the_least_row_count_on_tight_batches():
     (``_tight``, exact subset sums) reaches 8 rows on all but 4, every schedule valid and no batch
     worse than before."""
     from harness.bench.step import StepBenchConfig, global_batch_lengths
-    from harness.plan.balanced import _dense, _Item, _tight
+    from harness.plan.balanced.dense import dense as _dense
+    from harness.plan.balanced.items import Item as _Item
+    from harness.plan.balanced.tight import tight as _tight
     from harness.plan.cost import cp_min
 
     cfg, least, rows, greedy = StepBenchConfig(), 0, [], []
@@ -120,7 +122,7 @@ def test_tight_keeps_the_cheapest_of_its_fill_strategies(monkeypatch):
     """``_tight`` fills its layouts with each of ``FILLS`` and keeps the least predicted step time:
     never worse than any single strategy, and strictly better than the first one alone on some
     of the step benchmark's batches under a cost calibrated on 4 x H200s."""
-    import harness.plan.balanced as bal
+    import harness.plan.balanced.tight as bal
     from harness.bench.step import StepBenchConfig, global_batch_lengths
     from harness.plan import CostModel
     from harness.plan.cost import cp_min
@@ -129,12 +131,12 @@ def test_tight_keeps_the_cheapest_of_its_fill_strategies(monkeypatch):
     cfg, fills, better = StepBenchConfig(), bal.FILLS, 0
     for i in range(10, 40):
         lengths, _ = global_batch_lengths(cfg, 4, i)
-        items = [bal._Item(g, L, cp_min(L, 2048, 1), cost) for g, L in enumerate(lengths)]
-        best = bal._tight(items, 4, 2048, 1, cost)
+        items = [bal.Item(g, L, cp_min(L, 2048, 1), cost) for g, L in enumerate(lengths)]
+        best = bal.tight(items, 4, 2048, 1, cost)
         singles = []
         for fill in fills:
             monkeypatch.setattr(bal, "FILLS", (fill,))
-            singles.append(bal._tight(items, 4, 2048, 1, cost))
+            singles.append(bal.tight(items, 4, 2048, 1, cost))
         monkeypatch.setattr(bal, "FILLS", fills)
         feasible = [t for t in singles if t is not None]
         assert (best is None) == (not feasible)
@@ -147,7 +149,9 @@ def test_tight_keeps_the_cheapest_of_its_fill_strategies(monkeypatch):
 def test_settle_moves_one_sequence_to_place_a_stranded_one():
     """The subset-sum fill can leave one mid-length sequence while the slack sits in bins that each
     hold one long sequence; ``_settle`` moves a short one out of the way (hand example)."""
-    from harness.plan.balanced import _Item, _lend, _settle
+    from harness.plan.balanced.items import Item as _Item
+    from harness.plan.balanced.tight import lend as _lend
+    from harness.plan.balanced.tight import settle as _settle
     from harness.plan.cost import CostModel
 
     c = CostModel.megatron()
@@ -171,7 +175,7 @@ def test_settle_moves_one_sequence_to_place_a_stranded_one():
 
 
 def _fullest_subset_reference(sizes, cap):
-    """``balanced._fullest_subset`` before its walk bisected: one bitset per prefix, walked down one
+    """``balanced.tight.fullest_subset`` before its walk bisected: one bitset per prefix, walked down one
     prefix at a time (the tie rule the faster walk must keep)."""
     mask = (1 << (cap + 1)) - 1
     reach = [1]
@@ -192,7 +196,7 @@ def _fullest_subset_reference(sizes, cap):
 def test_fullest_subset_picks_what_the_one_step_walk_picks(sizes, cap, decreasing):
     """The galloping walk of ``_fullest_subset`` takes the same indices, in the same (decreasing)
     order, as walking down one prefix at a time, ties included (few distinct sizes make many)."""
-    from harness.plan.balanced import _fullest_subset
+    from harness.plan.balanced.tight import fullest_subset as _fullest_subset
 
     sizes = [1 + x % 7 * 40 for x in sizes] if cap % 2 else sizes  # repeated sizes: equal sums
     if decreasing:
@@ -204,12 +208,12 @@ def test_tight_skips_only_layouts_no_fill_of_which_can_win(monkeypatch):
     """``_tight`` skips a layout whose mean busy time, a lower bound on every fill of it, is above
     the best fill so far: on the step benchmark's batches under three calibrated costs, every fill
     is at least its layout's bound, and without the skip ``_tight`` returns the same plans."""
-    import harness.plan.balanced as bal
+    import harness.plan.balanced.tight as bal
     from harness.bench.step import StepBenchConfig, global_batch_lengths
     from harness.plan import CostModel
     from harness.plan.cost import cp_min
 
-    fill, mean_busy, cfg = bal._fill, bal._mean_busy, StepBenchConfig()
+    fill, mean_busy, cfg = bal.fill, bal.mean_busy, StepBenchConfig()
 
     def checked_fill(rows, short, n, mslpr, leaf, cost):
         bound = mean_busy(rows, n, cost, sum(x.cost(1) for x in short))
@@ -223,9 +227,9 @@ def test_tight_skips_only_layouts_no_fill_of_which_can_win(monkeypatch):
         for n_ranks in (4, 8):
             for i in range(10, 25):
                 lengths, _ = global_batch_lengths(cfg, n_ranks, i)
-                items = [bal._Item(g, L, cp_min(L, 2048, 1), cost) for g, L in enumerate(lengths)]
-                got = bal._tight(items, n_ranks, 2048, 1, cost)
+                items = [bal.Item(g, L, cp_min(L, 2048, 1), cost) for g, L in enumerate(lengths)]
+                got = bal.tight(items, n_ranks, 2048, 1, cost)
                 with monkeypatch.context() as m:
-                    m.setattr(bal, "_fill", checked_fill)
-                    m.setattr(bal, "_mean_busy", lambda *args: 0.0)  # never skip
-                    assert bal._tight(items, n_ranks, 2048, 1, cost) == got
+                    m.setattr(bal, "fill", checked_fill)
+                    m.setattr(bal, "mean_busy", lambda *args: 0.0)  # never skip
+                    assert bal.tight(items, n_ranks, 2048, 1, cost) == got

@@ -11,6 +11,7 @@ from hypothesis import example, given
 
 from harness.plan import (
     ALGORITHMS,
+    INDEPENDENT,
     BatchTooSmallError,
     CostModel,
     VPPAlignmentError,
@@ -102,12 +103,20 @@ def test_deterministic_and_never_below_the_lower_bound(algorithm, impl, batch):
 
 
 @given(batch=batches(), seed=__import__("hypothesis").strategies.randoms(use_true_random=False))
-def test_balanced_is_order_free_and_never_waits(batch, seed):
-    """Ours only: the input order does not matter (gids break ties), and with no per-micro-batch
-    cost no CP block ever waits for a straggler (phased plans), so the step time is the busiest
-    rank's sum of blocks. (With one, densely packed rows may win, and they may wait.)"""
+def test_balanced_is_order_free_and_never_slower_than_its_phased_plans(batch, seed):
+    """Ours only: the input order does not matter (gids break ties), and the chosen schedule is never
+    slower than the phased plans (which never make a CP block wait for a straggler), the candidates it
+    had before it judged others too."""
+    from harness.plan.balanced.candidates import phased
+    from harness.plan.balanced.evaluate import Judge
+    from harness.plan.balanced.items import Item
+    from harness.plan.balanced.phased import PhasedBuilder
+    from harness.plan.cost import cp_min
+
     shuffled = list(batch.lengths)
     seed.shuffle(shuffled)
+    n, mslpr, min_cp, vpp = batch.n_ranks, batch.max_seqlen_per_rank, batch.min_cp_size, batch.vpp_group
+    vpp = vpp if vpp and vpp > 1 else None
     for cost in COSTS:
         try:
             a = schedule(batch.lengths, cost=cost, **batch.kwargs())
@@ -116,9 +125,12 @@ def test_balanced_is_order_free_and_never_waits(batch, seed):
                 schedule(shuffled, cost=cost, **batch.kwargs())
             return
         assert schedule(shuffled, cost=cost, **batch.kwargs()).microbatches == a.microbatches
-        sim = simulate(a)
-        if cost.per_microbatch == 0 and cost.cp_block == 0:
-            assert max(sim.waiting, default=0.0) <= 1e-9 * max(sim.step_time, 1.0)
+        items = [Item(g, L, cp_min(L, mslpr, min_cp), cost) for g, L in sorted(batch.lengths)]
+        judge = Judge(items, n, mslpr, cost, INDEPENDENT, min_cp, vpp)
+        plans = [p for p, _ in phased(PhasedBuilder(items, n, mslpr, min_cp, vpp, cost), n, min_cp)[0]
+                 if judge.feasible(p)]
+        if plans:
+            assert simulate(a).step_time <= min(map(judge.time, plans)) * (1 + 1e-12)
 
 
 PER_MB_HEAVY = CostModel.from_model_shape(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
@@ -146,7 +158,7 @@ def test_balanced_prediction_is_the_simulated_step_time(batch):
 def _widths_reference(builder, theta, leaf):
     """``_Builder.widths`` as first written: every item's width from scratch, then one pass over all
     widths per depth (the faster one skips items that cannot widen and counts widths instead)."""
-    from harness.plan.balanced import _Infeasible
+    from harness.plan.balanced.items import Infeasible as _Infeasible
 
     n, limit = builder.n, theta * builder.target
     width = {}
@@ -171,7 +183,10 @@ def _widths_reference(builder, theta, leaf):
 def test_balanced_widths_match_the_reference(batch):
     """Node sizes (and the infeasible leaves) of every candidate ``plan_balanced`` may try, under cost
     models that widen long sequences (communication-free ``L**2``) or rarely do."""
-    from harness.plan.balanced import THETAS, _Builder, _Infeasible, _Item
+    from harness.plan.balanced.items import Infeasible as _Infeasible
+    from harness.plan.balanced.items import Item as _Item
+    from harness.plan.balanced.phased import THETAS
+    from harness.plan.balanced.phased import PhasedBuilder as _Builder
     from harness.plan.cost import cp_min
 
     for cost in COSTS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +33,50 @@ def test_the_fault_report_renders_its_table_and_links(tmp_path):
     assert "faults caught: 2/2" in dom and dom.count("<tr") >= 2 + 1 + 2 + 1 + 11 + 1
     assert 'href="https://github.com/NovaSky-AI/SkyRL/pull/1281"' in dom
     assert shot.stat().st_size > 20_000  # a page with content, not a blank screenshot
+
+
+CHECK = """<!DOCTYPE html><html><body><pre id="out">pending</pre>
+<iframe id="f" src="index.html" style="width:1400px;height:900px"></iframe>
+<script>
+document.getElementById("f").addEventListener("load", () => {
+  const d = document.getElementById("f").contentDocument;
+  const images = Array.from(d.images).map(i => i.complete && i.naturalWidth > 0 && i.naturalHeight > 0);
+  const links = Array.from(d.querySelectorAll("a[href]")).map(a => ({href: a.href, text: a.textContent,
+    anchor: a.hash ? d.getElementById(a.hash.slice(1)) !== null : null}));
+  document.getElementById("out").textContent = JSON.stringify({images, links});
+});
+</script></body></html>"""
+
+
+@pytest.mark.slow
+def test_the_nightly_page_of_two_cpu_runs_loads_every_image_and_resolves_every_link(tmp_path):
+    """Two real nightly runs into one root; the page, opened in the browser (the checker page frames it
+    and reads what the browser loaded), has the summary table, both runs linked, every image decoded
+    and every link pointing at a file or an element that exists."""
+    import json
+    from urllib.parse import unquote, urlparse
+
+    from harness import cli
+    from harness.nightly import history
+
+    root = tmp_path / "nightly"
+    for i in (1, 2):
+        argv = ["nightly", "--device", "cpu", "--world", "2", "--models", "tiny-gpt", "--steps", "2",
+                "--root", str(root), "--json", str(tmp_path / f"s{i}.json")]
+        assert cli.main(argv) == 0
+    runs = history.read(root)
+    assert len(runs) == 2 and all(r["verdict"] == "PASS" and r["tolerance"] == 1e-5 for r in runs)
+    (root / "check.html").write_text(CHECK)
+    dom = subprocess.run([BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--allow-file-access-from-files",
+                          "--virtual-time-budget=15000", "--dump-dom", (root / "check.html").as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    seen = json.loads(dom.split('<pre id="out">', 1)[1].split("</pre>", 1)[0].replace("&amp;", "&"))
+    assert len(seen["images"]) == 2 and all(seen["images"])  # the trends, the latest run's curves (one series)
+    for link in seen["links"]:
+        url = urlparse(link["href"])
+        assert url.scheme == "file" and Path(unquote(url.path)).exists(), link
+        assert link["anchor"] is not False, link
+    reports = {link["href"] for link in seen["links"] if link["text"] == "report"}
+    assert reports == {(root / r["report"]).as_uri() for r in runs}
+    html = (root / "index.html").read_text()
+    assert "median margin (last 7)" in html and "tolerance" in html and html.count(">PASS<") == 3

@@ -54,7 +54,7 @@ def test_producer_marks_a_tree_whose_code_differs_from_its_commit(tmp_path, monk
     (tmp_path / "golden" / "g.json").write_text("{}\n")
     subprocess.run(git + ["add", "harness", "golden"], cwd=tmp_path, check=True)
     subprocess.run(git + ["commit", "-qm", "c"], cwd=tmp_path, check=True)
-    monkeypatch.setattr(golden, "ROOT", tmp_path)
+    monkeypatch.setattr(golden, "SOURCE", tmp_path)
     clean = golden.producer()["git_rev"]
     assert clean and not clean.endswith("+dirty")
     (tmp_path / "untracked.txt").write_text("ignored\n")

@@ -1,0 +1,128 @@
+"""``balanced``: our scheduler - the candidate of least simulated step time under the given execution model.
+
+A schedule's step time depends on how the step runs (``harness.plan.execution``): with independent CP
+blocks a rank's imbalance in one micro-batch can be made up in the next, so plans that balance the ranks'
+*totals* win; with a barrier after every micro-batch (MoE with expert parallelism: ``synchronous``) each
+micro-batch must be balanced on its own; a pipeline sits in between. ``balanced`` therefore builds several
+kinds of candidates (``candidates``: phased plans, densest rows, rows balanced per micro-batch, ``megatron-dev``'s own schedule when it is cheap), re-sizes each row's blocks (``rows.rewiden``),
+judges every one with the simulator
+of the given model and cost (``evaluate.Judge``: exact, the same arithmetic as ``simulate``) and returns the
+least (ties: the first built, in the order above; so the result is deterministic).
+
+Work is bounded by the batch, never by the clock: the independent model stops after the phased plans when
+they are within ``GOOD_ENOUGH`` (``FAIR`` with many sequences per rank) of the area lower bound, and
+the costlier candidates run below fixed sizes (``EXTRA_MAX_SEQUENCES``, ``candidates.DEV_MAX_WORK``).
+Every candidate is valid by construction (``suites/plan`` checks them all with ``validate_schedule``).
+
+>>> from harness.plan.api import schedule
+>>> s = schedule([8192, 4096, 3000, 2048, 1024, 1024, 512, 512, 256], n_ranks=8,
+...              max_seqlen_per_rank=2048)
+>>> s.microbatches  # under L**2/cp: 8192 widened to all 8 ranks, then the rest balanced per block
+[[[0], [0], [0], [0], [0], [0], [0], [0]], [[1, 6, 7, 8], [1, 6, 7, 8], [1, 6, 7, 8], [1, 6, 7, 8], [2], [2], [3], [4, 5]]]
+>>> s.microbatches == schedule([8192, 4096, 3000, 2048, 1024, 1024, 512, 512, 256], n_ranks=8,
+...                            max_seqlen_per_rank=2048, execution="synchronous").microbatches
+True
+"""
+
+from __future__ import annotations
+
+from harness.plan.balanced import candidates as cands
+from harness.plan.balanced.evaluate import Judge
+from harness.plan.balanced.items import Item
+from harness.plan.balanced.phased import PhasedBuilder
+from harness.plan.balanced.rows import rewiden
+from harness.plan.cost import CostModel, cp_min
+from harness.plan.errors import VPPAlignmentError
+from harness.plan.execution import INDEPENDENT, Execution
+from harness.plan.megatron_common import Blocks
+
+GOOD_ENOUGH = 0.01
+"""Independent model: the phased plans end the search when within this of the area lower bound ..."""
+
+FEW_PER_RANK, FAIR = 4, 0.05
+"""... or, beside megatron-dev's schedule, within ``FAIR`` of it with more than ``FEW_PER_RANK`` sequences per
+rank (the rows balanced per micro-batch win where sequences are few per rank)."""
+
+EXTRA_MAX_SEQUENCES = 1024
+"""Sequences up to which every kind of candidate is built (``megatron-dev`` only below its own bound,
+``candidates.DEV_MAX_WORK``; with barriers and more than ``FEW_PER_RANK`` sequences per rank, no phased
+plans: they lose there). Above it the
+independent model keeps the phased plans (within ~1% of the bound there), the others the rows balanced per
+micro-batch at the least count (the phased plans only when those fail): the latency targets are 50 ms at
+1024 ranks x 8192 sequences and 250 ms at 4096 x 32768 on two CPU cores."""
+
+
+def schedule_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
+                      vpp_group: int | None = None, cost: CostModel | None = None,
+                      execution: Execution | None = None) -> list[Blocks]:
+    """Our scheduler; inputs assumed validated (see ``harness.plan.api.schedule``)."""
+    return plan_balanced(pairs, n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group, cost, execution)[0]
+
+
+class _Best:
+    """The least (time, arrival) of the rows offered."""
+
+    def __init__(self, judge: Judge):
+        self.judge, self.rows, self.time = judge, None, float("inf")
+
+    def offer(self, rows: list[Blocks] | None, time: float | None = None) -> None:
+        """``time``: the rows' step time under the judge's model when the caller knows it."""
+        if not rows or not self.judge.feasible(rows):
+            return
+        t = self.judge.time(rows) if time is None else time
+        if t < self.time:
+            self.rows, self.time = rows, t
+
+
+def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
+                  vpp_group: int | None = None, cost: CostModel | None = None,
+                  execution: Execution | None = None) -> tuple[list[Blocks], float]:
+    """(micro-batches, simulated step time under ``cost`` and ``execution``) of the best candidate."""
+    cost = cost or CostModel.megatron()
+    ex = execution or INDEPENDENT
+    independent = ex.kind == "independent"
+    n, mslpr = n_ranks, max_seqlen_per_rank
+    pairs = sorted(pairs)  # by gid: the input order never matters (``megatron-dev`` keeps it among ties)
+    items = [Item(g, L, cp_min(L, mslpr, min_cp_size), cost) for g, L in pairs]
+    judge = Judge(items, n, mslpr, cost, ex, min_cp_size, vpp_group)
+    best = _Best(judge)
+    small = len(items) <= EXTRA_MAX_SEQUENCES
+    few = len(items) <= FEW_PER_RANK * n
+    per_mb = [] if independent else cands.per_microbatch(items, n, mslpr, min_cp_size, vpp_group, cost, small)
+    for rows in per_mb:  # balanced per micro-batch first: at scale the only ones built for barriers
+        best.offer(rows)
+    why = ""
+    if independent or (small and few) or best.rows is None:
+        builder = PhasedBuilder(items, n, mslpr, min_cp_size, vpp_group, cost)
+        phased, why = cands.phased(builder, n, min_cp_size)
+        for rows in cands.packed(items, n, mslpr, min_cp_size, cost):
+            best.offer(rows)
+        for rows, time in phased:  # the builder's prediction is the independent model's step time
+            best.offer(rows, time if independent else None)
+        area = sum(it.own * it.cp for it in items) / n
+        if independent and best.rows is not None and (best.time <= area * (1 + GOOD_ENOUGH) or not small):
+            return best.rows, best.time
+        if independent and not few and best.time <= area * (1 + FAIR):
+            for rows in cands.megatron(pairs, n, mslpr, min_cp_size, vpp_group):
+                best.offer(rows)
+            return best.rows, best.time
+        if independent:
+            per_mb = cands.per_microbatch(items, n, mslpr, min_cp_size, vpp_group, cost, small)
+        for rows in per_mb + cands.megatron(pairs, n, mslpr, min_cp_size, vpp_group):
+            best.offer(rows)
+            best.offer(rewiden(rows, judge.by_gid, n, mslpr, min_cp_size, cost))
+    elif small:  # barriers, many sequences per rank: the per-micro-batch rows re-sized, and megatron-dev's
+        for rows in per_mb:
+            best.offer(rewiden(rows, judge.by_gid, n, mslpr, min_cp_size, cost))
+        for rows in cands.megatron(pairs, n, mslpr, min_cp_size, vpp_group):
+            best.offer(rows)
+            best.offer(rewiden(rows, judge.by_gid, n, mslpr, min_cp_size, cost))
+    if best.rows is not None:
+        return best.rows, best.time
+    tokens = sum(L for _, L in pairs)
+    least = -(-tokens // (n * mslpr))
+    raise VPPAlignmentError(
+        f"cannot make the micro-batch count a multiple of vpp_group={vpp_group}: {len(pairs)} sequences "
+        f"({tokens} tokens) allow between ~{least} and {len(pairs)} micro-batches ({why}); schedule "
+        f"more sequences per global batch or use a smaller vpp_group"
+    )

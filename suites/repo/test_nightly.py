@@ -1,0 +1,248 @@
+"""``dcp-harness nightly``: which cases run where, the proof that each exercises dynamic CP, the history
+(concurrent appends, truncated lines, newer formats), the page's flags, the producer's revision, bad
+input, and (slow) real runs: a dcp run that never formed a CP group > 1 is NOT EXERCISED, never PASS."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import cli, converge, golden
+from harness.dist.layouts import LayoutError
+from harness.dist.train import TrainConfig
+from harness.io import OutputPathError
+from harness.nightly import cases as nc
+from harness.nightly import history
+from harness.report import nightly_report
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------------- the cases
+
+
+def _plan(**kw):
+    args = {"models": ("tiny-gpt",), "steps": 100, "device": "auto", "world": None, "gpus": 0} | kw
+    return nc.choose(**args)
+
+
+def test_the_cases_follow_the_machine_and_say_so():
+    cpu = _plan()
+    assert [(c.world, c.cfg.pp, c.cfg.device, c.cfg.dtype, c.role) for c in cpu.cases] == \
+        [(4, 1, "cpu", "float32", nc.DISTRIBUTED), (4, 2, "cpu", "float32", nc.DISTRIBUTED)]
+    assert "4 CPU ranks (gloo, fp32) because this machine has 0 GPUs" in cpu.line and "GPU" not in cpu.line.split(";")[1]
+    one = _plan(gpus=1)  # one GPU: distributed on CPU ranks, numerics (no dcp) on the GPU
+    assert [(c.world, c.cfg.device, c.cfg.layouts) for c in one.cases][-1] == (1, "cuda", ("bshd", "thd"))
+    assert all(c.cfg.device == "cpu" for c in one.cases if c.role == nc.DISTRIBUTED)
+    assert "because this machine has 1 GPU;" in one.line and "single-GPU numerics" in one.line
+    assert [(c.world, c.cfg.device, c.cfg.dtype) for c in _plan(gpus=3).cases] == [(2, "cuda", "bfloat16")]
+    assert {c.world for c in _plan(gpus=8).cases} == {4}
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"world": 1, "device": "cpu"}, "never forms a CP group > 1, so its verdict could only be NOT EXERCISED"),
+    ({"world": 3}, "nightly --world 3"),
+    ({"device": "cuda", "gpus": 1}, "needs >= 2 GPUs for dynamic CP, this machine has 1"),
+    ({"models": ("tiny-gpt", "nope")}, "unknown model(s) 'nope'"),
+])
+def test_bad_case_choices_are_refused(kw, message):
+    with pytest.raises(LayoutError) as e:
+        _plan(**kw)
+    assert message in str(e.value)
+
+
+def test_the_nightly_configuration_mixes_cp_sizes_in_every_step():
+    """Every step of the nightly cases forms CP groups of 1 and of the whole domain (planned as the
+    ranks plan); the pre-nightly configuration (32 sequences a batch) does not, and is refused."""
+    for case in _plan(steps=100).cases:
+        nc.check_mixing(case)
+    old = nc.NightlyCase(TrainConfig(model="tiny-gpt", steps=2, max_seqlen_per_rank=256), 4, nc.DISTRIBUTED)
+    with pytest.raises(LayoutError, match=r"step 1's dcp schedule forms CP groups of \[1, 2\] only, not both 1 and 4"):
+        nc.check_mixing(old)
+
+
+@pytest.mark.slow
+def test_every_model_and_machine_kind_mixes_cp_sizes_in_every_step():
+    for gpus in (0, 2, 4):
+        for case in _plan(models=nc.NIGHTLY_MODELS, gpus=gpus).cases:
+            nc.check_mixing(case)
+
+
+# ----------------------------------------------------------------------------- the history
+
+
+def _append_many(root: str, tag: int, n: int) -> None:
+    for i in range(n):
+        history.append(Path(root), {"format": history.FORMAT, "case_id": f"c{tag}", "i": i, "pad": "x" * 3000})
+
+
+def test_two_jobs_appending_to_one_history_interleave_whole_lines(tmp_path):
+    ctx = mp.get_context("fork")  # the appends only: no torch in the children
+    jobs = [ctx.Process(target=_append_many, args=(str(tmp_path), t, 150)) for t in (1, 2)]
+    for j in jobs:
+        j.start()
+    for j in jobs:
+        j.join(60)
+    assert [j.exitcode for j in jobs] == [0, 0]
+    warnings = []
+    lines = history.read(tmp_path, warn=warnings.append)
+    assert not warnings and len(lines) == 300
+    for tag in (1, 2):
+        assert [e["i"] for e in lines if e["case_id"] == f"c{tag}"] == list(range(150))
+
+
+def test_a_truncated_line_is_skipped_with_a_warning_and_a_newer_format_is_refused(tmp_path):
+    good = {"format": 2, "case_id": "a", "date": "2026-01-01T00:00:00"}
+    (tmp_path / history.NAME).write_text(json.dumps(good) + "\n" + json.dumps(good)[:20] + "\n")
+    warnings = []
+    assert history.read(tmp_path, warn=warnings.append) == [good]
+    assert warnings == [f"nightly: skipping unreadable line 2 of {tmp_path / history.NAME}"]
+    history.check_root(tmp_path)
+    with (tmp_path / history.NAME).open("a") as f:
+        f.write(json.dumps({**good, "format": history.FORMAT + 1}) + "\n")
+    with pytest.raises(history.HistoryError, match=f"history format {history.FORMAT + 1}, written by a newer"):
+        history.check_root(tmp_path)
+
+
+def test_a_root_that_is_a_file_or_under_one_is_refused(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(OutputPathError, match="is a file, not a folder"):
+        history.check_root(tmp_path / "f")
+    with pytest.raises(OutputPathError, match="cannot be made"):
+        history.check_root(tmp_path / "f" / "sub")
+    history.check_root(tmp_path / "new" / "root")
+    assert not (tmp_path / "new").exists()  # checking writes nothing
+
+
+def test_history_files_honour_the_umask(tmp_path):
+    old = os.umask(0o027)
+    try:
+        history.append(tmp_path, {"format": 2, "case_id": "a"})
+        modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    finally:
+        os.umask(old)
+    assert modes == {history.NAME: 0o640, ".history.lock": 0o640}
+
+
+# ------------------------------------------------------------------------------ the page
+
+
+def _run(date, verdict="PASS", margin=100.0):
+    return {"format": 2, "case_id": "converge__m__w4__s9__fp32", "hardware": "cpu", "precision": "fp32",
+            "date": date, "verdict": verdict, "margin": margin, "run": "runs/x"}
+
+
+def test_the_page_flags_a_shrunk_margin_and_a_changed_verdict():
+    steady = [_run(f"2026-01-0{d}T00:00:00", margin=m) for d, m in enumerate((100, 90, 110, 95), 1)]
+    assert nightly_report.flag(steady)[0] == ""
+    note, now, med = nightly_report.flag(steady + [_run("2026-01-06T00:00:00", margin=40)])
+    assert "margin shrank 2.4x" in note and now == 40 and med == 95
+    note, _, _ = nightly_report.flag(steady + [_run("2026-01-06T00:00:00", verdict="NOT EXERCISED")])
+    assert note == "verdict changed: PASS -> NOT EXERCISED"
+    window = [_run(f"2026-01-{d:02d}T00:00:00", margin=10) for d in range(1, 9)] + \
+        [_run(f"2026-01-{d:02d}T00:00:00", margin=1000) for d in range(9, 16)]
+    assert nightly_report.flag(window)[2] == 1000  # the median of the last 7 runs only
+
+
+# -------------------------------------------------------------------------- the producer
+
+
+def _git(*args, cwd):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    return subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "-c", "commit.gpgsign=false",
+                           "-c", "core.hooksPath=/dev/null", *args], cwd=cwd, capture_output=True, text=True,
+                          check=True, env=env).stdout.strip()
+
+
+def _producer_from(cwd: Path, pythonpath: Path) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")} | {"PYTHONPATH": str(pythonpath)}
+    code = "from harness import golden; print(golden.producer()['git_rev'])"
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, env=env,
+                          check=True).stdout.strip()
+
+
+def test_the_producer_names_the_harness_code_not_the_current_folder(tmp_path):
+    """Run from inside another repository, the revision is the harness checkout's; a copy of the package
+    outside any checkout says ``installed <version>``."""
+    other = tmp_path / "other"
+    other.mkdir()
+    _git("init", "-q", cwd=other)
+    (other / "x").write_text("x")
+    _git("add", "x", cwd=other)
+    _git("commit", "-qm", "c", cwd=other)
+    theirs = _git("rev-parse", "--short", "HEAD", cwd=other)
+    ours = golden.source_revision()
+    assert _producer_from(other, REPO).split("+")[0] == ours.split("+")[0] != theirs
+    site = other / "site"
+    shutil.copytree(REPO / "harness", site / "harness", ignore=shutil.ignore_patterns("__pycache__"))
+    from harness import __version__
+
+    assert _producer_from(other, site) == f"installed {__version__}"
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def test_bad_nightly_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    (newer / history.NAME).write_text(json.dumps({"format": 99, "case_id": "x"}) + "\n")
+    root = tmp_path / "root"
+    cases = [(["--world", "1"], "could only be NOT EXERCISED"), (["--world", "6"], "nightly --world 6"),
+             (["--models", "tiny-gpt,nope"], "unknown model(s) 'nope'"),
+             (["--root", str(tmp_path / "afile")], "is a file, not a folder"),
+             (["--root", str(tmp_path / "afile" / "sub")], "cannot be made"),
+             (["--root", str(newer)], "written by a newer dcp-harness"),
+             (["--steps", "300", "--world", "2"], "use --steps 218 or fewer")]
+    for args, expect in cases:
+        argv = ["nightly", "--device", "cpu", "--models", "tiny-gpt", "--root", str(root), *args]
+        assert cli.main(argv) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("dcp-harness: error: ") and expect in err[0], (args, err)
+    assert not root.exists() and sorted(p.name for p in newer.iterdir()) == [history.NAME]
+
+
+# ------------------------------------------------------------------------- real runs (slow)
+
+
+@pytest.mark.slow
+def test_converge_on_one_rank_is_not_exercised_in_console_json_and_page(tmp_path, capsys):
+    code = cli.main(["converge", "--world", "1", "--steps", "2", "--layouts", "bshd,dcp", "--max-seqlen-per-rank", "1024",
+                     "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 1 and "verdict: NOT EXERCISED" in out and "[NOT EXERCISED] dcp: micro-batches" in out
+    assert "PASS" not in out.split("[dcp ]")[-1].split("verdict:")[-1]
+    (run,) = tmp_path.glob("converge-*")
+    doc = json.loads((run / "results.json").read_text())
+    assert doc["verdict"] == converge.NOT_EXERCISED
+    assert doc["config"]["dcp_exercise"] | {"cp_groups": None} == {
+        "cp_groups": None, "distinct_sizes": 1, "microbatches": doc["config"]["dcp_exercise"]["microbatches"],
+        "microbatches_cp_gt1": 0, "largest": 1, "steps": 2, "steps_mixed": 0}
+    assert list(doc["config"]["dcp_exercise"]["cp_groups"]) == ["1"]
+    assert ">NOT EXERCISED<" in (run / "index.html").read_text()
+
+
+@pytest.mark.slow
+def test_a_nightly_case_that_never_forms_a_cp_group_is_not_exercised_and_exits_1(tmp_path, capsys):
+    """A world of one rank, which ``choose`` refuses, run directly: the verdict reaches the history,
+    the page and the summary, and the exit status is 1."""
+    case = nc.NightlyCase(TrainConfig(model="tiny-gpt", steps=2, layouts=("bshd", "dcp"), max_seqlen_per_rank=1024),
+                          1, nc.DISTRIBUTED)
+    from harness import nightly
+
+    assert nightly.run_cases([case], root=tmp_path / "n", json_path=tmp_path / "s.json") == 1
+    out = capsys.readouterr().out
+    assert f"nightly {case.case_id}: NOT EXERCISED" in out and "verdict: NOT EXERCISED (0/1" in out
+    (entry,) = history.read(tmp_path / "n")
+    assert entry["verdict"] == "NOT EXERCISED" and entry["dcp_exercise"]["microbatches_cp_gt1"] == 0
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["verdict"] == "NOT EXERCISED" and summary["exit_code"] == 1
+    assert "NOT EXERCISED</span>" in (tmp_path / "n" / "index.html").read_text()
