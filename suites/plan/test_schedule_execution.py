@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harness.plan import (
     INDEPENDENT,
@@ -110,6 +111,54 @@ def test_balanced_is_never_slower_than_megatron_dev_under_either_model(batch):
             assert schedule(lengths, cost=cost, execution=ex, **batch.kwargs()).microbatches == ours.microbatches
             t, d = simulate(ours, cost).step_time, simulate(dev, cost).step_time
             assert t <= d * (1.01 if ex == "independent" else 1 + 1e-12), (ex, cost.name, t / d)
+
+
+def _rows_schedule(rows, lengths, batch, cost):
+    from harness.plan.layout import layout_from_sizes
+
+    return Schedule(tuple(layout_from_sizes(r) for r in rows), dict(lengths), batch.n_ranks,
+                    batch.max_seqlen_per_rank, batch.min_cp_size, batch.vpp_group, "level_rows", cost, SYNCHRONOUS)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=batches(max_log_ranks=5, max_sequences=48), many=st.booleans())
+def test_rows_by_levels_are_valid_deterministic_and_kept_only_when_better(batch, many):
+    """``level_rows`` (every sequence at its cp_min, micro-batches by levels): valid, deterministic, and
+    ``balanced`` under barriers is never slower than it, nor than ``lpt_rows`` at the least micro-batch count
+    beyond ``SYNC_ENOUGH`` (it stops there only that close to the area bound, which bounds ``lpt_rows``)."""
+    from harness.plan.balanced import SYNC_ENOUGH
+    from harness.plan.balanced.items import Item
+    from harness.plan.balanced.levels import level_rows
+    from harness.plan.balanced.rows import lpt_rows
+    from harness.plan.cost import cp_min
+
+    pairs = sorted(batch.lengths)
+    if many and pairs:  # many sequences per rank: where the levels end the search
+        lens = sample("lognormal:mean=1024,sigma=1.5,min=128,max=8192", 12 * batch.n_ranks, seed=len(pairs))
+        pairs = [(g, min(L, batch.n_ranks * batch.max_seqlen_per_rank)) for g, L in enumerate(lens)]
+    for cost in (GPT, CostModel.megatron()):
+        items = [Item(g, L, cp_min(L, batch.max_seqlen_per_rank, batch.min_cp_size), cost) for g, L in pairs]
+        rows = level_rows(items, batch.n_ranks, batch.max_seqlen_per_rank, batch.min_cp_size, cost)
+        if not items:
+            continue
+        assert rows is not None
+        assert rows == level_rows(items, batch.n_ranks, batch.max_seqlen_per_rank, batch.min_cp_size, cost)
+        mine = _rows_schedule(rows, pairs, batch, cost)
+        assert not check_schedule(mine) or (batch.vpp_group and len(rows) % batch.vpp_group)
+        kw = batch.kwargs()
+        try:
+            ours = schedule(pairs, cost=cost, execution="synchronous", **kw)
+        except VPPAlignmentError:
+            continue
+        t = simulate(ours, cost).step_time
+        if not batch.vpp_group or len(rows) % batch.vpp_group == 0:
+            assert t <= simulate(mine, cost).step_time * (1 + 1e-12)
+        step = batch.vpp_group or 1
+        least = -(-sum(L for _, L in pairs) // (batch.n_ranks * batch.max_seqlen_per_rank))
+        lpt = lpt_rows(items, batch.n_ranks, batch.max_seqlen_per_rank, batch.min_cp_size, -(-least // step) * step,
+                       cost)
+        if lpt is not None:
+            assert t <= simulate(_rows_schedule(lpt, pairs, batch, cost), cost).step_time * (1 + SYNC_ENOUGH + 1e-12)
 
 
 # ------------------------------------------------------------------------------------------- bad input

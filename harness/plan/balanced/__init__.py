@@ -4,7 +4,8 @@ A schedule's step time depends on how the step runs (``harness.plan.execution``)
 blocks a rank's imbalance in one micro-batch can be made up in the next, so plans that balance the ranks'
 *totals* win; with a barrier after every micro-batch (MoE with expert parallelism: ``synchronous``) each
 micro-batch must be balanced on its own; a pipeline sits in between. ``balanced`` therefore builds several
-kinds of candidates (``candidates``: phased plans, densest rows, rows balanced per micro-batch, ``megatron-dev``'s own schedule when it is cheap), re-sizes each row's blocks (``rows.rewiden``),
+kinds of candidates (``candidates``: phased plans, densest rows, rows balanced per micro-batch, rows by levels
+with barriers, ``megatron-dev``'s own schedule when it is cheap), re-sizes each row's blocks (``rows.rewiden``),
 judges every one with the simulator
 of the given model and cost (``evaluate.Judge``: exact, the same arithmetic as ``simulate``) and returns the
 least (ties: the first built, in the order above; so the result is deterministic).
@@ -19,8 +20,12 @@ Every candidate is valid by construction (``suites/plan`` checks them all with `
 ...              max_seqlen_per_rank=2048)
 >>> s.microbatches  # under L**2/cp: 8192 widened to all 8 ranks, then the rest balanced per block
 [[[0], [0], [0], [0], [0], [0], [0], [0]], [[1, 6, 7, 8], [1, 6, 7, 8], [1, 6, 7, 8], [1, 6, 7, 8], [2], [2], [3], [4, 5]]]
->>> s.microbatches == schedule([8192, 4096, 3000, 2048, 1024, 1024, 512, 512, 256], n_ranks=8,
-...                            max_seqlen_per_rank=2048, execution="synchronous").microbatches
+>>> sync = schedule([8192, 4096, 3000, 2048, 1024, 1024, 512, 512, 256], n_ranks=8, max_seqlen_per_rank=2048,
+...                 execution="synchronous")
+>>> sync.microbatches  # with barriers: by levels, 4096 alone on all 8 ranks rather than beside light ranks
+[[[0], [0], [0], [0], [0], [0], [0], [0]], [[1], [1], [1], [1], [1], [1], [1], [1]], [[2], [2], [2], [2], [3], [3], [4, 6, 8], [5, 7]]]
+>>> from harness.plan.bounds import simulate
+>>> simulate(sync).step_time < simulate(s, execution="synchronous").step_time
 True
 """
 
@@ -50,6 +55,13 @@ plans: they lose there). Above it the
 independent model keeps the phased plans (within ~1% of the bound there), the others the rows balanced per
 micro-batch at the least count (the phased plans only when those fail): the latency targets are 50 ms at
 1024 ranks x 8192 sequences and 250 ms at 4096 x 32768 on two CPU cores."""
+
+
+SYNC_ENOUGH = 0.06
+"""Synchronous model, up to ``EXTRA_MAX_SEQUENCES`` sequences: the rows by levels (``candidates.by_levels``) come
+first, and with more than ``FEW_PER_RANK`` sequences per rank they end the search for rows balanced per
+micro-batch (``lpt_rows``, which widen sequences) when within this of the area bound (which bounds those too);
+``megatron-dev``'s rows still join. At scale the levels cost more than the latency targets allow."""
 
 
 def schedule_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
@@ -88,8 +100,17 @@ def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
     best = _Best(judge)
     small = len(items) <= EXTRA_MAX_SEQUENCES
     few = len(items) <= FEW_PER_RANK * n
-    per_mb = [] if independent else cands.per_microbatch(items, n, mslpr, min_cp_size, vpp_group, cost, small)
-    for rows in per_mb:  # balanced per micro-batch first: at scale the only ones built for barriers
+    barriers = ex.kind == "synchronous"
+    enough = (1 + SYNC_ENOUGH) * (sum(it.own * it.cp for it in items) / n + cost.per_microbatch)
+    if barriers and small:  # rows by levels first: every sequence at its cp_min
+        for rows in cands.by_levels(items, n, mslpr, min_cp_size, cost):
+            best.offer(rows)
+            if best.time <= enough:
+                break
+    skip = barriers and not few and best.time <= enough
+    per_mb = [] if independent or skip else cands.per_microbatch(items, n, mslpr, min_cp_size, vpp_group, cost,
+                                                                 small, roomy=True)
+    for rows in per_mb:  # balanced per micro-batch: at scale the only ones built for barriers
         best.offer(rows)
     why = ""
     if independent or (small and few) or best.rows is None:

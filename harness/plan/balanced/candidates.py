@@ -4,6 +4,7 @@
   finest leaf size that is feasible: fast when ranks run independently, since no block waits.
 * ``dense`` / ``tight``: the fewest micro-batches, when the cost charges per micro-batch or CP block.
 * ``per_microbatch``: ``rows.lpt_rows`` at the least micro-batch count the tokens need and a few more.
+* ``by_levels``: ``levels.level_rows`` (sequences at their cp_min, micro-batches filled by levels), for barriers.
 * ``megatron``: ``megatron-dev``'s schedule itself (exact parity model) when the batch is small enough for
   it to be cheap (``DEV_MAX_WORK``), so the best candidate is never slower than it.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from harness.plan.balanced.dense import dense
 from harness.plan.balanced.items import Infeasible, Item
+from harness.plan.balanced.levels import level_rows
 from harness.plan.balanced.phased import THETAS, PhasedBuilder
 from harness.plan.balanced.rows import lpt_rows, spread_rows
 from harness.plan.balanced.tight import TIGHT_MAX_WORK, tight
@@ -31,6 +33,12 @@ SPREAD_MAX_PER_RANK = 2
 EXTRA_ROWS = 2
 """``per_microbatch`` tries up to this many more micro-batches than the least (VPP multiples) until one of its
 candidates fits."""
+
+FEW_ROWS = 3
+"""With barriers (``roomy``), when the least micro-batch count is at most this, ``per_microbatch`` also tries one
+more (VPP multiple) even when the least fits: each extra micro-batch then adds a third of the room or more, so
+the densest sequences need to share a micro-batch with light ones less (at 1024 ranks x 8192 sequences of mean
+4096, 16384 tokens per rank, 2 micro-batches give 2.2x the lower bound, 3 give 1.6x)."""
 
 
 def phased(builder: PhasedBuilder, n: int, min_cp: int) -> tuple[list[tuple[list[Blocks], float]], str]:
@@ -68,15 +76,20 @@ def packed(items: list[Item], n: int, mslpr: int, min_cp: int, cost: CostModel) 
 
 
 def per_microbatch(items: list[Item], n: int, mslpr: int, min_cp: int, vpp: int | None,
-                   cost: CostModel, full: bool = True) -> list[list[Blocks]]:
+                   cost: CostModel, full: bool = True, roomy: bool = False) -> list[list[Blocks]]:
     """``lpt_rows`` (with ``full``, both ways of sizing its blocks, and ``spread_rows`` with few sequences per
-    rank) at the least micro-batch count (a multiple of ``vpp``) and ``EXTRA_ROWS`` more while none fits."""
+    rank) at the least micro-batch count (a multiple of ``vpp``) and ``EXTRA_ROWS`` more while none fits; with
+    ``roomy``, one more than the first that fits when the least is at most ``FEW_ROWS``."""
     step = vpp or 1
     least = -(-sum(it.L for it in items) // (n * mslpr))
     least = -(-least // step) * step
-    out = []
-    for k in range(EXTRA_ROWS + 1):
-        if out:
+    out, fits = [], None
+    for k in range(EXTRA_ROWS + 2):
+        if out and fits is None:
+            fits = k
+        if fits is not None and not (roomy and least <= FEW_ROWS and k == fits):
+            break
+        if k > EXTRA_ROWS and fits is None:
             break
         for alone in (False, True) if full else (False,):
             rows = lpt_rows(items, n, mslpr, min_cp, least + k * step, cost, alone=alone)
@@ -87,6 +100,24 @@ def per_microbatch(items: list[Item], n: int, mslpr: int, min_cp: int, vpp: int 
             if rows is not None:
                 out.append(rows)
     return out
+
+
+LEVEL_CAPS = (None, 1.25)
+"""``by_levels``: ``level_rows`` with no sequence widened, and with those above this many times the mean
+per-rank load of the least micro-batch count widened (the quadratic term dominates the longest sequences:
+at cp_min one of them can cost several micro-batches' worth)."""
+
+
+def by_levels(items: list[Item], n: int, mslpr: int, min_cp: int, cost: CostModel):
+    """``level_rows`` at each of ``LEVEL_CAPS`` in turn (a generator: the caller stops when one is good)."""
+    least = -(-sum(it.L for it in items) // (n * mslpr))
+    if not least:
+        return
+    mean = sum(it.own * it.cp for it in items) / (n * least)
+    for f in LEVEL_CAPS:
+        rows = level_rows(items, n, mslpr, min_cp, cost, None if f is None else f * mean)
+        if rows is not None:
+            yield rows
 
 
 def megatron(pairs, n: int, mslpr: int, min_cp: int, vpp: int | None) -> list[list[Blocks]]:
