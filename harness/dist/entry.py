@@ -15,6 +15,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import sys
 from pathlib import Path
 
 JOBS = {"checks": "harness.dist.checks:all_checks", "bench-attention": "harness.bench.attention:measure",
@@ -98,4 +99,11 @@ def _has_cuda() -> bool:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # A finished job (results written, every process group destroyed) leaves without interpreter
+    # finalization: gloo objects torch still holds at teardown (worker threads, completed work) can abort
+    # a rank there ("terminate called without an active exception"), turning a finished job into a failed
+    # rank. Errors still raise above with their traceback and exit status.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
