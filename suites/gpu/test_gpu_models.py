@@ -50,16 +50,20 @@ def test_ssm_mixer_on_cuda_equals_the_cpu_mixer(dtype, tol):
 
 
 @pytest.mark.parametrize("model", ["tiny-gpt-mtp", "tiny-hybrid"])
-def test_one_gpu_layouts_agree_in_bf16(model, tmp_path):
+def test_one_gpu_packing_agrees_with_bshd_in_bf16(model, tmp_path):
+    """One GPU: THD packing (varlen attention, the mixer's per-sequence scan, MTP's per-sequence shift)
+    against bshd in bf16. No dcp layout: on one rank it never forms a CP group > 1, so its verdict could
+    only be NOT EXERCISED (dynamic CP on GPUs needs 2+, ``test_gpu_convergence.py``)."""
     _cuda()
     from harness import converge
     from harness.dist.train import TrainConfig
 
-    cfg = TrainConfig(model=model, steps=30, device="cuda", dtype="bfloat16", max_seqlen_per_rank=1024)
+    cfg = TrainConfig(model=model, steps=30, device="cuda", dtype="bfloat16", max_seqlen_per_rank=1024,
+                      layouts=("bshd", "thd"))
     res = converge.run(cfg, world=1, golden="off", out_root=tmp_path, progress=lambda s: None)
     print({c["target"]: round(c["value"], 6) for c in res.checks})
     assert res.verdict == "PASS", [c for c in res.checks if not c["pass"]]
     targets = {c["target"].split(":")[0] for c in res.checks}
-    assert targets >= {"thd vs bshd", "dcp vs bshd"}
+    assert targets >= {"thd vs bshd"}
     if model == "tiny-gpt-mtp":
-        assert targets >= {"thd vs bshd (MTP depth 1)", "dcp vs bshd (MTP depth 1)"}
+        assert targets >= {"thd vs bshd (MTP depth 1)"}
