@@ -40,3 +40,21 @@ def test_bf16_adds_a_mean_bound():
     noisy = [x + (1.5e-3 if i % 2 else 0.0) for i, x in enumerate(BASE)]  # max ok (2e-3), mean 7.5e-4 > 5e-4
     v = verdicts({"bshd": BASE, "thd": noisy}, dtype="bfloat16")
     assert v == {"thd vs bshd: max |delta loss| <= 0.002": True, "thd vs bshd: mean |delta loss| <= 0.0005": False}
+
+
+def test_the_case_id_names_a_non_default_corpus():
+    """Runs on another length spec or corpus seed train on other data: they must not share a golden."""
+    from dataclasses import replace
+
+    from harness import converge
+    from harness.corpus import CorpusConfig
+    from harness.dist.train import TrainConfig
+
+    base = TrainConfig(steps=50)
+    assert converge.case_id(base, 4) == "converge__tiny_gpt__w4__s50__fp32"
+    spec = replace(base, corpus=CorpusConfig(lengths="lognormal:mean=160,sigma=1.2,min=16,max=512"))
+    assert converge.case_id(spec, 4) == "converge__tiny_gpt__w4__lognormal-mean160-sigma1.2-min16-max512__s50__fp32"
+    seeded = replace(base, corpus=CorpusConfig(seed=3))
+    assert converge.case_id(seeded, 4) == "converge__tiny_gpt__w4__seed3__s50__fp32"
+    ids = {converge.case_id(c, 4) for c in (base, spec, seeded, replace(spec, corpus=replace(spec.corpus, seed=3)))}
+    assert len(ids) == 4

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from harness import cli, converge, golden
+from harness.corpus import CorpusConfig
 from harness.dist.layouts import LayoutError
 from harness.dist.train import TrainConfig
 from harness.io import OutputPathError
@@ -40,6 +41,9 @@ def test_the_cases_follow_the_machine_and_say_so():
     assert "4 CPU ranks (gloo, fp32) because this machine has 0 GPUs" in cpu.line and "GPU" not in cpu.line.split(";")[1]
     one = _plan(gpus=1)  # one GPU: distributed on CPU ranks, numerics (no dcp) on the GPU
     assert [(c.world, c.cfg.device, c.cfg.layouts) for c in one.cases][-1] == (1, "cuda", ("bshd", "thd"))
+    numerics = one.cases[-1].cfg  # the configuration the GPU suites calibrated the bf16 tolerances on
+    assert (numerics.steps, numerics.max_seqlen_per_rank, numerics.corpus) == (nc.NUMERICS_STEPS, 1024, CorpusConfig())
+    assert "bf16, 30 steps" in one.line
     assert all(c.cfg.device == "cpu" for c in one.cases if c.role == nc.DISTRIBUTED)
     assert "because this machine has 1 GPU;" in one.line and "single-GPU numerics" in one.line
     assert [(c.world, c.cfg.device, c.cfg.dtype) for c in _plan(gpus=3).cases] == [(2, "cuda", "bfloat16")]
@@ -246,3 +250,9 @@ def test_a_nightly_case_that_never_forms_a_cp_group_is_not_exercised_and_exits_1
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["verdict"] == "NOT EXERCISED" and summary["exit_code"] == 1
     assert "NOT EXERCISED</span>" in (tmp_path / "n" / "index.html").read_text()
+
+
+def test_every_default_cpu_case_has_its_committed_golden():
+    """The CPU nightly is checked against goldens: each distributed case's reference golden is committed."""
+    plan = nc.choose(models=nc.NIGHTLY_MODELS, steps=100, device="cpu", world=None, gpus=0)
+    assert plan.line.endswith("goldens: 8 of 8 cases have a committed golden"), plan.line
