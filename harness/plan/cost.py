@@ -52,9 +52,7 @@ def cp_min(L: int, max_seqlen_per_rank: int, min_cp_size: int = 1) -> int:
     """Smallest power of two ``p >= min_cp_size`` with ``p * max_seqlen_per_rank >= L``."""
     if L <= 0:
         raise PlanInputError(f"sequence length must be positive, got {L}")
-    p = 1
-    while p * max_seqlen_per_rank < L:
-        p *= 2
+    p = 1 << (-(-L // max_seqlen_per_rank) - 1).bit_length()  # the power of two >= ceil(L / mslpr)
     return max(p, min_cp_size)
 
 

@@ -52,16 +52,17 @@ EXTRA_MAX_SEQUENCES = 1024
 """Sequences up to which every kind of candidate is built (``megatron-dev`` only below its own bound,
 ``candidates.DEV_MAX_WORK``; with barriers and more than ``FEW_PER_RANK`` sequences per rank, no phased
 plans: they lose there). Above it the
-independent model keeps the phased plans (within ~1% of the bound there), the others the rows balanced per
-micro-batch at the least count (the phased plans only when those fail): the latency targets are 50 ms at
-1024 ranks x 8192 sequences and 250 ms at 4096 x 32768 on two CPU cores."""
+independent model keeps the phased plans (within ~1% of the bound there), the synchronous one the rows by
+levels and, when those are not within ``SYNC_ENOUGH``, the rows balanced per micro-batch at the least count,
+the pipeline those rows (the phased plans only when those fail): the latency targets are 50 ms at 1024 ranks
+x 8192 sequences and 250 ms at 4096 x 32768 on two CPU cores."""
 
 
 SYNC_ENOUGH = 0.06
-"""Synchronous model, up to ``EXTRA_MAX_SEQUENCES`` sequences: the rows by levels (``candidates.by_levels``) come
-first, and with more than ``FEW_PER_RANK`` sequences per rank they end the search for rows balanced per
-micro-batch (``lpt_rows``, which widen sequences) when within this of the area bound (which bounds those too);
-``megatron-dev``'s rows still join. At scale the levels cost more than the latency targets allow."""
+"""Synchronous model: the rows by levels (``candidates.by_levels``) come first, at every size, and with more
+than ``FEW_PER_RANK`` sequences per rank they end the search for rows balanced per micro-batch (``lpt_rows``,
+which widen sequences) when within this of the area bound (which bounds those too); up to
+``EXTRA_MAX_SEQUENCES`` sequences ``megatron-dev``'s rows still join."""
 
 
 def schedule_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
@@ -102,7 +103,7 @@ def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
     few = len(items) <= FEW_PER_RANK * n
     barriers = ex.kind == "synchronous"
     enough = (1 + SYNC_ENOUGH) * (sum(it.own * it.cp for it in items) / n + cost.per_microbatch)
-    if barriers and small:  # rows by levels first: every sequence at its cp_min
+    if barriers:  # rows by levels first: every sequence at its cp_min
         for rows in cands.by_levels(items, n, mslpr, min_cp_size, cost):
             best.offer(rows)
             if best.time <= enough:

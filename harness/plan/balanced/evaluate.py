@@ -35,8 +35,24 @@ class Judge:
         if self.kind == "independent":
             return self._independent(rows)
         if self.kind == "synchronous":
-            return sum(max(self.block_load(s, g) for s, g in row) for row in rows)
+            return self._synchronous(rows)
         return self._simulated(rows)
+
+    def _synchronous(self, rows: list[Blocks]) -> float:
+        """``sum(max(block_load))`` over rows, ``block_load``'s arithmetic inlined (the judge of every candidate)."""
+        by, over, total = self.by_gid, self.overhead, 0.0
+        for row in rows:
+            worst = None
+            for size, gids in row:
+                t = 0
+                for g in gids:
+                    it = by[g]
+                    t += it.own if it.cp == size else it.cost(size)
+                t += over[size]
+                if worst is None or t > worst:
+                    worst = t
+            total += worst
+        return total
 
     def _independent(self, rows: list[Blocks]) -> float:
         free = [0.0] * self.n

@@ -9,19 +9,25 @@ sequence left (per-rank load at its size), or at the mean per-rank load of the r
 their tokens still need when that is higher, and with no level at all for the last micro-batch they need:
 
 * the sequences wider than ``leaf``, by decreasing per-rank load, join the least loaded block of their size
-  in the micro-batch with room for their tokens that stays at or below the level (``SCAN`` tried), else
-  open one while ranks are free;
+  in the micro-batch with room for their tokens, if it stays at or below the level, else open one while
+  ranks are free;
 * the free ranks become ``leaf`` blocks; the narrow sequences, by decreasing load, go to the least loaded
-  of them with room that stays at or below the level (``SCAN`` tried), else to such a wide block of the
-  micro-batch (the narrowest first), else wait for a later micro-batch;
+  of them with room, if it stays at or below the level, else to such a wide block of the micro-batch (the
+  narrowest size first), else wait for a later micro-batch;
 * then, per micro-batch, ``_even`` swaps sequences between its most loaded ``leaf`` block and the
   ``PARTNERS`` least loaded ones while that lowers the most loaded, within ``MOVES_PER_SEQUENCE`` steps per
-  sequence in all; free ranks left double the costliest blocks (``rows._filled``).
+  sequence in all (at most ``MOVES_MAX``); free ranks left double the costliest blocks (``rows._filled``).
 
 So the heaviest sequences share the first micro-batch and the lightest the last ones, and every micro-batch
-is near its level on most ranks (at 64 ranks x 512 sequences, lognormal mean 1024, 2048 tokens per rank,
-under the GPT cost: 1.050 of the lower bound, where ``lpt_rows`` gives 1.17). Work: O(sequences x
-micro-batches x ``SCAN``), bounded by the input, never the clock.
+is near its level on most ranks (under the GPT cost, lognormal mean 1024, 2048 tokens per rank: 1.050 of the
+lower bound at 64 ranks x 512 sequences, 1.038 at 1024 x 8192 and 1.039 at 4096 x 32768, where ``lpt_rows``
+gives 1.17 / 1.17 / 1.19).
+
+Work: each pool (``_Pool``) finds the least loaded block with room exactly, with the blocks short of room
+for the current sequence set aside by room (rooms only fall, loads only rise), and after a sequence that
+found no block, ``_next_candidate`` skips by bisection the ones that cannot find one either; so a
+micro-batch costs O(sequences placed x log ranks) plus O(log sequences) per skip, not a scan of every
+sequence left (~30 ms at 1024 ranks x 8192 sequences, ~170 ms at 4096 x 32768 on the CPU machine).
 """
 
 from __future__ import annotations
@@ -34,11 +40,10 @@ from harness.plan.balanced.rows import _filled
 from harness.plan.cost import CostModel
 from harness.plan.megatron_common import Blocks
 
-SCAN = 4
-"""Blocks (least loaded first) a sequence tries before it waits for a later micro-batch."""
-
-MOVES_PER_SEQUENCE = 16
-"""``_even``'s budget: this many candidate swaps (and slot scans) per sequence, over all micro-batches."""
+MOVES_PER_SEQUENCE, MOVES_MAX = 16, 32_768
+"""``_even``'s budget: this many candidate swaps (and slot scans) per sequence, over all micro-batches, and at
+most ``MOVES_MAX`` in all (at scale the swaps gain little: 1.0382 against 1.0373 of the bound at 1024 ranks x
+8192 sequences, for a third of the time)."""
 
 PARTNERS = 8
 """``_even`` pairs the most loaded ``leaf`` block with this many of the least loaded."""
@@ -59,17 +64,20 @@ def level_rows(items: list[Item], n: int, mslpr: int, leaf: int, cost: CostModel
                     break
                 w, c = 2 * w, wider
             size[it.gid], load[it.gid] = w, c
-    left = sorted(items, key=lambda it: (-load[it.gid] - cost.block_overhead(size[it.gid]), it.gid))
+    key = {it.gid: (-load[it.gid] - cost.block_overhead(size[it.gid]), it.gid) for it in items}
+    order = sorted(items, key=lambda it: key[it.gid])
+    wide = [it for it in order if size[it.gid] != leaf]
+    narrow = [it for it in order if size[it.gid] == leaf]
     rows: list[list[list]] = []
     area = sum(size[g] * load[g] for g in load)
     tokens = sum(it.L for it in items)
-    while left:
-        first = left[0]
+    while wide or narrow:
+        first = min((x[0] for x in (wide, narrow) if x), key=lambda it: key[it.gid])
         need = -(-tokens // (n * mslpr))  # micro-batches the tokens left need
         level = max(load[first.gid], area / (n * need)) + cost.block_overhead(size[first.gid])
         if need == 1:  # the last micro-batch the tokens need: every sequence that has room joins it
             level = float("inf")
-        row, rest = _level_row(left, level, size, load, n, mslpr, leaf, cost)
+        row, wide, narrow = _level_row(wide, narrow, level, size, load, n, mslpr, leaf, cost)
         if not row:
             return None
         rows.append(row)
@@ -77,8 +85,7 @@ def level_rows(items: list[Item], n: int, mslpr: int, leaf: int, cost: CostModel
             for it in b[3]:
                 area -= size[it.gid] * load[it.gid]
                 tokens -= it.L
-        left = rest
-    budget = MOVES_PER_SEQUENCE * len(items)
+    budget = min(MOVES_PER_SEQUENCE * len(items), MOVES_MAX)
     for row in rows:
         budget = _even(row, leaf, load, budget)
     return [_filled([[b[0], b[1], b[3]] for b in row], n - sum(b[0] for b in row), cost) for row in rows]
@@ -131,100 +138,190 @@ def _even(row: list[list], leaf: int, load: dict, budget: int) -> int:
     return budget
 
 
-def _level_row(left: list[Item], level: float, size: dict, load: dict, n: int, mslpr: int, leaf: int,
-               cost: CostModel) -> tuple[list[list], list[Item]]:
-    """(``[size, load, items]`` blocks of one micro-batch at ``level``, the sequences left for later)."""
-    free, placed = n, set()
+def _level_row(wide: list[Item], narrow: list[Item], level: float, size: dict, load: dict, n: int, mslpr: int,
+               leaf: int, cost: CostModel) -> tuple[list[list], list[Item], list[Item]]:
+    """(``[size, load, room, items]`` blocks of one micro-batch at ``level``, the wide and the narrow sequences
+    left for later, each still by decreasing load)."""
+    free = n
+    # without a level a sequence waits only for want of room (rare): no skipping, no tracking
+    track = level < float("inf") and _skips(cost, leaf)
     pools: dict[int, _Pool] = {}
-    narrow = [it for it in left if size[it.gid] == leaf]
-    floor = min((it.L for it in narrow), default=0)  # rooms below it take no narrow sequence
-    for it in left:
+    # rooms below the shortest narrow sequence take none (``narrow`` ends with it when loads grow with tokens)
+    floor = (narrow[-1].L if _skips(cost, leaf) else min(it.L for it in narrow)) if narrow else 0
+    wide_rest = []
+    for it in wide:
         s = size[it.gid]
-        if s == leaf:
-            continue
-        pool = pools.get(s) or pools.setdefault(s, _Pool(0))
+        pool = pools.get(s) or pools.setdefault(s, _Pool(0, track))
         k = pool.least_fitting(it.L, load[it.gid], level)
+        top = k is not None
         if k is None:
             if free < s:
+                wide_rest.append(it)
                 continue
             k = pool.open(s, cost.block_overhead(s), s * mslpr)
             free -= s
-        pool.add(k, it, load[it.gid])
-        placed.add(it.gid)
-    leaves = _Pool(floor)
-    for _ in range(free // leaf):
-        leaves.open(leaf, cost.block_overhead(leaf), leaf * mslpr)
+        pool.add(k, it, load[it.gid], top)
+    leaves = _Pool(floor, track)
+    leaves.open_many(free // leaf, leaf, cost.block_overhead(leaf), leaf * mslpr)
     for pool in pools.values():
         pool.floor = floor
-    wide = sorted(pools)
-    for it in narrow:
-        c = load[it.gid]
-        k = leaves.least_fitting(it.L, c, level)
-        if k is not None:
-            leaves.add(k, it, c)
-            placed.add(it.gid)
-            continue
-        for w in wide:  # the narrowest wide block that stays at or below the level
-            c = it.cost(w)
-            k = pools[w].least_fitting(it.L, c, level)
-            if k is not None:
-                pools[w].add(k, it, c)
-                placed.add(it.gid)
+    sizes = sorted(pools)
+    options = [(leaf, leaves)] + [(w, pools[w]) for w in sizes]
+    taken = [False] * len(narrow)
+    heap, slots, wait = leaves.heap, leaves.blocks, leaves.waiting
+    i, count = 0, len(narrow)
+    while i < count:
+        it = narrow[i]
+        L, c = it.L, load[it.gid]
+        if wait and -wait[0][0] >= L:
+            leaves._admit(L)
+        while heap:  # ``leaves.least_fitting`` inlined: most sequences go to a leaf block
+            ld, k = heap[0]
+            b = slots[k]
+            if ld != b[1]:
+                heapq.heappop(heap)
+            elif b[2] < L:
+                heapq.heappop(heap)
+                leaves._wait(k)
+            else:
                 break
-    rest = [it for it in left if it.gid not in placed]
-    row = [b for s in wide for b in pools[s].blocks] + [b for b in leaves.blocks if b[3]]
-    return row, rest
+        i += 1
+        if heap and heap[0][0] + c <= level:
+            leaves.add(heap[0][1], it, c, top=True)
+            taken[i - 1] = True
+            continue
+        for w, pool in options[1:]:  # else the narrowest wide block that stays at or below the level
+            c = it.cost(w)
+            k = pool.least_fitting(L, c, level)
+            if k is not None:
+                pool.add(k, it, c, top=True)
+                taken[i - 1] = True
+                break
+        else:
+            i = _next_candidate(narrow, i, options, level, leaf, load)
+    row = [b for s in sizes for b in pools[s].blocks] + [b for b in leaves.blocks if b[3]]
+    return row, wide_rest, [it for it, t in zip(narrow, taken) if not t]
+
+
+def _next_candidate(narrow: list[Item], i: int, options: list, level: float, leaf: int, load: dict) -> int:
+    """The first index from ``i`` of a narrow sequence that some pool may take: one with room for its tokens
+    (``max_room``) and a block that stays at or below ``level`` with its load (``least_load``). ``narrow`` is by
+    decreasing load, and with a per-rank load that grows with the tokens (``_skips``) by decreasing tokens and
+    load at every size: the sequences a pool cannot take are a prefix of the rest, and the sequences skipped
+    would have found no block (their loads and rooms only tighten), so the rows are those of trying each in
+    turn."""
+    if i >= len(narrow) or not options[0][1].track:
+        return i
+    first = len(narrow)
+    for w, pool in options:
+        room, slack = pool.max_room(), level - pool.least_load()
+        if room <= 0 or slack < 0:
+            continue
+        cost = (lambda it: load[it.gid]) if w == leaf else (lambda it, w=w: it.cost(w))
+        if narrow[i].L <= room and cost(narrow[i]) <= slack:
+            return i
+        j = bisect.bisect_left(narrow, True, lo=i, hi=first, key=lambda it: it.L <= room and cost(it) <= slack)
+        first = min(first, j)
+    return first
+
+
+def _skips(cost: CostModel, leaf: int) -> bool:
+    """Whether a sequence's per-rank load at every size grows strictly with its tokens (then ``narrow`` is by
+    decreasing tokens too, and ``_next_candidate`` may skip; a cost of constants alone keeps every sequence)."""
+    return cost.quadratic > 0 or cost.linear > 0 or (cost.cp_comm > 0 and leaf > 1)
 
 
 class _Pool:
-    """Blocks of one size, ``[size, load, room, items]``, in a heap by load, and a bound on the largest room."""
+    """Blocks of one size, ``[size, load, room, items]``: those with room for the current sequence in a heap by
+    load, the others in a heap by room (a block moves back when a shorter sequence comes). Loads only rise
+    and rooms only fall, so every entry is checked against its block when it surfaces (stale ones leave)."""
 
-    def __init__(self, floor: int):
+    def __init__(self, floor: int, track: bool = True):
         self.blocks: list[list] = []
-        self.heap: list[tuple[float, int]] = []
-        self.floor, self.max_room, self.stale = floor, 0, False
+        self.track = track  # keep ``loads`` and ``rooms`` (a micro-batch without a level needs neither)
+        self.loads: list[tuple[float, int]] = []  # (load, block) of every block, for ``least_load``
+        self.rooms: list[tuple[int, int]] = []  # (-room, block) of every block, for ``max_room``
+        self.heap: list[tuple[float, int]] = []  # (load, block): room >= the last sequence's tokens
+        self.waiting: list[tuple[int, int]] = []  # (-room, block): too little room for the last sequence
+        self.floor = floor
 
     def open(self, size: int, overhead: float, room: int) -> int:
         self.blocks.append([size, overhead, room, []])
         heapq.heappush(self.heap, (overhead, len(self.blocks) - 1))
-        self.max_room = max(self.max_room, room)
+        if self.track:
+            heapq.heappush(self.loads, (overhead, len(self.blocks) - 1))
+            heapq.heappush(self.rooms, (-room, len(self.blocks) - 1))
         return len(self.blocks) - 1
 
-    def add(self, k: int, it: Item, c: float) -> None:
+    def open_many(self, count: int, size: int, overhead: float, room: int) -> None:
+        """``count`` blocks into an empty pool (equal keys in index order are heaps already)."""
+        assert not self.blocks, "open_many fills an empty pool"
+        self.blocks = [[size, overhead, room, []] for _ in range(count)]
+        self.heap = [(overhead, k) for k in range(count)]
+        if self.track:
+            self.loads = list(self.heap)
+            self.rooms = [(-room, k) for k in range(count)]
+
+    def add(self, k: int, it: Item, c: float, top: bool = False) -> None:
+        """Add ``it`` (load ``c``) to block ``k``; ``top``: ``k`` came from ``least_fitting``, still atop the heap."""
         b = self.blocks[k]
-        if b[2] == self.max_room:
-            self.stale = True
         b[1] += c
         b[2] -= it.L
         b[3].append(it)
-        heapq.heappush(self.heap, (b[1], k))
+        if top:
+            heapq.heapreplace(self.heap, (b[1], k))
+        else:
+            heapq.heappush(self.heap, (b[1], k))
+        if self.track:
+            heapq.heappush(self.loads, (b[1], k))
+            heapq.heappush(self.rooms, (-b[2], k))
+
+    def max_room(self) -> int:
+        """The most tokens a block has room for (0 when none has room for ``floor``)."""
+        rooms, blocks = self.rooms, self.blocks
+        while rooms and -rooms[0][0] != blocks[rooms[0][1]][2]:
+            heapq.heappop(rooms)
+        return -rooms[0][0] if rooms and -rooms[0][0] >= self.floor else 0
+
+    def least_load(self) -> float:
+        """The least load of a block that can still take a sequence (inf when none can)."""
+        loads, blocks = self.loads, self.blocks
+        while loads:
+            load, k = loads[0]
+            if load == blocks[k][1] and blocks[k][2] >= self.floor:
+                return load
+            heapq.heappop(loads)
+        return float("inf")
 
     def least_fitting(self, L: int, c: float, level: float) -> int | None:
-        """Pop and return the least loaded block (then index) with room for ``L`` tokens that stays at or
-        below ``level`` with ``c`` more (``SCAN`` tried), or None; blocks with room below ``floor`` leave."""
+        """The least loaded block (then index) with room for ``L`` tokens, left atop the heap, if it stays at or
+        below ``level`` with ``c`` more; else None. Blocks with room below ``floor`` leave for good."""
+        self._admit(L)
         heap, blocks = self.heap, self.blocks
-        if L > self.max_room:
-            if not self.stale:
-                return None
-            self.max_room = max((blocks[k][2] for _, k in heap), default=0)
-            self.stale = False
-            if L > self.max_room:
-                return None
-        held, found = [], None
         while heap:
             load, k = heap[0]
-            if blocks[k][2] < self.floor or load != blocks[k][1]:
+            b = blocks[k]
+            if load != b[1]:
                 heapq.heappop(heap)
                 continue
-            if load + c > level:
-                break
-            if blocks[k][2] >= L:
+            if b[2] < L:
                 heapq.heappop(heap)
-                found = k
-                break
-            if len(held) == SCAN:
-                break
-            held.append(heapq.heappop(heap))
-        for e in held:
-            heapq.heappush(heap, e)
-        return found
+                self._wait(k)
+                continue
+            if load + c > level:
+                return None
+            return k
+        return None
+
+    def _wait(self, k: int) -> None:
+        room = self.blocks[k][2]
+        if room >= self.floor:
+            heapq.heappush(self.waiting, (-room, k))
+
+    def _admit(self, L: int) -> None:
+        """Move the waiting blocks with room for ``L`` tokens back to the heap by load."""
+        waiting, blocks = self.waiting, self.blocks
+        while waiting and -waiting[0][0] >= L:
+            room, k = heapq.heappop(waiting)
+            if -room == blocks[k][2]:
+                heapq.heappush(self.heap, (blocks[k][1], k))
