@@ -296,6 +296,7 @@ class _Pool:
     def least_fitting(self, L: int, c: float, level: float) -> int | None:
         """The least loaded block (then index) with room for ``L`` tokens, left atop the heap, if it stays at or
         below ``level`` with ``c`` more; else None. Blocks with room below ``floor`` leave for good."""
+        L = max(L, self.floor)
         self._admit(L)
         heap, blocks = self.heap, self.blocks
         while heap:
