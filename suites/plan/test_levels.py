@@ -5,6 +5,7 @@ rests on (``cp_min`` without a loop, the paused cyclic collector) keep their con
 from __future__ import annotations
 
 import gc
+import heapq
 import random
 
 import pytest
@@ -74,22 +75,30 @@ def test_a_pool_finds_the_least_loaded_block_with_room(seed, floor):
     (and room for ``floor``), or None when that one would pass the level; ``max_room`` / ``least_load`` are
     the scans' figures, whatever order the sequences come in."""
     rnd = random.Random(seed)
-    pool = levels._Pool(floor)
+    pool = levels._Pool(1, rnd.choice([0.0, 0.5]), 400, floor)
     for _ in range(rnd.randint(1, 12)):
-        pool.open(1, rnd.choice([0.0, 0.5]), rnd.randint(50, 400))
+        k = pool.open()
+        pool.room[k] = rnd.randint(50, 400)  # blocks that opened with different rooms
+        pool.rooms.append((-pool.room[k], k))
+    heapq.heapify(pool.rooms)
     for _ in range(60):
         L, c, level = rnd.randint(1, 300), rnd.uniform(0.1, 3.0), rnd.uniform(1.0, 12.0)
-        fits = [(b[1], k) for k, b in enumerate(pool.blocks) if b[2] >= max(L, floor)]
+        if rnd.random() < 0.2:  # as a wide sequence that found no block does: a new block, added to off the top
+            k = pool.open()
+            pool.add(k, Item(0, min(L, 400), 1, CostModel.megatron()), min(L, 400), rnd.uniform(0.1, 6.0))
+            continue
+        fits = [(pool.load[k], k) for k in range(len(pool.load)) if pool.room[k] >= max(L, floor)]
         want = min(fits, default=None)
         got = pool.least_fitting(L, c, level)
         if want is None or want[0] + c > level:
             assert got is None
         else:
             assert got == want[1]
-            pool.add(got, Item(len(pool.blocks[got][3]), L, 1, CostModel.megatron()), c, top=True)
-        alive = [b for b in pool.blocks if b[2] >= floor]
-        assert pool.max_room() == max((b[2] for b in alive), default=0)
-        assert pool.least_load() == min((b[1] for b in alive), default=float("inf"))
+            pool.add(got, Item(len(pool.items[got]), L, 1, CostModel.megatron()), L, c, top=True)
+        alive = [k for k in range(len(pool.load)) if pool.room[k] >= floor]
+        assert pool.max_room() == max((pool.room[k] for k in alive), default=0)
+        assert pool.least_load() == min((pool.load[k] for k in alive), default=float("inf"))
+    assert [b[1:3] for b in pool.blocks()] == [[ld, r] for ld, r in zip(pool.load, pool.room)]
 
 
 def test_balanced_under_barriers_uses_the_levels_beyond_the_small_sizes():

@@ -67,12 +67,12 @@ def level_rows(items: list[Item], n: int, mslpr: int, leaf: int, cost: CostModel
     key = {it.gid: (-load[it.gid] - cost.block_overhead(size[it.gid]), it.gid) for it in items}
     order = sorted(items, key=lambda it: key[it.gid])
     wide = [it for it in order if size[it.gid] != leaf]
-    narrow = [it for it in order if size[it.gid] == leaf]
+    narrow = [(it, it.L, load[it.gid]) for it in order if size[it.gid] == leaf]  # (sequence, tokens, load)
     rows: list[list[list]] = []
     area = sum(size[g] * load[g] for g in load)
     tokens = sum(it.L for it in items)
     while wide or narrow:
-        first = min((x[0] for x in (wide, narrow) if x), key=lambda it: key[it.gid])
+        first = min(wide[:1] + [x[0] for x in narrow[:1]], key=lambda it: key[it.gid])
         need = -(-tokens // (n * mslpr))  # micro-batches the tokens left need
         level = max(load[first.gid], area / (n * need)) + cost.block_overhead(size[first.gid])
         if need == 1:  # the last micro-batch the tokens need: every sequence that has room joins it
@@ -138,72 +138,81 @@ def _even(row: list[list], leaf: int, load: dict, budget: int) -> int:
     return budget
 
 
-def _level_row(wide: list[Item], narrow: list[Item], level: float, size: dict, load: dict, n: int, mslpr: int,
-               leaf: int, cost: CostModel) -> tuple[list[list], list[Item], list[Item]]:
-    """(``[size, load, room, items]`` blocks of one micro-batch at ``level``, the wide and the narrow sequences
-    left for later, each still by decreasing load)."""
+def _level_row(wide: list[Item], narrow: list[tuple], level: float, size: dict, load: dict, n: int, mslpr: int,
+               leaf: int, cost: CostModel) -> tuple[list[list], list[Item], list[tuple]]:
+    """(``[size, load, room, items]`` blocks of one micro-batch at ``level``, the wide sequences and the narrow
+    ``(sequence, tokens, load)`` left for later, each still by decreasing load)."""
     free = n
     # without a level a sequence waits only for want of room (rare): no skipping, no tracking
     track = level < float("inf") and _skips(cost, leaf)
     pools: dict[int, _Pool] = {}
     # rooms below the shortest narrow sequence take none (``narrow`` ends with it when loads grow with tokens)
-    floor = (narrow[-1].L if _skips(cost, leaf) else min(it.L for it in narrow)) if narrow else 0
+    floor = (narrow[-1][1] if _skips(cost, leaf) else min(x[1] for x in narrow)) if narrow else 0
     wide_rest = []
     for it in wide:
         s = size[it.gid]
-        pool = pools.get(s) or pools.setdefault(s, _Pool(0, track))
+        pool = pools.get(s) or pools.setdefault(s, _Pool(s, cost.block_overhead(s), s * mslpr, 0, track))
         k = pool.least_fitting(it.L, load[it.gid], level)
         top = k is not None
         if k is None:
             if free < s:
                 wide_rest.append(it)
                 continue
-            k = pool.open(s, cost.block_overhead(s), s * mslpr)
+            k = pool.open()
             free -= s
-        pool.add(k, it, load[it.gid], top)
-    leaves = _Pool(floor, track)
-    leaves.open_many(free // leaf, leaf, cost.block_overhead(leaf), leaf * mslpr)
+        pool.add(k, it, it.L, load[it.gid], top)
+    leaves = _Pool(leaf, cost.block_overhead(leaf), leaf * mslpr, floor, track)
+    leaves.open_many(free // leaf)
     for pool in pools.values():
         pool.floor = floor
     sizes = sorted(pools)
     options = [(leaf, leaves)] + [(w, pools[w]) for w in sizes]
     taken = [False] * len(narrow)
-    heap, slots, wait = leaves.heap, leaves.blocks, leaves.waiting
+    heap, wait, loads, rooms = leaves.heap, leaves.waiting, leaves.loads, leaves.rooms
+    bl, br, bi = leaves.load, leaves.room, leaves.items
+    heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
     i, count = 0, len(narrow)
     while i < count:
-        it = narrow[i]
-        L, c = it.L, load[it.gid]
+        it, L, c = narrow[i]
         if wait and -wait[0][0] >= L:
             leaves._admit(L)
-        while heap:  # ``leaves.least_fitting`` inlined: most sequences go to a leaf block
+        while heap:  # ``leaves.least_fitting`` and ``add`` inlined: most sequences go to a leaf block
             ld, k = heap[0]
-            b = slots[k]
-            if ld != b[1]:
-                heapq.heappop(heap)
-            elif b[2] < L:
-                heapq.heappop(heap)
+            if ld != bl[k]:
+                heappop(heap)
+            elif br[k] < L:
+                heappop(heap)
                 leaves._wait(k)
             else:
                 break
         i += 1
         if heap and heap[0][0] + c <= level:
-            leaves.add(heap[0][1], it, c, top=True)
+            k = heap[0][1]
+            ld = bl[k] + c
+            bl[k] = ld
+            room = br[k] - L
+            br[k] = room
+            bi[k].append(it)
+            heapreplace(heap, (ld, k))
+            if track:
+                heappush(loads, (ld, k))
+                heappush(rooms, (-room, k))
             taken[i - 1] = True
             continue
         for w, pool in options[1:]:  # else the narrowest wide block that stays at or below the level
             c = it.cost(w)
             k = pool.least_fitting(L, c, level)
             if k is not None:
-                pool.add(k, it, c, top=True)
+                pool.add(k, it, L, c, top=True)
                 taken[i - 1] = True
                 break
         else:
-            i = _next_candidate(narrow, i, options, level, leaf, load)
-    row = [b for s in sizes for b in pools[s].blocks] + [b for b in leaves.blocks if b[3]]
-    return row, wide_rest, [it for it, t in zip(narrow, taken) if not t]
+            i = _next_candidate(narrow, i, options, level, leaf)
+    row = [b for s in sizes for b in pools[s].blocks()] + [b for b in leaves.blocks() if b[3]]
+    return row, wide_rest, [x for x, t in zip(narrow, taken) if not t]
 
 
-def _next_candidate(narrow: list[Item], i: int, options: list, level: float, leaf: int, load: dict) -> int:
+def _next_candidate(narrow: list[tuple], i: int, options: list, level: float, leaf: int) -> int:
     """The first index from ``i`` of a narrow sequence that some pool may take: one with room for its tokens
     (``max_room``) and a block that stays at or below ``level`` with its load (``least_load``). ``narrow`` is by
     decreasing load, and with a per-rank load that grows with the tokens (``_skips``) by decreasing tokens and
@@ -217,10 +226,10 @@ def _next_candidate(narrow: list[Item], i: int, options: list, level: float, lea
         room, slack = pool.max_room(), level - pool.least_load()
         if room <= 0 or slack < 0:
             continue
-        cost = (lambda it: load[it.gid]) if w == leaf else (lambda it, w=w: it.cost(w))
-        if narrow[i].L <= room and cost(narrow[i]) <= slack:
+        cost = (lambda x: x[2]) if w == leaf else (lambda x, w=w: x[0].cost(w))
+        if narrow[i][1] <= room and cost(narrow[i]) <= slack:
             return i
-        j = bisect.bisect_left(narrow, True, lo=i, hi=first, key=lambda it: it.L <= room and cost(it) <= slack)
+        j = bisect.bisect_left(narrow, True, lo=i, hi=first, key=lambda x: x[1] <= room and cost(x) <= slack)
         first = min(first, j)
     return first
 
@@ -232,12 +241,16 @@ def _skips(cost: CostModel, leaf: int) -> bool:
 
 
 class _Pool:
-    """Blocks of one size, ``[size, load, room, items]``: those with room for the current sequence in a heap by
-    load, the others in a heap by room (a block moves back when a shorter sequence comes). Loads only rise
-    and rooms only fall, so every entry is checked against its block when it surfaces (stale ones leave)."""
+    """Blocks of one size, in columns (``load``, ``room``, ``items`` per block): those with room for the current
+    sequence in a heap by load, the others in a heap by room (a block moves back when a shorter sequence
+    comes). Loads only rise and rooms only fall, so every entry is checked against its block when it surfaces
+    (stale ones leave)."""
 
-    def __init__(self, floor: int, track: bool = True):
-        self.blocks: list[list] = []
+    def __init__(self, size: int, overhead: float, room: int, floor: int, track: bool = True):
+        self.size, self.overhead, self.room0 = size, overhead, room  # every block opens with these
+        self.load: list[float] = []
+        self.room: list[int] = []
+        self.items: list[list[Item]] = []
         self.track = track  # keep ``loads`` and ``rooms`` (a micro-batch without a level needs neither)
         self.loads: list[tuple[float, int]] = []  # (load, block) of every block, for ``least_load``
         self.rooms: list[tuple[int, int]] = []  # (-room, block) of every block, for ``max_room``
@@ -245,51 +258,62 @@ class _Pool:
         self.waiting: list[tuple[int, int]] = []  # (-room, block): too little room for the last sequence
         self.floor = floor
 
-    def open(self, size: int, overhead: float, room: int) -> int:
-        self.blocks.append([size, overhead, room, []])
-        heapq.heappush(self.heap, (overhead, len(self.blocks) - 1))
+    def open(self) -> int:
+        k = len(self.load)
+        self.load.append(self.overhead)
+        self.room.append(self.room0)
+        self.items.append([])
+        heapq.heappush(self.heap, (self.overhead, k))
         if self.track:
-            heapq.heappush(self.loads, (overhead, len(self.blocks) - 1))
-            heapq.heappush(self.rooms, (-room, len(self.blocks) - 1))
-        return len(self.blocks) - 1
+            heapq.heappush(self.loads, (self.overhead, k))
+            heapq.heappush(self.rooms, (-self.room0, k))
+        return k
 
-    def open_many(self, count: int, size: int, overhead: float, room: int) -> None:
+    def open_many(self, count: int) -> None:
         """``count`` blocks into an empty pool (equal keys in index order are heaps already)."""
-        assert not self.blocks, "open_many fills an empty pool"
-        self.blocks = [[size, overhead, room, []] for _ in range(count)]
-        self.heap = [(overhead, k) for k in range(count)]
+        assert not self.load, "open_many fills an empty pool"
+        self.load = [self.overhead] * count
+        self.room = [self.room0] * count
+        self.items = [[] for _ in range(count)]
+        self.heap = [(self.overhead, k) for k in range(count)]
         if self.track:
             self.loads = list(self.heap)
-            self.rooms = [(-room, k) for k in range(count)]
+            self.rooms = [(-self.room0, k) for k in range(count)]
 
-    def add(self, k: int, it: Item, c: float, top: bool = False) -> None:
-        """Add ``it`` (load ``c``) to block ``k``; ``top``: ``k`` came from ``least_fitting``, still atop the heap."""
-        b = self.blocks[k]
-        b[1] += c
-        b[2] -= it.L
-        b[3].append(it)
+    def add(self, k: int, it: Item, L: int, c: float, top: bool = False) -> None:
+        """Add ``it`` (``L`` tokens, load ``c``) to block ``k``; ``top``: ``k`` came from ``least_fitting``, still
+        atop the heap."""
+        ld = self.load[k] + c
+        self.load[k] = ld
+        room = self.room[k] - L
+        self.room[k] = room
+        self.items[k].append(it)
         if top:
-            heapq.heapreplace(self.heap, (b[1], k))
+            heapq.heapreplace(self.heap, (ld, k))
         else:
-            heapq.heappush(self.heap, (b[1], k))
+            heapq.heappush(self.heap, (ld, k))
         if self.track:
-            heapq.heappush(self.loads, (b[1], k))
-            heapq.heappush(self.rooms, (-b[2], k))
+            heapq.heappush(self.loads, (ld, k))
+            heapq.heappush(self.rooms, (-room, k))
+
+    def blocks(self) -> list[list]:
+        """``[size, load, room, items]`` per block, in the order opened."""
+        return [[self.size, ld, r, its] for ld, r, its in zip(self.load, self.room, self.items)]
 
     def max_room(self) -> int:
         """The most tokens a block has room for (0 when none has room for ``floor``)."""
-        rooms, blocks = self.rooms, self.blocks
-        while rooms and -rooms[0][0] != blocks[rooms[0][1]][2]:
+        rooms, room = self.rooms, self.room
+        while rooms and -rooms[0][0] != room[rooms[0][1]]:
             heapq.heappop(rooms)
         return -rooms[0][0] if rooms and -rooms[0][0] >= self.floor else 0
 
     def least_load(self) -> float:
         """The least load of a block that can still take a sequence (inf when none can)."""
-        loads, blocks = self.loads, self.blocks
+        loads, load, room = self.loads, self.load, self.room
         while loads:
-            load, k = loads[0]
-            if load == blocks[k][1] and blocks[k][2] >= self.floor:
-                return load
+            ld, k = loads[0]
+            if ld == load[k] and room[k] >= self.floor:
+                return ld
             heapq.heappop(loads)
         return float("inf")
 
@@ -298,31 +322,30 @@ class _Pool:
         below ``level`` with ``c`` more; else None. Blocks with room below ``floor`` leave for good."""
         L = max(L, self.floor)
         self._admit(L)
-        heap, blocks = self.heap, self.blocks
+        heap, load, room = self.heap, self.load, self.room
         while heap:
-            load, k = heap[0]
-            b = blocks[k]
-            if load != b[1]:
+            ld, k = heap[0]
+            if ld != load[k]:
                 heapq.heappop(heap)
                 continue
-            if b[2] < L:
+            if room[k] < L:
                 heapq.heappop(heap)
                 self._wait(k)
                 continue
-            if load + c > level:
+            if ld + c > level:
                 return None
             return k
         return None
 
     def _wait(self, k: int) -> None:
-        room = self.blocks[k][2]
+        room = self.room[k]
         if room >= self.floor:
             heapq.heappush(self.waiting, (-room, k))
 
     def _admit(self, L: int) -> None:
         """Move the waiting blocks with room for ``L`` tokens back to the heap by load."""
-        waiting, blocks = self.waiting, self.blocks
+        waiting, load, room = self.waiting, self.load, self.room
         while waiting and -waiting[0][0] >= L:
-            room, k = heapq.heappop(waiting)
-            if -room == blocks[k][2]:
-                heapq.heappush(self.heap, (blocks[k][1], k))
+            r, k = heapq.heappop(waiting)
+            if -r == room[k]:
+                heapq.heappush(self.heap, (load[k], k))
