@@ -121,6 +121,12 @@ FAULTS: tuple[Fault, ...] = (
           url=MEGATRON + "2000", layer="plan", seam="harness.plan.megatron_pr2000:fill_free_ranks",
           make=sf.make_vacuous_room_check, check="schedule-invariants", expect=r"invariant 'slot-count'",
           scenario="plan"),
+    Fault(name="levels-room-unchecked", title="the levels packer ignores a block's token room",
+          source="Megatron-LM PR #2000 review, data_schedule_utils.py line 811 (a room check that always passes), "
+                 "the same mechanism in balanced's rows by levels under the synchronous model (MoE with EP)",
+          url=MEGATRON + "2000", layer="plan", seam="harness.plan.balanced.levels:_Pool",
+          make=sf.make_levels_room_unchecked, check="schedule-invariants", expect=r"invariant 'capacity'",
+          scenario="plan"),
     Fault(name="fewer-sequences-than-ranks", title="CP silently off for a batch smaller than the domain",
           source="verl PR #5869: dynamic_cp_split_batch returned early when sequences < dp_size",
           url=VERL + "5869", layer="plan", seam="harness.dist.layouts:deliver",

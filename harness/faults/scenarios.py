@@ -7,7 +7,8 @@
 - ``train-ep``: the ``train`` run with the tiny MoE under expert parallelism (one expert per rank).
 - ``replay``: router replay under PP 2 x CP 2 (``harness.dist.replay.replay_check``).
 - ``plan``: PR #2000's scheduler on the input that triggers the vacuous room check (N = 10,
-  [8000, 7000] at 2048 tokens per rank), run as upstream's driver runs it; judged by ``check_schedule``.
+  [8000, 7000] at 2048 tokens per rank), run as upstream's driver runs it, and ``balanced`` under the
+  synchronous model (the rows by levels) on a batch whose 2-rank blocks fill up; judged by ``check_schedule``.
 - ``stepwise``: a contiguous and an interleaved step-wise batch through validation and the advantage
   broadcast; judged against each row's own trajectory (by id).
 A scenario returns ``(alarms, observations)``; an in-run alarm ends the run where it fired.
@@ -195,26 +196,40 @@ def run_batch(scenario: str, faults: list[str], workdir) -> dict:
 PLAN_TRIGGER = {"lengths": [8000, 7000], "n_ranks": 10, "max_seqlen_per_rank": 2048}
 
 
+LEVELS_TRIGGER = {"lengths": [400, 3000, 400, 3000, 900, 300, 900, 2200, 900, 400, 2600, 400, 2200, 2200, 2600, 200,
+                              400, 2200, 400, 200, 2200, 2200, 1500], "n_ranks": 8, "max_seqlen_per_rank": 2048}
+"""A batch where ``balanced``'s levels put two sequences of 2-rank size side by side in one block when its room is
+not checked (under the GPT cost, synchronous model)."""
+
+
 def run_plan(fault: str | None, workdir=None) -> list[Alarm]:
-    """PR #2000's driver on the trigger input; a refusal (an error before any schedule exists) is
-    the correct outcome there, an invalid schedule is an alarm."""
+    """PR #2000's driver on its trigger input (a refusal, an error before any schedule exists, is the correct
+    outcome there), then ``balanced`` under the synchronous model on ``LEVELS_TRIGGER``; an invalid schedule is
+    an alarm."""
+    from harness.plan import gpt_benchmark_cost, schedule
     from harness.plan.layout import Schedule, layout_from_sizes
     from harness.plan.megatron_pr2000 import schedule_pr2000
     from harness.plan.validate import check_schedule
 
     t = PLAN_TRIGGER
     pairs = list(enumerate(t["lengths"]))
+    scheds = []
     with _fault(fault):
         try:
             mbs = schedule_pr2000(pairs, t["n_ranks"], t["max_seqlen_per_rank"])
+            scheds.append(Schedule([layout_from_sizes(mb) for mb in mbs], dict(pairs), t["n_ranks"],
+                                   t["max_seqlen_per_rank"]))
         except (AssertionError, ValueError):
-            return []
-    sched = Schedule([layout_from_sizes(mb) for mb in mbs], dict(pairs), t["n_ranks"], t["max_seqlen_per_rank"])
-    bad = check_schedule(sched)
-    if not bad:
-        return []
-    return [Alarm("schedule-invariants", str(bad[0].error()) + f" ({len(bad)} violations)",
-                  {"microbatch": bad[0].microbatch, "ranks": list(bad[0].ranks)})]
+            pass
+        t = LEVELS_TRIGGER
+        scheds.append(schedule(t["lengths"], n_ranks=t["n_ranks"], max_seqlen_per_rank=t["max_seqlen_per_rank"],
+                               cost=gpt_benchmark_cost(), execution="synchronous"))
+    for sched in scheds:
+        bad = check_schedule(sched)
+        if bad:
+            return [Alarm("schedule-invariants", str(bad[0].error()) + f" ({len(bad)} violations)",
+                          {"microbatch": bad[0].microbatch, "ranks": list(bad[0].ranks)})]
+    return []
 
 
 # ----------------------------------------------------------------------------------- stepwise

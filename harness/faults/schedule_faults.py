@@ -1,5 +1,5 @@
 """Re-creations of the three PR #2000 review findings (Megatron-LM, data_schedule_utils.py lines 811,
-818, 921) applied to the schedule the ranks run.
+818, 921) applied to the schedule the ranks run, and the room check of 811 in our own packer.
 
 On the inputs PR #2000's own callers produce, all three are latent (spec 2.8 bugs 1-3: "benign by
 accident"); each fault here is the same mechanism where it does change the schedule, and says where.
@@ -63,3 +63,14 @@ def make_vacuous_room_check(original):
             sizes[sizes.index(m)] = m + grow  # no room check: the vacuous assertion always passes
             free -= grow
     return fill_free_ranks
+
+
+def make_levels_room_unchecked(original):
+    """The room check of PR #2000 line 811 gone vacuous in ``balanced``'s rows by levels (the synchronous
+    model's packer): a pool hands out its least loaded block that stays at or below the level whatever room
+    it has left, so a wide sequence joins a block its tokens overflow. The leaf blocks keep their own check;
+    the blocks of two or more ranks, which hold the longest sequences, do not."""
+    class RoomUncheckedPool(original):
+        def least_fitting(self, L, c, level):
+            return super().least_fitting(0, c, level)
+    return RoomUncheckedPool

@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.plan import CostModel, check_schedule, gpt_benchmark_cost, schedule, simulate
+from harness.plan import SYNCHRONOUS, CostModel, check_schedule, gpt_benchmark_cost, quality, schedule, simulate
 from harness.plan.api import cyclic_gc_paused
 from harness.plan.balanced import EXTRA_MAX_SEQUENCES, levels
+from harness.plan.balanced.evaluate import Judge
 from harness.plan.balanced.items import Item
 from harness.plan.cost import cp_min
 from harness.testing import batches
@@ -26,6 +27,12 @@ LN1024 = "lognormal:mean=1024,sigma=1.5,min=128,max=8192"
 
 def _items(pairs, mslpr, min_cp, cost):
     return [Item(g, L, cp_min(L, mslpr, min_cp), cost) for g, L in pairs]
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as m:
+        yield m
 
 
 @settings(max_examples=40, deadline=None)
@@ -49,12 +56,6 @@ def test_skipping_changes_no_row(batch, many, cap, monkeypatch_module):
             m.setattr(levels, "_skips", lambda *_: False)
             slow = levels.level_rows(items, n, mslpr, leaf, cost, limit)
         assert fast == slow
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as m:
-        yield m
 
 
 def test_a_cost_of_constants_alone_never_skips():
@@ -108,14 +109,9 @@ def test_balanced_under_barriers_uses_the_levels_beyond_the_small_sizes():
     lengths = sample(LN1024, 2 * EXTRA_MAX_SEQUENCES, seed=3)
     ours = schedule(lengths, n_ranks=n, max_seqlen_per_rank=mslpr, cost=GPT, execution="synchronous")
     assert not check_schedule(ours)
-    rows = levels.level_rows(_items(list(enumerate(lengths)), mslpr, 1, GPT), n, mslpr, 1, GPT)
-    from harness.plan.balanced.evaluate import Judge
-    from harness.plan.execution import SYNCHRONOUS
-
-    judge = Judge(_items(list(enumerate(lengths)), mslpr, 1, GPT), n, mslpr, GPT, SYNCHRONOUS)
-    assert simulate(ours).step_time <= judge.time(rows) * (1 + 1e-12)
-    from harness.plan import quality
-
+    items = _items(list(enumerate(lengths)), mslpr, 1, GPT)
+    rows = levels.level_rows(items, n, mslpr, 1, GPT)
+    assert simulate(ours).step_time <= Judge(items, n, mslpr, GPT, SYNCHRONOUS).time(rows) * (1 + 1e-12)
     assert quality(ours) < 1.06
 
 
