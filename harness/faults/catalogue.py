@@ -127,6 +127,19 @@ FAULTS: tuple[Fault, ...] = (
           url=MEGATRON + "2000", layer="plan", seam="harness.plan.balanced.levels:_Pool",
           make=sf.make_levels_room_unchecked, check="schedule-invariants", expect=r"invariant 'capacity'",
           scenario="plan"),
+    Fault(name="tall-room-unchecked", title="the tall micro-batch's packer ignores a block's token room",
+          source="Megatron-LM PR #2000 review, data_schedule_utils.py line 811 (a room check that always passes), "
+                 "the same mechanism in balanced's tall micro-batch under the synchronous model (MoE with EP)",
+          url=MEGATRON + "2000", layer="plan", seam="harness.plan.balanced.tall:_tightest",
+          make=sf.make_tall_room_unchecked, check="schedule-invariants", expect=r"invariant 'capacity'",
+          scenario="plan"),
+    Fault(name="tallest-at-cp-min", title="the synchronous lower bound prices the costliest sequence at its cp_min",
+          source="Megatron-LM PR #2000: dcp_gpus_needed sizes every group at the fewest ranks that hold a sequence; "
+                 "taken as the cheapest per-rank size in the tallest micro-batch's bound, it rises above schedules "
+                 "that run the costliest sequence wider (quality below 1)",
+          url=MEGATRON + "2000", layer="plan", seam="harness.plan.tallest:lowest_height",
+          make=sf.make_tallest_at_cp_min, check="bound-soundness", expect=r"below the lower bound",
+          scenario="plan"),
     Fault(name="fewer-sequences-than-ranks", title="CP silently off for a batch smaller than the domain",
           source="verl PR #5869: dynamic_cp_split_batch returned early when sequences < dp_size",
           url=VERL + "5869", layer="plan", seam="harness.dist.layouts:deliver",

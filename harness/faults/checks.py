@@ -32,6 +32,8 @@ CHECKS: dict[str, str] = {
     "loss-curve": "every step's loss equals the bshd run's (absolute)",
     "replay-routes": "under replay every real token's experts equal the rollout's, per layer (exact)",
     "replay-gradients": "replayed loss and gradients equal a single-process replayed reference (relative)",
+    "bound-soundness": "no schedule the scheduler makes runs faster than the lower bound of its batch (simulated, "
+                       "under its execution model)",
     "stepwise-advantages": "every response token gets its own trajectory's advantage, or the batch is refused",
 }
 TOLERANCES = {"token-loss": 1e-5, "step1-gradients": 1e-5, "clipped-gradients": 1e-5, "grad-norm": 1e-5, "loss-curve": 1e-5,

@@ -202,11 +202,21 @@ LEVELS_TRIGGER = {"lengths": [400, 3000, 400, 3000, 900, 300, 900, 2200, 900, 40
 not checked (under the GPT cost, synchronous model)."""
 
 
+TALL_TRIGGER = {"lengths": [329, 1597, 1011, 985, 3769, 64, 130, 64, 283, 1487, 322, 699, 64, 414, 85, 4767],
+                "n_ranks": 4, "max_seqlen_per_rank": 2048}
+"""A batch ``balanced`` leads with one tall micro-batch under the synchronous model (GPT cost), where a long
+sequence joins a full block when the tall packer does not check its room."""
+
+TALLEST_TRIGGER = {"lengths": [40, 6, 6, 6, 6], "n_ranks": 2, "max_seqlen_per_rank": 64}
+"""One long sequence beside short ones (L**2 plus a K/V exchange of 10 per token): the best schedule runs it on
+both ranks (step 1072); a bound that keeps it on one rank says 1600."""
+
+
 def run_plan(fault: str | None, workdir=None) -> list[Alarm]:
     """PR #2000's driver on its trigger input (a refusal, an error before any schedule exists, is the correct
-    outcome there), then ``balanced`` under the synchronous model on ``LEVELS_TRIGGER``; an invalid schedule is
-    an alarm."""
-    from harness.plan import gpt_benchmark_cost, schedule
+    outcome there), then ``balanced`` under the synchronous model on ``LEVELS_TRIGGER``, ``TALL_TRIGGER`` and
+    ``TALLEST_TRIGGER``; an invalid schedule, or one faster than its batch's lower bound, is an alarm."""
+    from harness.plan import CostModel, gpt_benchmark_cost, schedule, schedule_lower_bound, simulate
     from harness.plan.layout import Schedule, layout_from_sizes
     from harness.plan.megatron_pr2000 import schedule_pr2000
     from harness.plan.validate import check_schedule
@@ -221,14 +231,24 @@ def run_plan(fault: str | None, workdir=None) -> list[Alarm]:
                                    t["max_seqlen_per_rank"]))
         except (AssertionError, ValueError):
             pass
-        t = LEVELS_TRIGGER
-        scheds.append(schedule(t["lengths"], n_ranks=t["n_ranks"], max_seqlen_per_rank=t["max_seqlen_per_rank"],
-                               cost=gpt_benchmark_cost(), execution="synchronous"))
+        bounded = []
+        for t, cost in ((LEVELS_TRIGGER, gpt_benchmark_cost()), (TALL_TRIGGER, gpt_benchmark_cost()),
+                        (TALLEST_TRIGGER, CostModel(quadratic=1.0, cp_comm=10.0))):
+            s = schedule(t["lengths"], n_ranks=t["n_ranks"], max_seqlen_per_rank=t["max_seqlen_per_rank"], cost=cost,
+                         execution="synchronous")
+            scheds.append(s)
+            bounded.append((s, simulate(s).step_time, schedule_lower_bound(s)))
     for sched in scheds:
         bad = check_schedule(sched)
         if bad:
             return [Alarm("schedule-invariants", str(bad[0].error()) + f" ({len(bad)} violations)",
                           {"microbatch": bad[0].microbatch, "ranks": list(bad[0].ranks)})]
+    for sched, step, bound in bounded:
+        if step < bound * (1 - 1e-9):
+            return [Alarm("bound-soundness", f"a {len(sched.lengths)}-sequence schedule on {sched.n_ranks} ranks runs "
+                                             f"in {step:.6g}, below the lower bound {bound:.6g} of its batch "
+                                             f"({sched.execution.describe()})",
+                          {"step_time": step, "lower_bound": bound}, observed=bound / step)]
     return []
 
 

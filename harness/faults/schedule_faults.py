@@ -74,3 +74,24 @@ def make_levels_room_unchecked(original):
         def least_fitting(self, L, c, level):
             return super().least_fitting(0, c, level)
     return RoomUncheckedPool
+
+
+def make_tall_room_unchecked(original):
+    """The same room check gone vacuous in the tall micro-batch's packer (``balanced.tall``, barriers): a long
+    sequence joins the most loaded block that stays under the height whatever tokens the block already holds."""
+    def _tightest(blocks, most, tokens):
+        return original(blocks, most, 0)
+    return _tightest
+
+
+def make_tallest_at_cp_min(original):
+    """The synchronous bound's least micro-batch height taken at each sequence's cp_min, as if a sequence ran
+    cheapest per rank on the fewest ranks that hold it (the assumption of a scheduler that sizes every group at
+    its minimum): with quadratic attention a wider block is cheaper per rank, so the bound rises above
+    schedules that widen the costliest sequence."""
+    import numpy as np
+
+    def lowest_height(cost):
+        first = np.isfinite(cost).argmax(axis=0)
+        return float(cost[first, np.arange(cost.shape[1])].max())
+    return lowest_height

@@ -43,6 +43,8 @@ SEAMS: dict[str, str] = {
     "harness.plan.layout:blocks_from_slots": "slot lists -> CP blocks (how a rank finds its block and local_cp_size)",
     "harness.plan.megatron_pr2000:fill_free_ranks": "PR #2000's expansion of CP groups into free positions",
     "harness.plan.balanced.levels:_Pool": "the blocks of one size the rows by levels fill (balanced, barriers)",
+    "harness.plan.balanced.tall:_tightest": "the block a long sequence joins in the tall micro-batch (balanced, barriers)",
+    "harness.plan.tallest:lowest_height": "the least height of the tallest micro-batch (the synchronous lower bound)",
     "harness.dist.expert_parallel:dispatch_routes": "the experts each local token is sent to (expert parallelism)",
     "harness.dist.expert_parallel:announced_counts": "the per-expert token counts a rank announces to the experts' owners",
     "harness.dist.replay:route_column": "which layer of the rollout's routes feeds a router on a PP stage",

@@ -21,7 +21,9 @@ block of every micro-batch and is a rank of every micro-batch's widest block (``
 
 Other execution models (``harness.plan.execution``: ``execution=`` of ``simulate``, ``lower_bound``,
 ``quality``, ``stats``). Synchronous (a barrier after every micro-batch): the same bound (barriers only
-delay blocks). Pipeline of ``pp`` stages: every term above bounds some rank's *busy* time, a stage's ranks
+delay blocks), or the bound of the tallest micro-batch when that is higher (``harness.plan.tallest``: no
+micro-batch is taller than the tallest, so the longest sequences widen to fit it or it holds them, and the
+others hold what its ranks cannot). Pipeline of ``pp`` stages: every term above bounds some rank's *busy* time, a stage's ranks
 run ``w_s`` (its chunks' share of the model, ``1 / pp`` evenly split) of each of their blocks, and a rank of
 stage s can start only after the forward of its first micro-batch crossed the chunks before its first one
 (``A_s`` of the model: ``s / (pp * vpp)`` evenly split) and ends before the backward of its last one crosses
@@ -73,6 +75,7 @@ from harness.plan.execution import (
 )
 from harness.plan.layout import Schedule
 from harness.plan.lengths import check_domain, normalize_lengths
+from harness.plan.tallest import tallest_bound
 
 
 def simulate(schedule: Schedule, cost: CostModel | None = None, execution: Execution | str | None = None) -> Simulation:
@@ -121,7 +124,11 @@ def lower_bound(lengths, *, n_ranks: int, max_seqlen_per_rank: int, cost: CostMo
         return busy
     terms = BoundTerms(busy=busy, chain=single + c.per_microbatch,
                        smallest_block=smallest_block(pairs, n_ranks, max_seqlen_per_rank, c, min_cp_size))
-    return execution_bound(terms, execution)
+    bound = execution_bound(terms, execution)
+    if execution.kind == "synchronous":  # the tallest micro-batch's argument (``harness.plan.tallest``)
+        bound = max(bound, tallest_bound([L for _, L in pairs], n_ranks, max_seqlen_per_rank, c, min_cp_size,
+                                         mb_min, ceiling=2 * bound))
+    return bound
 
 
 def smallest_block(lengths, n_ranks: int, max_seqlen_per_rank: int, cost: CostModel, min_cp_size: int = 1) -> float:

@@ -5,7 +5,7 @@ blocks a rank's imbalance in one micro-batch can be made up in the next, so plan
 *totals* win; with a barrier after every micro-batch (MoE with expert parallelism: ``synchronous``) each
 micro-batch must be balanced on its own; a pipeline sits in between. ``balanced`` therefore builds several
 kinds of candidates (``candidates``: phased plans, densest rows, rows balanced per micro-batch, rows by levels
-with barriers, ``megatron-dev``'s own schedule when it is cheap), re-sizes each row's blocks (``rows.rewiden``),
+and rows led by one tall micro-batch with barriers, ``megatron-dev``'s own schedule when it is cheap), re-sizes each row's blocks (``rows.rewiden``),
 judges every one with the simulator
 of the given model and cost (``evaluate.Judge``: exact, the same arithmetic as ``simulate``) and returns the
 least (ties: the first built, in the order above; so the result is deterministic).
@@ -108,6 +108,9 @@ def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
             best.offer(rows)
             if best.time <= enough:
                 break
+        if best.time > enough:  # the longest sequences dominate: one tall micro-batch takes them first
+            for rows in cands.by_tall(items, n, mslpr, min_cp_size, cost):
+                best.offer(rows)
     skip = barriers and not few and best.time <= enough
     per_mb = [] if independent or skip else cands.per_microbatch(items, n, mslpr, min_cp_size, vpp_group, cost,
                                                                  small, roomy=True)

@@ -5,6 +5,8 @@
 * ``dense`` / ``tight``: the fewest micro-batches, when the cost charges per micro-batch or CP block.
 * ``per_microbatch``: ``rows.lpt_rows`` at the least micro-batch count the tokens need and a few more.
 * ``by_levels``: ``levels.level_rows`` (sequences at their cp_min, micro-batches filled by levels), for barriers.
+* ``by_tall``: ``tall.tall_rows`` (one tall micro-batch of the longest sequences, the rest by levels), for
+  barriers when the levels are not good enough.
 * ``megatron``: ``megatron-dev``'s schedule itself (exact parity model) when the batch is small enough for
   it to be cheap (``DEV_MAX_WORK``), so the best candidate is never slower than it.
 """
@@ -16,6 +18,7 @@ from harness.plan.balanced.items import Infeasible, Item
 from harness.plan.balanced.levels import level_rows
 from harness.plan.balanced.phased import THETAS, PhasedBuilder
 from harness.plan.balanced.rows import lpt_rows, spread_rows
+from harness.plan.balanced.tall import tall_rows
 from harness.plan.balanced.tight import TIGHT_MAX_WORK, tight
 from harness.plan.cost import CostModel
 from harness.plan.errors import VPPAlignmentError
@@ -120,6 +123,11 @@ def by_levels(items: list[Item], n: int, mslpr: int, min_cp: int, cost: CostMode
         rows = level_rows(items, n, mslpr, min_cp, cost, None if f is None else f * mean)
         if rows is not None:
             yield rows
+
+
+def by_tall(items: list[Item], n: int, mslpr: int, min_cp: int, cost: CostModel):
+    """``tall_rows``: a generator of rows, each a tall micro-batch and the rest by levels."""
+    yield from tall_rows(items, n, mslpr, min_cp, cost)
 
 
 def megatron(pairs, n: int, mslpr: int, min_cp: int, vpp: int | None) -> list[list[Blocks]]:
