@@ -43,8 +43,8 @@ import numpy as np
 
 from harness.plan.cost import CostModel, cp_min
 
-GRID = 1.1
-"""Ratio of consecutive heights of the first intervals."""
+GRID, FIRST = 1.1, 40
+"""Ratio of consecutive heights of the first intervals: ``GRID``, or wider so that there are at most ``FIRST``."""
 FINEST = 1.001
 """Intervals are not split below this ratio of their ends."""
 EVALUATIONS = 2000
@@ -95,26 +95,25 @@ def lowest_height(cost: np.ndarray) -> float:
     return float(cost.min(axis=0).max())
 
 
-def _cheapest(a, tokens, counts, need: float) -> float:
-    """Least sum of ``a`` (fractionally) over sequences that hold ``need`` tokens."""
-    order = np.argsort(a / tokens, kind="stable")
-    held = np.cumsum((tokens * counts)[order])
-    k = int(np.searchsorted(held, need))
-    got = float((a * counts)[order][:k].sum())
-    if k < len(order):
-        got += (need - (held[k - 1] if k else 0.0)) * float(a[order[k]] / tokens[order[k]])
-    return got
-
-
-def _knapsack(values, weights, counts, capacity: float) -> float:
-    """Fractional knapsack: most sum of ``values`` with sum of ``weights`` <= ``capacity`` (counts each)."""
-    order = np.argsort(-values / weights, kind="stable")
+def _fill(values, weights, counts, capacity: float, order) -> float:
+    """Sum of ``values`` taken whole in ``order`` while their ``weights`` fit ``capacity``, plus the share of the
+    next one that fits (each distinct length ``counts`` times): a fractional knapsack in the order given."""
     used = np.cumsum((weights * counts)[order])
     k = int(np.searchsorted(used, capacity))
     got = float((values * counts)[order][:k].sum())
     if k < len(order):
         got += (capacity - (used[k - 1] if k else 0.0)) * float(values[order[k]] / weights[order[k]])
     return got
+
+
+def _cheapest(a, tokens, counts, need: float) -> float:
+    """Least sum of ``a`` (fractionally) over sequences that hold ``need`` tokens."""
+    return _fill(a, tokens, counts, need, np.argsort(a / tokens, kind="stable"))
+
+
+def _knapsack(values, weights, counts, capacity: float) -> float:
+    """Most sum of ``values`` (fractionally) with sum of ``weights`` <= ``capacity``."""
+    return _fill(values, weights, counts, capacity, np.argsort(-values / weights, kind="stable"))
 
 
 def _theta(k: int, p: int) -> np.ndarray:
@@ -137,7 +136,7 @@ def tallest_bound(lengths: list[int], n_ranks: int, max_seqlen_per_rank: int, co
     k = len(batch.widths)
     last = 3 * k
     lo = batch.lowest
-    if not 0 < lo + fixed < ceiling:
+    if lo <= 0 or lo + fixed >= ceiling:  # no cost per token (only fixed ones), or nothing to search
         return min(lo + fixed, ceiling)
     budget = [EVALUATIONS]
 
@@ -163,9 +162,9 @@ def tallest_bound(lengths: list[int], n_ranks: int, max_seqlen_per_rank: int, co
         return h0 + fixed + at(p) / batch.n, p
 
     heap: list[tuple[float, float, float, int]] = []
-    h0 = lo
+    h0, ratio = lo, max(GRID, (ceiling / lo) ** (1 / FIRST))
     while h0 + fixed < ceiling:
-        h1 = h0 * GRID
+        h1 = h0 * ratio
         v, p = value(h0, h1, None)
         heap.append((v, h0, h1, p))
         h0 = h1

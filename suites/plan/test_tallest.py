@@ -118,6 +118,13 @@ def test_the_bound_is_deterministic_never_above_its_ceiling_and_loosens_with_a_s
     assert lower_bound(lengths, **kw) <= full
 
 
+def test_a_cost_of_fixed_terms_only_bounds_by_the_micro_batches():
+    cost = CostModel(quadratic=0.0, per_microbatch=3.0)
+    kw = dict(n_ranks=4, max_seqlen_per_rank=8, cost=cost, execution=SYNCHRONOUS)
+    assert lower_bound([8] * 9, **kw) == 9.0  # 72 tokens need 3 micro-batches of 32
+    assert tallest.tallest_bound([8] * 9, 4, 8, cost, 1, 3, ceiling=100.0) == 9.0
+
+
 @st.composite
 def long_tail_batches(draw):
     n = draw(st.sampled_from([4, 8, 16, 32]))
