@@ -62,6 +62,8 @@ class Fault:
 MEGATRON = "https://github.com/NVIDIA/Megatron-LM/pull/"
 VERL = "https://github.com/verl-project/verl/pull/"
 SKYRL = "https://github.com/NovaSky-AI/SkyRL/pull/"
+ROOM_CHECK = "Megatron-LM PR #2000 review, data_schedule_utils.py line 811 (a room check that always passes), "
+"""The source of the packers' room faults: the review's mechanism, re-created where ``balanced`` packs."""
 
 FAULTS: tuple[Fault, ...] = (
     Fault(name="rope-positions-per-rank", title="RoPE positions numbered per rank, not per sequence",
@@ -122,14 +124,12 @@ FAULTS: tuple[Fault, ...] = (
           make=sf.make_vacuous_room_check, check="schedule-invariants", expect=r"invariant 'slot-count'",
           scenario="plan"),
     Fault(name="levels-room-unchecked", title="the levels packer ignores a block's token room",
-          source="Megatron-LM PR #2000 review, data_schedule_utils.py line 811 (a room check that always passes), "
-                 "the same mechanism in balanced's rows by levels under the synchronous model (MoE with EP)",
+          source=ROOM_CHECK + "the same mechanism in balanced's rows by levels under the synchronous model (MoE with EP)",
           url=MEGATRON + "2000", layer="plan", seam="harness.plan.balanced.levels:_Pool",
           make=sf.make_levels_room_unchecked, check="schedule-invariants", expect=r"invariant 'capacity'",
           scenario="plan"),
     Fault(name="tall-room-unchecked", title="the tall micro-batch's packer ignores a block's token room",
-          source="Megatron-LM PR #2000 review, data_schedule_utils.py line 811 (a room check that always passes), "
-                 "the same mechanism in balanced's tall micro-batch under the synchronous model (MoE with EP)",
+          source=ROOM_CHECK + "the same mechanism in balanced's tall micro-batch under the synchronous model (MoE with EP)",
           url=MEGATRON + "2000", layer="plan", seam="harness.plan.balanced.tall:_tightest",
           make=sf.make_tall_room_unchecked, check="schedule-invariants", expect=r"invariant 'capacity'",
           scenario="plan"),

@@ -143,6 +143,8 @@ def test_tall_rows_are_valid_and_deterministic(batch):
     items = [Item(g, L, cp_min(L, mslpr, min_cp), cost) for g, L in enumerate(lengths)]
     made = list(tall_rows(items, n, mslpr, min_cp, cost))
     assert made == list(tall_rows(items, n, mslpr, min_cp, cost))
+    needs_two = sum(lengths) > n * mslpr and any(it.cp > min_cp for it in items)
+    assert bool(made) == needs_two  # candidates whenever the tokens need two micro-batches and one is wide
     for rows in made:
         s = Schedule([layout_from_sizes(mb) for mb in rows], dict(enumerate(lengths)), n, mslpr, min_cp)
         assert check_schedule(s) == []

@@ -5,10 +5,10 @@ blocks a rank's imbalance in one micro-batch can be made up in the next, so plan
 *totals* win; with a barrier after every micro-batch (MoE with expert parallelism: ``synchronous``) each
 micro-batch must be balanced on its own; a pipeline sits in between. ``balanced`` therefore builds several
 kinds of candidates (``candidates``: phased plans, densest rows, rows balanced per micro-batch, rows by levels
-and rows led by one tall micro-batch with barriers, ``megatron-dev``'s own schedule when it is cheap), re-sizes each row's blocks (``rows.rewiden``),
-judges every one with the simulator
-of the given model and cost (``evaluate.Judge``: exact, the same arithmetic as ``simulate``) and returns the
-least (ties: the first built, in the order above; so the result is deterministic).
+and rows led by one tall micro-batch with barriers, ``megatron-dev``'s own schedule when it is cheap), re-sizes
+each row's blocks (``rows.rewiden``), judges every one with the simulator of the given model and cost
+(``evaluate.Judge``: exact, the same arithmetic as ``simulate``) and returns the least (ties: the first built,
+in the order above; so the result is deterministic).
 
 Work is bounded by the batch, never by the clock: the independent model stops after the phased plans when
 they are within ``GOOD_ENOUGH`` (``FAIR`` with many sequences per rank) of the area lower bound, and
@@ -53,15 +53,16 @@ EXTRA_MAX_SEQUENCES = 1024
 ``candidates.DEV_MAX_WORK``; with barriers and more than ``FEW_PER_RANK`` sequences per rank, no phased
 plans: they lose there). Above it the
 independent model keeps the phased plans (within ~1% of the bound there), the synchronous one the rows by
-levels and, when those are not within ``SYNC_ENOUGH``, the rows balanced per micro-batch at the least count,
-the pipeline those rows (the phased plans only when those fail): the latency targets are 50 ms at 1024 ranks
+levels and, when those are not within ``SYNC_ENOUGH``, the rows led by one tall micro-batch and the rows
+balanced per micro-batch at the least count, the pipeline those rows (the phased plans only when those fail): the latency targets are 50 ms at 1024 ranks
 x 8192 sequences and 250 ms at 4096 x 32768 on two CPU cores."""
 
 
 SYNC_ENOUGH = 0.06
 """Synchronous model: the rows by levels (``candidates.by_levels``) come first, at every size, and with more
 than ``FEW_PER_RANK`` sequences per rank they end the search for rows balanced per micro-batch (``lpt_rows``,
-which widen sequences) when within this of the area bound (which bounds those too); up to
+which widen sequences) when within this of the area bound (which bounds those too); within it the rows led by
+one tall micro-batch (``candidates.by_tall``) are skipped whatever the count per rank; up to
 ``EXTRA_MAX_SEQUENCES`` sequences ``megatron-dev``'s rows still join."""
 
 
