@@ -22,6 +22,7 @@ routes in every layout (router replay).
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import re
 import shutil
@@ -30,9 +31,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from harness import golden as golden_mod
+from harness import reference
 from harness.bench.common import REPORTS
 from harness.dist.layouts import LayoutError, static_cp_for
 from harness.dist.train import TrainConfig, execution_line, longest_sequence
+from harness.finite import nonfinite_message, within, worst
 from harness.io import atomic_write_json, atomic_write_text, temporary_folder
 
 TOLERANCES = {"float32": {"max": 1e-5, "mean": 1e-5}, "bfloat16": {"max": 2e-3, "mean": 5e-4}}
@@ -47,9 +50,10 @@ DEFAULT_SEED = TrainConfig().corpus.seed
 
 
 def case_id(cfg: TrainConfig, world: int) -> str:
-    """``converge__<model>__w<world>[_pp<P>[_vpp<V>][_afab]][_ep][__m<tokens per rank>][__b<sequences>][__<lengths>][__seed<corpus seed>]__s<steps>__<dtype>``:
+    """``converge__<model>__w<world>[_pp<P>[_vpp<V>][_afab]][_ep][__m<tokens per rank>][__b<sequences>][__<lengths>][__seed<corpus seed>]__<dtype>``:
     the pipeline, expert parallelism, a non-default ``max_seqlen_per_rank``, batch, length spec and corpus seed are
-    part of the case."""
+    part of the case. The step count is not: step k's batch and learning rate do not depend on how many steps
+    follow, so a golden of N steps serves every run of the case with at most N steps (its prefix)."""
     dtype = {"float32": "fp32", "bfloat16": "bf16"}[cfg.dtype]
     pipe = "" if cfg.pp == 1 else f"_pp{cfg.pp}" + (f"_vpp{cfg.vpp}" if cfg.vpp > 1 else "") + \
         ("_afab" if cfg.pipeline == "afab" else "")
@@ -58,7 +62,7 @@ def case_id(cfg: TrainConfig, world: int) -> str:
     b = "" if cfg.corpus.sequences_per_batch == DEFAULT_BATCH else f"__b{cfg.corpus.sequences_per_batch}"
     L = "" if cfg.corpus.lengths == DEFAULT_LENGTHS else "__" + _lengths_tag(cfg.corpus.lengths)
     L += "" if cfg.corpus.seed == DEFAULT_SEED else f"__seed{cfg.corpus.seed}"
-    return f"converge__{cfg.model.replace('-', '_')}__w{world}{pipe}{m}{b}{L}__s{cfg.steps}__{dtype}"
+    return f"converge__{cfg.model.replace('-', '_')}__w{world}{pipe}{m}{b}{L}__{dtype}"
 
 
 def _lengths_tag(spec: str) -> str:
@@ -93,31 +97,62 @@ class ConvergeResult:
     rows: dict[str, list[dict]]
     checks: list[dict]
     config: dict
+    reference: list[dict] | None = None
+    """The reference run's rows (``harness.reference``), or None when none ran."""
 
 
-def _compare(name: str, losses: list[float], ref: list[float], tol: dict, moe: bool) -> list[dict]:
-    """Checks of one loss curve against a reference curve (see the module doc for the MoE rule)."""
+def _compare(name: str, losses: list[float], ref: list[float], tol: dict, moe: bool, what: str = "loss") -> list[dict]:
+    """Checks of one loss curve against a reference curve of the same length (see the module doc for the MoE
+    rule). A curve of another length, or a non-finite value in either, is one failing check that says so."""
+    if len(losses) != len(ref):
+        return [{"target": f"{name}: {len(losses)} steps against the reference's {len(ref)}", "value": math.nan,
+                 "limit": tol["max"], "pass": False}]
+    who, against = name.split(" vs ", 1) if " vs " in name else (name, "reference")
+    bad = nonfinite_message(losses, what, who) or nonfinite_message(ref, what, against)
+    if bad:
+        return [{"target": f"{name}: {bad}", "value": math.nan, "limit": tol["max"], "pass": False}]
     exact = len(ref) if not moe else min(len(ref), MOE_EXACT_STEPS)
     d = [abs(a - b) for a, b in zip(losses[:exact], ref[:exact])]
     span = "" if exact == len(ref) else f" (first {exact} steps)"
-    out = [{"target": f"{name}: max |delta loss|{span} <= {tol['max']:g}", "value": max(d), "limit": tol["max"],
-            "pass": max(d) <= tol["max"]}]
+    out = [{"target": f"{name}: max |delta {what}|{span} <= {tol['max']:g}", "value": worst(d), "limit": tol["max"],
+            "pass": within(worst(d), tol["max"])}]
     if tol["mean"] != tol["max"]:
-        out.append({"target": f"{name}: mean |delta loss|{span} <= {tol['mean']:g}", "value": statistics.fmean(d),
-                    "limit": tol["mean"], "pass": statistics.fmean(d) <= tol["mean"]})
+        m = statistics.fmean(d)
+        out.append({"target": f"{name}: mean |delta {what}|{span} <= {tol['mean']:g}", "value": m,
+                    "limit": tol["mean"], "pass": within(m, tol["mean"])})
     if exact < len(ref):
         w = min(MOE_WINDOW, len(ref))
         rel = abs(statistics.fmean(losses[-w:]) - statistics.fmean(ref[-w:])) / abs(statistics.fmean(ref[-w:]))
-        out.append({"target": f"{name}: last-{w}-step mean loss within {MOE_BAND:.0%} (MoE routing)", "value": rel,
-                    "limit": MOE_BAND, "pass": rel <= MOE_BAND})
+        out.append({"target": f"{name}: last-{w}-step mean {what} within {MOE_BAND:.0%} (MoE routing)", "value": rel,
+                    "limit": MOE_BAND, "pass": within(rel, MOE_BAND)})
     return out
 
 
-def evaluate(rows: dict[str, list[dict]], cfg: TrainConfig, world: int, hw: str, *, use_golden: bool) -> list[dict]:
-    """Layout-vs-bshd and layout-vs-golden checks."""
+def load_golden(cfg: TrainConfig, world: int, hw: str) -> dict:
+    """The committed golden of the run's reference case (``reference_case``), checked before anything trains:
+    a well-formed rule no looser than ``TOLERANCES`` (a golden may only tighten the harness's tolerance), finite
+    numbers, at least the run's steps (its first ``cfg.steps`` serve), and every curve the run compares (bshd's
+    loss and, with MTP, each depth's). Raises ``GoldenError`` naming the file, the value and the fix."""
     from harness.runtime.model import MODELS
 
-    cid, tol, moe = case_id(*reference_case(cfg, world)), TOLERANCES[cfg.dtype], MODELS[cfg.model].experts > 0
+    cid, hint = case_id(*reference_case(cfg, world)), _update_hint(cfg, world)
+    path = golden_mod.path_for(GOLDEN_SUITE, cid, hw)
+    doc = golden_mod.load(path, hint)
+    policy = {"atol": TOLERANCES[cfg.dtype]["max"], "rtol": 0.0}
+    rule = golden_mod.checked_rule(doc["rule"], policy, path, hint)
+    keys = ["bshd"] + [_mtp_key("bshd", k) for k in range(MODELS[cfg.model].mtp_depth)]
+    series = {k: golden_mod.checked_series(doc, k, path, hint, cfg.steps)[:cfg.steps] for k in keys}
+    atol = rule.get("atol", 0.0)
+    return {"case_id": cid, "path": str(path), "steps": len(doc["data"]["bshd"]), "series": series,
+            "tol": {"max": atol, "mean": atol}}
+
+
+def evaluate(rows: dict[str, list[dict]], cfg: TrainConfig, world: int, hw: str, *, use_golden: bool = False,
+             golden: dict | None = None) -> list[dict]:
+    """Layout-vs-bshd and layout-vs-golden checks (``golden``: from ``load_golden``; ``use_golden`` loads it)."""
+    from harness.runtime.model import MODELS
+
+    tol, moe = TOLERANCES[cfg.dtype], MODELS[cfg.model].experts > 0
     base = "bshd" if "bshd" in rows else next(iter(rows))
     ref = [r["loss"] for r in rows[base]]
     checks = []
@@ -127,22 +162,31 @@ def evaluate(rows: dict[str, list[dict]], cfg: TrainConfig, world: int, hw: str,
             for k in range(len(rs[0].get("mtp_loss") or [])):  # each multi-token-prediction depth's loss too
                 checks += _compare(f"{layout} vs {base} (MTP depth {k + 1})", [r["mtp_loss"][k] for r in rs],
                                    [r["mtp_loss"][k] for r in rows[base]], tol, moe)
-    if use_golden:
-        doc = golden_mod.load(golden_mod.path_for(GOLDEN_SUITE, cid, hw), _update_hint(cfg, world))
-        gref = doc["data"]["bshd"]
-        if len(gref) != len(ref):
-            raise golden_mod.GoldenError(f"golden {cid} has {len(gref)} steps, this run {len(ref)}")
-        gtol = {"max": doc["rule"]["atol"], "mean": doc["rule"]["atol"]}
+    if golden is None and use_golden:
+        golden = load_golden(cfg, world, hw)
+    if golden is not None:
+        gref, gtol = golden["series"], golden["tol"]
+        gchecks, t, gname = [], reference.tag(cfg), "golden bshd" + (" of the PP = 1 case" if cfg.pp > 1 else "")
         for layout, rs in rows.items():
-            checks += _compare(f"{layout} vs golden bshd", [r["loss"] for r in rs], gref, gtol, moe)
+            gchecks += _compare(f"{layout}{t} vs {gname}", [r["loss"] for r in rs], gref["bshd"], gtol, moe)
             for k in range(len(rs[0].get("mtp_loss") or [])):
-                key = _mtp_key("bshd", k)
-                if key not in doc["data"]:
-                    raise golden_mod.GoldenError(f"golden {cid} has no loss of MTP depth {k + 1} (key {key!r}); "
-                                                 f"rewrite it with: {_update_hint(cfg, world)}")
-                checks += _compare(f"{layout} vs golden bshd (MTP depth {k + 1})", [r["mtp_loss"][k] for r in rs],
-                                   doc["data"][key], gtol, moe)
+                gchecks += _compare(f"{layout}{t} vs {gname} (MTP depth {k + 1})", [r["mtp_loss"][k] for r in rs],
+                                    gref[_mtp_key("bshd", k)], gtol, moe)
+        checks += [{**c, "reference": True} for c in gchecks]
     return checks
+
+
+def _is_moe(cfg: TrainConfig) -> bool:
+    from harness.runtime.model import MODELS
+
+    return MODELS[cfg.model].experts > 0
+
+
+def _probes(res: dict) -> list[dict]:
+    """Every rank's probes of a job's result, their large records read back from the files the ranks wrote."""
+    from harness.dist.probes import load
+
+    return [{"probes": {layout: load(p) for layout, p in r["probes"].items()}} for r in res["ranks"]]
 
 
 def _mtp_key(layout: str, k: int) -> str:
@@ -209,22 +253,35 @@ def _plan_every_step(cfg: TrainConfig, n: int, static_cp: int, execution=None) -
 
 
 def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str = "auto", progress=print,
-        report: bool = True, run_dir: Path | None = None, stall_s: float | None = None) -> ConvergeResult:
+        report: bool = True, run_dir: Path | None = None, stall_s: float | None = None,
+        plant: str | None = None, reference_mode: str = "run") -> ConvergeResult:
     """Train, check, report. ``golden``: ``auto`` (compare if a golden exists for this case),
     ``require`` (missing golden is an error), ``update`` (write it), ``off``. ``run_dir``: write into
     this (existing, caller-owned) folder instead of a new ``out_root/converge-<time>``. ``stall_s``: fail
     when no rank reports progress for this long (``harness.dist.entry.DEFAULT_STALL_S``); a failed job
-    leaves its whole output in ``out_root/logs/`` and raises ``JobFailure`` naming the rank."""
+    leaves its whole output in ``out_root/logs/`` and raises ``JobFailure`` naming the rank. ``plant``: a fault of
+    the catalogue (``harness.faults``) active on every rank for the whole job - the verdict must then fail.
+    ``reference_mode``: ``run`` (default) also trains the run's reference (``harness.reference``: one rank, no CP,
+    PP or EP) and judges every layout against it; ``off`` skips it - without a golden the verdict is then
+    ``NO REFERENCE``."""
     from harness.dist.entry import launch
 
     preflight(cfg, world)
+    if reference_mode not in ("run", "off"):
+        raise LayoutError(f"reference must be 'run' or 'off', got {reference_mode!r}")
+    if plant is not None:
+        from harness.faults.catalogue import get
+
+        get(plant)  # an unknown name: one line before anything starts
+        if golden == "update":
+            raise LayoutError(f"--plant {plant} with --update-golden would write a golden of a planted bug: drop one")
     if golden == "update" and (cfg.pp > 1 or cfg.expert_parallel):
         raise LayoutError(f"goldens are written by the PP = 1, non-expert-parallel case a pipeline or expert-parallel "
                           f"run must equal; run: {_update_hint(cfg, world)}")
     cid, hw = case_id(cfg, world), hardware(cfg)
     gpath = golden_mod.path_for(GOLDEN_SUITE, case_id(*reference_case(cfg, world)), hw)
-    if golden == "require" or (golden == "auto" and gpath.exists()):
-        golden_mod.load(gpath, _update_hint(cfg, world))  # missing / corrupted: fail before training
+    use = golden == "require" or (golden == "auto" and gpath.exists())
+    gold = load_golden(cfg, world, hw) if use else None  # missing, corrupted, loose or short: fail before training
     if run_dir is None:
         out_root.mkdir(parents=True, exist_ok=True)
         tmp = temporary_folder(".converge-", out_root)
@@ -234,31 +291,57 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
     try:
         progress(f"converge {cid}: layouts {', '.join(cfg.layouts)} on {world} {cfg.device} ranks ({hw})")
         progress(f"  {execution_line(cfg, world)}")
+        if plant:
+            progress(f"  planted fault: {plant} (harness.faults) on every rank: the verdict must be FAIL")
         if "dcp" in cfg.layouts and cfg.domain(world) == 1:
             progress("  dcp on a DP x CP domain of one rank never forms a CP group > 1: its verdict is NOT EXERCISED "
                      "(dynamic CP needs a domain of >= 2 ranks)")
         stamp = f"{dt.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
-        res = launch("converge", world, tmp / "results_raw.json", {**cfg.to_dict(), "metrics_path": str(tmp / "metrics.jsonl")},
+        around = {"around": ["harness.faults.catalogue:planted", plant]} if plant else {}
+        probe_dir = tmp / "probes"
+        probe_dir.mkdir(exist_ok=True)
+        with_probes = reference_mode == "run"
+        job = {**replace(cfg, probes=with_probes).to_dict(), "metrics_path": str(tmp / "metrics.jsonl"),
+               "probe_dir": str(probe_dir), **around}
+        res = launch("converge", world, tmp / "results_raw.json", job,
                      stream=lambda line: progress("  " + line) if line.startswith("[") else None,
                      stall_s=stall_s, log=out_root / "logs" / f"{cid}-{stamp}.log")
         rank0 = res["ranks"][0]
         rows = rank0["layouts"]
         if golden == "update":
             progress(f"wrote golden {write_golden(rows, cfg, world, cid, hw)}")
-        use = golden == "require" or (golden == "auto" and gpath.exists())
+        ref_rows, ref_checks = None, []
+        if with_probes:
+            progress(f"  {reference.name()}: the same model, corpus, seed and batches, whole sequences packed (thd)")
+            ref_cfg = reference.config(cfg)
+            ref = launch("converge", 1, tmp / "reference_raw.json",
+                         {**ref_cfg.to_dict(), "metrics_path": str(tmp / "reference.jsonl"), "probe_dir": str(probe_dir / "ref"),
+                          **around},
+                         stream=lambda line: progress("  " + line.replace(f"[{reference.REF_LAYOUT:4s}]", "[ref ]", 1))
+                         if line.startswith("[") else None, stall_s=stall_s,
+                         log=out_root / "logs" / f"{cid}-reference-{stamp}.log")
+            ref_rows = ref["ranks"][0]["layouts"][reference.REF_LAYOUT]
+            ref_checks = reference.checks(rows, _probes(res), ref_rows, _probes(ref), cfg, compare=_compare,
+                                          moe_steps=MOE_EXACT_STEPS if _is_moe(cfg) else None)
+            for c in ref_checks:
+                c["reference"] = True
+            (tmp / "reference_raw.json").unlink()
+        shutil.rmtree(probe_dir, ignore_errors=True)
         exercise = dcp_exercise(rows, cfg.domain(world))
-        checks = evaluate(rows, cfg, world, hw, use_golden=use) + exercise_checks(exercise)
+        checks = evaluate(rows, cfg, world, hw, golden=gold) + ref_checks + exercise_checks(exercise)
         verdict = verdict_of(checks)
         config = {**cfg.to_dict(), "world": world, "static_cp": rank0["static_cp"], "longest": rank0["longest"],
-                  "case_id": cid, "hardware": hw, "golden": str(gpath) if use else None, "dcp_exercise": exercise}
-        result = ConvergeResult(verdict, tmp, cid, rows, checks, config)
+                  "case_id": cid, "hardware": hw, "golden": str(gpath) if use else None, "dcp_exercise": exercise,
+                  "planted": plant, "reference": reference.name() if with_probes else None}
+        result = ConvergeResult(verdict, tmp, cid, rows, checks, config, ref_rows)
         tracking = None
         if report:
             from harness.report.tracking import log_runs
 
             tracking = log_runs(cid, rows, config, tmp)
         atomic_write_json(tmp / "results.json", {"verdict": verdict, "case_id": cid, "config": config,
-                                                 "checks": checks, "layouts": rows, "tracking": tracking,
+                                                 "checks": checks, "layouts": rows, "reference": ref_rows,
+                                                 "tracking": tracking,
                                                  "producer": golden_mod.producer("dcp-harness converge")})
         (tmp / "results_raw.json").unlink()
         if report:
@@ -313,9 +396,12 @@ def exercise_checks(exercise: dict | None) -> list[dict]:
 
 
 def verdict_of(checks: list[dict]) -> str:
-    """FAIL when a numerical check fails; else NOT EXERCISED when dynamic CP never ran; else PASS."""
+    """FAIL when a numerical check fails; else NO REFERENCE when nothing outside the run's own layouts judged it
+    (no reference run, no golden); else NOT EXERCISED when dynamic CP never ran; else PASS."""
     if not all(c["pass"] for c in checks if not c.get("exercise")):
         return "FAIL"
+    if not any(c.get("reference") for c in checks):
+        return reference.NO_REFERENCE
     return "PASS" if all(c["pass"] for c in checks) else NOT_EXERCISED
 
 
@@ -324,6 +410,8 @@ def _update_hint(cfg: TrainConfig, world: int) -> str:
     ref, w = reference_case(cfg, world)
     m = "" if ref.max_seqlen_per_rank == DEFAULT_MAX_SEQLEN_PER_RANK else f" --max-seqlen-per-rank {ref.max_seqlen_per_rank}"
     b = "" if ref.corpus.sequences_per_batch == DEFAULT_BATCH else f" --batch-size {ref.corpus.sequences_per_batch}"
+    b += "" if ref.corpus.lengths == DEFAULT_LENGTHS else f" --lengths {ref.corpus.lengths}"
+    b += "" if ref.corpus.seed == DEFAULT_SEED else f" --seed {ref.corpus.seed}"
     return (f"dcp-harness converge --model {ref.model} --world {w} --steps {ref.steps} --device {ref.device}{m}{b} "
             f"--update-golden")
 

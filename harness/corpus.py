@@ -19,7 +19,16 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from harness.workloads import sample
+from harness.plan.errors import PlanInputError, SizeLimitError
+from harness.workloads import parse_spec, sample
+
+MAX_VOCAB = 1 << 18
+"""Vocabulary sizes up to the largest LLM vocabularies (~256K); the Markov chain holds a row per token."""
+MAX_BATCH_SEQUENCES = 1 << 16
+"""Sequences per global batch: every step draws each one's tokens on every rank."""
+MAX_BATCH_TOKENS = 1 << 24
+"""Tokens per global batch (16M, the size of the largest production batches): every rank draws them all."""
+MAX_SEED = 2**32 - 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,8 +46,28 @@ class CorpusConfig:
     """Share of copy sequences."""
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        """Refuse, naming the field, a config no corpus can be drawn from (``PlanInputError``)."""
+        _int("vocab", self.vocab, 2, MAX_VOCAB, "the Markov chain holds a row of successors per token")
+        _int("sequences_per_batch", self.sequences_per_batch, 1, MAX_BATCH_SEQUENCES,
+             "every step draws each sequence's tokens on every rank")
+        _int("branching", self.branching, 1, self.vocab, "successors are distinct tokens of the vocabulary")
+        _int("seed", self.seed, 0, MAX_SEED, "a 32-bit unsigned seed")
+        if not isinstance(self.copy_fraction, (int, float)) or not 0 <= self.copy_fraction <= 1:
+            raise PlanInputError(f"copy_fraction must be a number from 0 to 1, got {self.copy_fraction!r}")
+        if not isinstance(self.lengths, str):
+            raise PlanInputError(f"lengths must be a length spec (harness.workloads), got {self.lengths!r}")
+        parse_spec(self.lengths)
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _int(name: str, value, lo: int, hi: int, why: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise PlanInputError(f"corpus {name} must be an int >= {lo}, got {value!r}")
+    if value > hi:
+        raise SizeLimitError(f"corpus {name}={value} exceeds the limit {hi} ({why})")
 
 
 def _chain(c: CorpusConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -58,8 +87,14 @@ def _markov(rng, n: int, succ, cum) -> np.ndarray:
 
 
 def batch_lengths(c: CorpusConfig, step: int) -> list[int]:
-    """The sequence lengths L of global batch ``step`` (what planning needs, without drawing tokens)."""
-    return sample(c.lengths, c.sequences_per_batch, seed=c.seed * 1_000_003 + step)
+    """The sequence lengths L of global batch ``step`` (what planning needs, without drawing tokens); a
+    batch of more than ``MAX_BATCH_TOKENS`` tokens is a ``SizeLimitError``."""
+    lengths = sample(c.lengths, c.sequences_per_batch, seed=c.seed * 1_000_003 + step)
+    if sum(lengths) > MAX_BATCH_TOKENS:
+        raise SizeLimitError(f"global batch {step} has {sum(lengths)} tokens ({len(lengths)} sequences of "
+                             f"{c.lengths!r}), over the limit {MAX_BATCH_TOKENS} (every rank draws all of them); use "
+                             f"fewer sequences per batch or shorter lengths")
+    return lengths
 
 
 def global_batch(c: CorpusConfig, step: int) -> list[np.ndarray]:

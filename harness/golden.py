@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from harness.finite import is_finite_number, nonfinite_message
 from harness.io import atomic_write_json
 from harness.paths import ROOT
 
@@ -98,8 +99,55 @@ def load(path: Path, update_hint: str = "pytest --update-golden") -> dict[str, A
     return doc
 
 
+RULE_KINDS = ("exact", "approx")
+EXACT = {"kind": "exact"}
+
+
+def checked_rule(rule: Any, policy: dict | None, path: Path | str, update_hint: str = "pytest --update-golden") -> dict:
+    """The comparison rule a golden file states, if it is well-formed and at most as loose as the harness's
+    ``policy`` for that quantity (None: exact). The tolerance is the harness's: a file may only tighten it.
+    ``{"kind": "exact"}`` is the tightest rule; ``approx`` takes non-negative finite ``atol`` and ``rtol``."""
+    policy = policy or EXACT
+    fix = f"restore it from git or regenerate it with: {update_hint}"
+    if not isinstance(rule, dict) or rule.get("kind") not in RULE_KINDS:
+        kind = rule.get("kind") if isinstance(rule, dict) else rule
+        raise GoldenError(f"golden file {path}: rule kind {kind!r} must be one of {list(RULE_KINDS)}; {fix}")
+    allowed = {"kind"} | ({"atol", "rtol"} if rule["kind"] == "approx" else set())
+    if set(rule) - allowed:
+        raise GoldenError(f"golden file {path}: rule {rule['kind']!r} takes only {sorted(allowed)}, got "
+                          f"{sorted(set(rule) - allowed)}; {fix}")
+    for key in ("atol", "rtol"):
+        if key in rule and not (is_finite_number(rule[key]) and rule[key] >= 0):
+            raise GoldenError(f"golden file {path}: rule {key} {rule[key]!r} must be a finite number >= 0; {fix}")
+    looser = [f"{key} {rule.get(key, 0.0):g} > {policy.get(key, 0.0):g}" for key in ("atol", "rtol")
+              if rule.get(key, 0.0) > policy.get(key, 0.0)]
+    if looser:
+        raise GoldenError(f"golden file {path}: its rule is looser than the harness's tolerance for this quantity "
+                          f"({', '.join(looser)}); a golden may only tighten it - {fix}")
+    return rule
+
+
+def checked_series(doc: dict, key: str, path: Path | str, update_hint: str, steps: int | None = None) -> list[float]:
+    """``doc["data"][key]`` as a per-step series of finite numbers with at least ``steps`` entries."""
+    fix = f"restore it from git or regenerate it with: {update_hint}"
+    data = doc["data"]
+    if not isinstance(data, dict) or key not in data:
+        raise GoldenError(f"golden file {path} has no series {key!r}; {fix}")
+    series = data[key]
+    if not isinstance(series, list) or not series:
+        raise GoldenError(f"golden file {path}: {key} must be a non-empty list of numbers; {fix}")
+    bad = nonfinite_message(series, "", key)
+    if bad:
+        raise GoldenError(f"golden file {path}: {bad}: not a finite number; {fix}")
+    if steps is not None and len(series) < steps:
+        raise GoldenError(f"golden file {path} holds {len(series)} steps of {key}, this run trains {steps}: a golden "
+                          f"serves runs of at most its length - run --steps {len(series)} or fewer, or {update_hint}")
+    return [float(v) for v in series]
+
+
 def compare(expected: Any, actual: Any, rule: dict, where: str = "data") -> list[str]:
-    """Differences between ``expected`` and ``actual`` under ``rule`` (empty = match)."""
+    """Differences between ``expected`` and ``actual`` under ``rule`` (empty = match). A number that is
+    not finite (NaN, inf) on either side is a difference, whatever the rule."""
     kind = rule.get("kind", "exact")
     if isinstance(expected, dict) and isinstance(actual, dict):
         out = [f"{where}: keys differ: {sorted(set(expected) ^ set(actual))}"] if set(expected) != set(actual) else []
@@ -111,6 +159,9 @@ def compare(expected: Any, actual: Any, rule: dict, where: str = "data") -> list
             return [f"{where}: length {len(actual)} != golden {len(expected)}"]
         return [d for i, (e, a) in enumerate(zip(expected, actual)) for d in compare(e, a, rule, f"{where}[{i}]")]
     numbers = (int, float)
+    for side, v in (("", actual), ("golden ", expected)):
+        if isinstance(v, float) and not math.isfinite(v):
+            return [f"{where}: {side}value {v!r} is not a finite number"]
     if kind == "approx" and isinstance(expected, numbers) and isinstance(actual, numbers) \
             and not isinstance(expected, bool):
         ok = math.isclose(actual, expected, rel_tol=rule.get("rtol", 0.0), abs_tol=rule.get("atol", 0.0))

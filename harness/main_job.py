@@ -121,6 +121,9 @@ def _rest(t0, quick_batches, tmp, out_root, runs, with_faults=True):
         if runs.get(key) is not None:
             label = label.format(pp=runs[key].config.get("pp"))
             checks += [{**c, "target": label + c["target"]} for c in runs[key].checks]
+            v = runs[key].verdict  # NO REFERENCE / NOT EXERCISED show as such, never as PASS
+            checks.append({"target": f"{label}verdict of {runs[key].case_id}", "value": v == "PASS", "shown": v,
+                           "pass": v == "PASS"})
     checks += [c for c in bench["checks"] if "latency" not in c["target"]]
     checks += [{"target": f"edge case {e['key']}: typed error or valid schedule from every algorithm",
                 "value": sum(o["ok"] for o in e["ours"].values()),

@@ -54,7 +54,8 @@ def impl(request) -> str:
 
 class Golden:
     """``golden.check(suite, case_id, config, data, rule=None, hw="any")`` compares with (or with
-    ``--update-golden`` rewrites) ``golden/<suite>/<case_id>.<hw>.json``."""
+    ``--update-golden`` rewrites) ``golden/<suite>/<case_id>.<hw>.json``. ``rule`` is the test's tolerance
+    (None: exact); the file's own rule may only tighten it."""
 
     def __init__(self, update: bool, nodeid: str):
         self.update, self.nodeid = update, nodeid
@@ -70,10 +71,14 @@ class Golden:
         if doc["config"] != config:
             pytest.fail(f"{path}: the golden was made for config {doc['config']}, this test runs {config}; "
                         f"if the change is intended: {hint}")
-        diffs = golden_mod.compare(doc["data"], data, doc["rule"])
+        try:  # the test's rule is the harness's tolerance: the file may only tighten it
+            file_rule = golden_mod.checked_rule(doc["rule"], rule, path, hint)
+        except golden_mod.GoldenError as e:
+            pytest.fail(str(e))
+        diffs = golden_mod.compare(doc["data"], data, file_rule)
         if diffs:
             shown = "\n  ".join(diffs[:20])
-            pytest.fail(f"{path}: {len(diffs)} difference(s) under rule {doc['rule']}:\n  {shown}\n"
+            pytest.fail(f"{path}: {len(diffs)} difference(s) under rule {file_rule}:\n  {shown}\n"
                         f"if the change is intended: {hint}")
 
 

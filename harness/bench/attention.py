@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from harness.bench.common import REPORTS, table, write_report
+from harness.finite import within
 
 DEFAULT = {"tokens": [32768, 131072], "shapes": [1, 8], "cps": [1, 2, 4], "heads": 16, "kv_heads": 16,
            "head_dim": 128, "warmup": 3, "iters": 10, "dtype": "bfloat16", "backend": "auto"}
@@ -171,7 +172,7 @@ def main(*, out: Path | None = None, nproc: int | None = None, cfg: dict | None 
            (TARGET["tokens"], TARGET["sequences"], TARGET["cp"])]
     checks = [{"target": f"efficiency >= {TARGET['efficiency']} at cp {TARGET['cp']}, {TARGET['tokens']} tokens "
                          f"({TARGET['sequences']} sequence)", "value": hit[0]["efficiency"],
-               "pass": hit[0]["efficiency"] >= TARGET["efficiency"]}] if hit else []
+               "pass": within(hit[0]["efficiency"], TARGET["efficiency"], ">=")}] if hit else []
     for c in checks:
         print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['value']:.3f}")
     path = write_report("attention", {**DEFAULT, **(cfg or {}), "gpus": n,

@@ -20,6 +20,7 @@ import math
 
 from harness.bench.common import time_call
 from harness.bench.schedule_family import Case, family
+from harness.finite import within, worst_of
 from harness.plan import CostModel, VPPAlignmentError, check_schedule, quality, schedule, simulate
 from harness.workloads import sample
 
@@ -113,17 +114,17 @@ def checks(ex: str, fam: dict, per_rank: list[dict], dense: list[dict], lat: lis
     if w is not None:
         out.append({"target": f"[{ex}] worst balanced / megatron-dev <= {WORST_RATIO} (case #{w['case']}, "
                               f"{w['ranks']} ranks x {w['sequences']} seqs)", "value": w["ratio"],
-                    "pass": w["ratio"] <= WORST_RATIO})
+                    "pass": within(w["ratio"], WORST_RATIO)})
         out.append({"target": f"[{ex}] geometric-mean speedup over megatron-dev >= {GEO_SPEEDUP}",
-                    "value": fam["geo_speedup"], "pass": fam["geo_speedup"] >= GEO_SPEEDUP})
+                    "value": fam["geo_speedup"], "pass": within(fam["geo_speedup"], GEO_SPEEDUP, ">=")})
     qs = [(f"family #{r['case']}", r["quality"]) for r in per_rank] + [(d["input"], d["quality"]) for d in dense]
     if qs:
-        name, q = max(qs, key=lambda x: x[1])
+        name, q = worst_of(qs, key=lambda x: x[1])
         out.append({"target": f"[{ex}] quality <= {QUALITY} at >= 8 sequences per rank ({len(qs)} inputs; worst: "
-                              f"{name})", "value": q, "pass": q <= QUALITY})
+                              f"{name})", "value": q, "pass": within(q, QUALITY)})
     for r in lat:
         out.append({"target": f"[{ex}] latency <= {r['limit_ms']:g} ms at ({r['ranks']}, {r['sequences']})",
-                    "value": r["latency_ms"], "pass": r["latency_ms"] <= r["limit_ms"]})
+                    "value": r["latency_ms"], "pass": within(r["latency_ms"], r["limit_ms"])})
     bad = fam["invalid"] + fam["failed_where_dev_did_not"]
     out.append({"target": f"[{ex}] every schedule valid, and one wherever megatron-dev has one", "value": len(bad),
                 "pass": not bad})

@@ -12,7 +12,9 @@ NCCL on CUDA machines, gloo otherwise; ``--cfg '{"device": "cpu"}'`` keeps a job
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
+import importlib
 import json
 import os
 import sys
@@ -26,6 +28,16 @@ JOBS = {"checks": "harness.dist.checks:all_checks", "bench-attention": "harness.
 def _job(name: str):
     module, fn = JOBS[name].split(":")
     return getattr(__import__(module, fromlist=[fn]), fn)
+
+
+def _around(spec):
+    """The context a job runs in: ``cfg["around"] = ["module:function", *args]`` calls ``function(*args)`` for a
+    context manager that lasts the job (the caller names it: ``converge --plant`` passes the fault
+    catalogue's ``planted``, so the runtime names nothing above it). None: no context."""
+    if not spec:
+        return contextlib.nullcontext()
+    module, fn = spec[0].split(":")
+    return getattr(importlib.import_module(module), fn)(*spec[1:])
 
 
 DEFAULT_STALL_S = {"cpu": 180.0, "cuda": 900.0}
@@ -60,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         timeout = dt.timedelta(seconds=float(job_cfg.get("collective_timeout_s", 600)))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         cfg = {**job_cfg, "device": "cuda" if cuda else "cpu"}
-        result = _job(a.job)(rank, world, cfg)
+        with _around(cfg.get("around")):
+            result = _job(a.job)(rank, world, cfg)
         heartbeat.beat(force=True, phase="gathering results")
         gathered = [None] * world
         dist.all_gather_object(gathered, result)
@@ -83,13 +96,19 @@ def launch(job: str, nproc: int, out: Path, cfg: dict | None = None, timeout_s: 
     when no rank reports progress for ``stall_s`` seconds (default ``DEFAULT_STALL_S`` of the job's
     device; the collectives time out at twice that), when it runs past ``timeout_s``, or when a rank
     fails; the exception names the rank that failed first and why in one line, and the job's whole
-    output is kept in ``log`` (default: next to ``out``; deleted after a success)."""
+    output is kept in ``log`` (default: next to ``out``; deleted after a success). An interrupted job
+    (Ctrl-C, or ``Terminated`` by SIGTERM / SIGHUP) keeps its output so far there too: the
+    ``KeyboardInterrupt`` carries the path as ``log`` for the message that reports it."""
     from harness.dist import launcher
 
     cfg = dict(cfg or {})
     stall = float(stall_s or DEFAULT_STALL_S["cuda" if cfg.get("device", "cuda") == "cuda" and _has_cuda() else "cpu"])
-    return launcher.run(job, nproc, Path(out), cfg, timeout_s=timeout_s, stall_s=stall, stream=stream,
-                        log=Path(log) if log else Path(out).with_name(f"torchrun-{job}.log"))
+    log = Path(log) if log else Path(out).with_name(f"torchrun-{job}.log")
+    try:
+        return launcher.run(job, nproc, Path(out), cfg, timeout_s=timeout_s, stall_s=stall, stream=stream, log=log)
+    except KeyboardInterrupt as e:
+        e.log = log
+        raise
 
 
 def _has_cuda() -> bool:

@@ -51,6 +51,21 @@ def mtp_columns(mb: ThdMicroBatch, k: int) -> tuple[torch.Tensor, torch.Tensor, 
     return mb.data[f"mtp_tokens_{k}"], mb.data[f"mtp_labels_{k}"], mb.data[f"mtp_mask_{k}"]
 
 
+def mtp_loss_scales(c, mbs: list[ThdMicroBatch], group, static_cp: int) -> list[float]:
+    """The weight of each MTP depth's summed cross-entropy in the loss: ``mtp_weight / D`` for every depth. The
+    summed loss is divided by the global batch's token count like the LM loss (``harness.dist.train``), so the
+    weights depend neither on the run's static CP size ``static_cp`` nor on how the step's micro-batches ``mbs``
+    spread the tokens over the DP x CP ranks of ``group`` (a seam: ``harness.faults`` re-creates both mistakes)."""
+    return [c.mtp_weight / c.mtp_depth] * c.mtp_depth if c.mtp_depth else []
+
+
+def ssm_sequences(mb: ThdMicroBatch) -> SequenceLayout:
+    """The sequences the SSM mixer's conv and scan run over: the pack's own (``cu_seqlens_padded``), whole, on
+    every CP size - the exchange hands each rank its heads of every token (a seam: ``harness.faults`` re-creates
+    a mixer that restarts at the CP shards' boundaries)."""
+    return SequenceLayout(tuple(mb.cu_seqlens_padded))
+
+
 # ---------------------------------------------------------------------------------- operations
 class MicroBatchOps:
     """The CP operations of every micro-batch of one step on one rank, built once per micro-batch,
@@ -83,7 +98,7 @@ class MicroBatchOps:
                 self._audit(m)
                 return cp_attention(q, k, v, aplan, group)
 
-            seqs = SequenceLayout(tuple(mb.cu_seqlens_padded))
+            seqs = ssm_sequences(mb)
             ex = None if mb.local_cp_size == 1 else CPChannelExchange(group, mb.local_cp_size, mb.cp_rank,
                                                                        mb.cu_seqlens_padded, self.device)
 
@@ -104,22 +119,26 @@ class MicroBatchOps:
 
 
 def model_passes(model, stage: pipeline.Stage, ops: MicroBatchOps, cfg, total: float, sums: dict,
-                 probe=None) -> pipeline.ChunkPasses:
+                 probe=None, mtp_scales=None) -> pipeline.ChunkPasses:
     """``ChunkPasses`` of a step: embedding on model chunk 0, the rank's layers of each chunk, the LM
-    head (and the MTP depths) on the last chunk. ``sums`` collects the detached CE, MTP and aux sums."""
+    head (and the MTP depths, weighted by ``mtp_scales``: ``mtp_loss_scales``) on the last chunk. ``sums``
+    collects the detached CE, MTP and aux sums."""
     autocast = torch.autocast(ops.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    c = model.c
+    if mtp_scales is None:
+        mtp_scales = [c.mtp_weight / c.mtp_depth] * c.mtp_depth if c.mtp_depth else []
 
     def forward(v, m, x):
         ops.current = m
         attention, mixing, rot, real = ops.of(m)
         mb = ops.mbs[m]
         with autocast:
-            if x is None:
+            if pipeline.pre_process(stage, v):
                 x = model.embed(mb.data["tokens"])
             h, aux = model.run_layers(x, rot, real, attention, layers=stage.chunks[v], mixing=mixing,
                                       experts=ops.experts(m))
             if stage.index(v) == stage.num_chunks - 1:
-                h = _losses(model, mb, h, rot, real, attention, mixing, sums, probe)
+                h = _losses(model, mb, h, rot, real, attention, mixing, sums, probe, mtp_scales)
         sums["aux"].add_(aux.detach().double())
         return h, aux
 
@@ -127,8 +146,9 @@ def model_passes(model, stage: pipeline.Stage, ops: MicroBatchOps, cfg, total: f
                                 total=total, hidden=model.c.hidden, device=ops.device)
 
 
-def _losses(model, mb, h, rot, real, attention, mixing, sums, probe):
-    """The summed loss the backward starts from: LM cross-entropy plus the weighted MTP depths'."""
+def _losses(model, mb, h, rot, real, attention, mixing, sums, probe, scales):
+    """The summed loss the backward starts from: LM cross-entropy plus the MTP depths', depth k weighted by
+    ``scales[k - 1]``."""
     ce_T = model.token_ce(h, labels_for(mb), real)
     if probe is not None:
         probe.add(mb, ce_T.detach())
@@ -141,5 +161,5 @@ def _losses(model, mb, h, rot, real, attention, mixing, sums, probe):
         h = model.mtp_hidden(k, h, tokens_k, rot, real_k, attention, mixing)
         ce_k = model.token_ce(h, labels_k, real_k).sum()
         sums["mtp"][k - 1].add_(ce_k.detach().double())
-        loss = loss + (model.c.mtp_weight / depth) * ce_k
+        loss = loss + scales[k - 1] * ce_k
     return loss

@@ -87,7 +87,8 @@ class PipelineConfig:
 
 def split(num_layers: int, pp: int, vpp: int = 1) -> list[list[tuple[int, int]]]:
     """``layer_ranges`` of the model: an even split, else one that counts the embedding and / or the
-    loss as a layer (Megatron's ``account_for_*_in_pipeline_split``) so that the slots divide."""
+    loss as a layer (Megatron's ``account_for_*_in_pipeline_split``) so that the slots divide. A seam
+    (``Stage.of`` looks it up when a rank builds its stage): ``harness.faults`` re-creates wrong layer offsets."""
     tries = ((False, False), (True, False), (False, True), (True, True))
     for emb, loss in tries:
         if (num_layers + emb + loss) % (pp * vpp) == 0:
@@ -135,6 +136,13 @@ class Stage:
             return self.last
         layer = int(name.split(".")[1])
         return any(layer in c for c in self.chunks)
+
+
+def pre_process(stage: Stage, v: int) -> bool:
+    """Whether virtual chunk ``v`` of ``stage`` embeds the micro-batch's tokens: model chunk 0 only (Megatron's
+    ``pre_process = is_pipeline_first_stage(ignore_virtual=False, vp_stage=v)``); every other chunk runs on the
+    activation it received. A seam: ``harness.faults`` re-creates a first stage whose every virtual chunk embeds."""
+    return stage.index(v) == 0
 
 
 # ------------------------------------------------------------------------------------ schedule
@@ -288,4 +296,4 @@ def block_of(blocks, position: int) -> Block:
 
 __all__ = ["KINDS", "DELIVERIES", "PipelineConfig", "PipelineConfigError", "ScheduleAgreementError", "Stage",
            "ChunkPasses", "P2P", "Timeline", "run_passes", "actions_for", "agree_schedule",
-           "stage_view", "schedule_rows", "split", "single_stage_passes", "block_of"]
+           "stage_view", "schedule_rows", "split", "pre_process", "single_stage_passes", "block_of"]

@@ -86,3 +86,39 @@ class Probes:
         return {"sequences": [{"step": s["step"], "lengths": s["lengths"], **s["probe"].result()}
                               for s in self.sequences],
                 "grads": self.grads, "clipped": self.clipped, "grad_norms": self.grad_norms, "digests": self.digests, "stage": self.stage}
+
+    def save(self, path) -> dict:
+        """Write the large records (step-1 tokens and gradients) to ``path`` (``.npz``) and return the small
+        ones (gradient norms, digests, stage) with ``"file"``; ``load`` puts them back together. A job that
+        reports through JSON (``converge``) ships probes this way."""
+        import numpy as np
+
+        full = self.result()
+        arrays = {}
+        for i, s in enumerate(full["sequences"]):
+            for key in ("seq", "pos", "ce"):
+                arrays[f"seq{i}:{key}"] = np.asarray(s[key], dtype=np.float64 if key == "ce" else np.int64)
+        for kind in ("grads", "clipped"):
+            for name, g in (full[kind] or {}).items():
+                arrays[f"{kind}:{name}"] = g
+        np.savez(path, **arrays)
+        return {"file": str(path), "grad_norms": self.grad_norms, "digests": self.digests, "stage": self.stage,
+                "sequences": [{"step": s["step"], "lengths": s["lengths"]} for s in full["sequences"]]}
+
+
+def load(small: dict) -> dict:
+    """A rank's probes as ``Probes.result`` gives them, from what ``Probes.save`` returned and wrote."""
+    import numpy as np
+
+    out = {k: v for k, v in small.items() if k != "file"}
+    out["grads"], out["clipped"] = {}, {}
+    with np.load(small["file"]) as z:
+        seqs = [dict(s) for s in small["sequences"]]
+        for key in z.files:
+            kind, _, name = key.partition(":")
+            if kind in ("grads", "clipped"):
+                out[kind][name] = z[key]
+            else:
+                seqs[int(kind[3:])][name] = z[key].tolist()
+    out["sequences"] = seqs
+    return out

@@ -94,6 +94,13 @@ class _Gather(torch.autograd.Function):
         return out.to(ctx.dtype), None, None
 
 
+def pack_order(cu_seqlens_padded, cp_size: int) -> np.ndarray:
+    """The pack position of every rank-major row the exchange gathers (rank after rank, each rank's local
+    tokens in its order): the inverse of the zig-zag slicing the data went through (a seam: ``harness.faults``
+    re-creates an exchange that assumes another slice layout than the data's)."""
+    return zigzag_permutation(cu_seqlens_padded, cp_size)
+
+
 class CPChannelExchange:
     """``harness.runtime.ssm.ChannelExchange`` for rank ``cp_rank`` of a CP block of ``cp_size``
     whose process group is ``group`` (this rank's group rank must be ``cp_rank``), for one micro-batch
@@ -104,7 +111,7 @@ class CPChannelExchange:
             raise ExchangeError(f"cp_size={cp_size}, cp_rank={cp_rank} but the group has "
                                 f"{dist.get_world_size(group)} ranks and this is its rank {dist.get_rank(group)}; "
                                 "pass the CP block's own group (DynamicGroups.for_block)")
-        perm = zigzag_permutation(cu_seqlens_padded, cp_size)  # rank-major row -> pack position
+        perm = pack_order(cu_seqlens_padded, cp_size)  # rank-major row -> pack position
         inverse = np.empty_like(perm)
         inverse[perm] = np.arange(perm.size)
         self.group, self.shards, self.shard = group, cp_size, cp_rank

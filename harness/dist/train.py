@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,11 @@ def stage_cost(cost, stage: int):
 def cp_group_for(groups: DynamicGroups, mb: ThdMicroBatch):
     """The process group of the micro-batch's own CP block (looked up per micro-batch, never kept)."""
     return groups.for_block(mb.block_start, mb.local_cp_size)
+
+
+def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The optimiser of a layout's run: AdamW with fp32 state (a seam)."""
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
 
 def loss_denominator(mbs: list[ThdMicroBatch], group) -> float:
@@ -167,8 +173,6 @@ def _restored(payload) -> Exception:
     if name == "ScheduleError":
         return ScheduleError(*args)
     return RuntimeError(f"the first pipeline stage could not plan this global batch: {name}: {args}")
-    pipeline.agree_schedule(sched, stage, group, pipe.pp)
-    return sched, padding, fixed
 
 
 def _step(model, run, batch, layout, lcfg, cfg, cost, device, probe=None):
@@ -192,7 +196,8 @@ def _step(model, run, batch, layout, lcfg, cfg, cost, device, probe=None):
     if run.experts is not None:  # every rank joins every micro-batch's all-to-alls: the same count everywhere
         expert_parallel.check_lockstep(len(mbs), everyone, device)
     ops = passes.MicroBatchOps(model, groups, mbs, cp_groups, device, cfg.cp_exchange, experts=run.experts)
-    chunk_passes = passes.model_passes(model, run.stage, ops, cfg, total, sums, probe)
+    mtp_scales = passes.mtp_loss_scales(model.c, mbs, everyone, lcfg.static_cp)
+    chunk_passes = passes.model_passes(model, run.stage, ops, cfg, total, sums, probe, mtp_scales)
     timeline = pipeline.run_passes(run.stage, run.actions(len(mbs)), chunk_passes, run.p2p)
     timeline.cp_sizes = [mb.local_cp_size for mb in mbs]
     processed = sum(mb.data["tokens"].numel() for mb in mbs) if run.stage.first else 0
@@ -237,6 +242,8 @@ def clip_gradients(params, max_norm: float, pipeline_group, shards=None) -> None
 
 
 def _global_norm(grad_norm: float, pipeline_group, device) -> float:
+    """The whole model's gradient norm (what a run reports) from this stage's: the stages' squares summed over
+    the rank's pipeline (a seam: ``harness.faults`` re-creates a pipeline that reports each stage's own norm)."""
     if pipeline_group is None:
         return grad_norm
     t = torch.tensor([grad_norm ** 2], dtype=torch.float64, device=device)
@@ -277,7 +284,7 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: _Run
         shards = ([p for n, p in model.named_parameters() if run.stage.owns(n) and expert_parallel.is_expert_param(n)],
                   run.groups.group(run.experts.size))
     params = [p for n, p in model.named_parameters() if run.stage.owns(n)]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    opt = make_optimizer(params, cfg)
     cost, rows = model_cost(cfg), []
     heartbeat = heartbeat or Heartbeat(None, rank)
     for step in range(cfg.steps):
@@ -387,5 +394,9 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
               "live_groups": live_groups(),
               "layouts": out if rank == 0 else {}}
     if cfg.probes:
-        result["probes"] = {layout: p.result() for layout, p in probes.items()}
+        keep = cfg_dict.get("probe_dir")  # a JSON-reporting job: the large records go to files there
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+        result["probes"] = {layout: p.save(Path(keep) / f"{layout}.rank{rank}.npz") if keep else p.result()
+                            for layout, p in probes.items()}
     return result

@@ -160,7 +160,10 @@ def first_failure(folder, nproc: int, gone_at: dict[int, float], exit_codes: dic
 
 
 class Terminated(KeyboardInterrupt):
-    """The launcher was sent SIGTERM or SIGHUP while a job ran; the job's processes were killed."""
+    """The launcher was sent SIGTERM or SIGHUP while a job ran; the job's processes were killed. ``log``: the
+    file with the job's output so far (set by ``harness.dist.entry.launch``; None when unknown)."""
+
+    log: Path | None = None
 
 
 def die_with_parent() -> None:

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from harness.faults import ep_faults as ep
+from harness.faults import model_faults as mf
+from harness.faults import pipeline_faults as pf
 from harness.faults import rl_faults as rl
 from harness.faults import schedule_faults as sf
 from harness.faults import train_faults as tf
@@ -22,7 +24,8 @@ from harness.faults.checks import CHECKS
 from harness.faults.seam import SEAMS, replaced
 from harness.plan.errors import PlanInputError
 
-LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "groups", "pipeline", "model", "replay", "step-wise")
+LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "optimizer", "groups", "pipeline", "model", "replay",
+          "step-wise")
 SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-hybrid", "train-reinit",
              "train-ep", "replay", "plan", "stepwise")
 
@@ -79,6 +82,12 @@ FAULTS: tuple[Fault, ...] = (
                  "(also prime-rl PR #2562)",
           url=VERL + "5869", layer="loss", seam="harness.dist.train:loss_denominator",
           make=tf.make_loss_tokens_per_cp_rank, check="step1-gradients", expect=r"step-1 gradient of .* differs"),
+    Fault(name="adam-eps-underflow", title="AdamW's epsilon rounded to zero: 0 / 0 on rows without a gradient yet",
+          source="optax issue #1754: Adam's eps underflows in float16, a zero-gradient step (an unused embedding "
+                 "row) updates by 0 / 0 = NaN and silently poisons the rest of training (also apex issue #240)",
+          url="https://github.com/google-deepmind/optax/issues/1754", layer="optimizer",
+          seam="harness.dist.train:make_optimizer", make=tf.make_adam_eps_underflow, check="grad-norm",
+          expect=r"step [2-9]\d*: this run's gradient norm is nan"),
     Fault(name="grad-reduce-dp-only", title="gradients reduced over DP only, CP ranks left out",
           source="verl PR #6049 / #5993: the pure DP group used where DP x CP (with_context_parallel) belongs",
           url=VERL + "6049", layer="gradients", seam="harness.dist.train:reduce_gradients",
@@ -208,6 +217,74 @@ FAULTS: tuple[Fault, ...] = (
           layer="model", seam="harness.dist.expert_parallel:announced_counts", make=ep.make_counts_off_by_one,
           check="expert-dispatch", expect=r"expert dispatch audit: MoE layer \d+: rank \d+ announces",
           scenario="train-ep"),
+    # -- shared by every layout under PP / VPP / EP / MTP / the SSM mixer: the layouts agree with each other, only
+    #    the clean bshd run here and converge's reference (one rank, no CP, PP or EP) tell
+    Fault(name="pp-stage-layers-without-offset", title="every pipeline stage runs layers 0 .. n - 1 (no layer offset)",
+          source="transformers PR #24381: converting to Megatron under PP, the layer offset was not applied and both "
+                 "stages held layers.0 + layers.1",
+          url="https://github.com/huggingface/transformers/pull/24381", layer="pipeline",
+          seam="harness.dist.pipeline:split", make=pf.make_stage_layers_without_offset, check="step1-gradients",
+          expect=r"step-1 gradient of .* differs", scenario="train-pp"),
+    Fault(name="pp-grads-reduced-twice", title="a stage's gradients all-reduced twice over its DP x CP ranks",
+          source="PaddlePaddle PR #30437: the pipeline's gradients were all-reduce-summed multiple times",
+          url="https://github.com/PaddlePaddle/Paddle/pull/30437", layer="gradients",
+          seam="harness.dist.train:reduce_gradients", make=pf.make_grads_reduced_twice, check="step1-gradients",
+          expect=r"step-1 gradient of .* differs", scenario="train-pp"),
+    Fault(name="pp-grad-norm-own-stage", title="the reported gradient norm is each stage's own",
+          source="torchtitan issue #596 / PR #649: under PP the gradient norm was computed per stage and never "
+                 "reduced across the stages (incomplete norm)",
+          url="https://github.com/pytorch/torchtitan/issues/596", layer="pipeline",
+          seam="harness.dist.train:_global_norm", make=pf.make_grad_norm_of_own_stage, check="grad-norm",
+          expect=r"step \d+: [-+.\de]+ vs bshd", scenario="train-pp"),
+    Fault(name="vpp-chunks-stage-major", title="virtual chunk v of stage s holds model chunk s * vpp + v's layers",
+          source="Megatron-LM issue #1584 / PR #1583: get_transformer_layer_offset under VPP gave every rank but "
+                 "the first a wrong layer offset",
+          url="https://github.com/NVIDIA/Megatron-LM/issues/1584", layer="pipeline",
+          seam="harness.dist.pipeline:split", make=pf.make_vpp_chunks_stage_major, check="step1-gradients",
+          expect=r"step-1 gradient of .* differs", scenario="train-pp-vpp"),
+    Fault(name="vpp-every-chunk-embeds", title="every virtual chunk of the first stage embeds the tokens",
+          source="AMD Primus PR #277: the virtual stages of the first / last pipeline ranks were all treated as the "
+                 "first / last stage in get_batch (is_pipeline_first_stage without vp_stage; also Megatron-Bridge "
+                 "PR #123)",
+          url="https://github.com/AMD-AGI/Primus/pull/277", layer="pipeline",
+          seam="harness.dist.pipeline:pre_process", make=pf.make_every_virtual_chunk_embeds, check="step1-gradients",
+          expect=r"step-1 gradient of .* differs", scenario="train-pp-vpp"),
+    Fault(name="ep-expert-grads-all-reduced", title="expert gradients summed over the EP domain like replicated ones",
+          source="Megatron-LM PR #5916: expert parameters reduced over a group in which they are not replicated "
+                 "(unrelated experts' gradients mix)",
+          url=MEGATRON + "5916", layer="gradients", seam="harness.dist.train:reduce_gradients",
+          make=ep.make_expert_grads_all_reduced, check="step1-gradients", expect=r"step-1 gradient of .* differs",
+          scenario="train-ep"),
+    Fault(name="ep-expert-grads-times-ep", title="expert gradients ep_size times too large",
+          source="DeepSpeed PR #5259: with EP = 2 the MoE parameters' gradients were exactly 2x one GPU's (also "
+                 "Megatron-LM PR #5956: expert gradients ep_size times too large)",
+          url="https://github.com/deepspeedai/DeepSpeed/pull/5259", layer="gradients",
+          seam="harness.dist.train:reduce_gradients", make=ep.make_expert_grads_times_ep, check="step1-gradients",
+          expect=r"step-1 gradient of .* differs", scenario="train-ep"),
+    Fault(name="mtp-loss-scale-per-cp", title="multi-token prediction loss weighted 1 / cp_size",
+          source="Megatron-LM PR #3959 / issue #3943: MTPLossAutoScaler's scale divided by num_microbatches, which "
+                 "carries the CP size (the MoE aux loss compensated it, MTP did not)",
+          url=MEGATRON + "3959", layer="loss", seam="harness.dist.passes:mtp_loss_scales",
+          make=mf.make_mtp_loss_scale_per_cp, check="step1-gradients", expect=r"step-1 gradient of .* differs",
+          scenario="train-mtp"),
+    Fault(name="mtp-loss-local-counts", title="each rank normalises its MTP loss by its own target count",
+          source="Megatron-LM issue #7452 (process_mtp_loss finding) / PR #7498: the MTP per-token loss normalised "
+                 "with local token counts across CP / DP ranks",
+          url="https://github.com/NVIDIA/Megatron-LM/issues/7452", layer="loss",
+          seam="harness.dist.passes:mtp_loss_scales", make=mf.make_mtp_loss_local_counts, check="step1-gradients",
+          expect=r"step-1 gradient of .* differs", scenario="train-mtp"),
+    Fault(name="ssm-exchange-contiguous-slices", title="the SSM's CP exchange reorders as if slices were contiguous",
+          source="THUDM slime issue #1871: a CP reshuffle assumed another slice layout (zig-zag) than the data's "
+                 "(contiguous) and silently scrambled the token order",
+          url="https://github.com/THUDM/slime/issues/1871", layer="model", seam="harness.dist.ssm_cp:pack_order",
+          make=mf.make_ssm_exchange_contiguous, check="step1-gradients", expect=r"step-1 gradient of .* differs",
+          scenario="train-hybrid"),
+    Fault(name="ssm-reset-at-cp-shards", title="the SSM conv and scan restart at every CP shard boundary",
+          source="PrimeIntellect prime-rl PR #3003: under CP the causal conv derived seq_idx from shard-local "
+                 "cu_seqlens, resetting mid-document at every CP shard boundary",
+          url="https://github.com/PrimeIntellect-ai/prime-rl/pull/3003", layer="model",
+          seam="harness.dist.passes:ssm_sequences", make=mf.make_ssm_reset_at_cp_shards, check="step1-gradients",
+          expect=r"step-1 gradient of .* differs", scenario="train-hybrid"),
     Fault(name="replay-pp-offset-off-by-one", title="a PP stage replays the previous layer's routes",
           source="SkyRL PR #1335: _get_current_pp_stage_layer_range decides each stage's replay rows",
           url=SKYRL + "1335", layer="replay", seam="harness.dist.replay:route_column",
@@ -227,6 +304,12 @@ FAULTS: tuple[Fault, ...] = (
 """The catalogue, in report order."""
 
 BY_NAME = {f.name: f for f in FAULTS}
+
+
+def planted(name: str):
+    """The context in which fault ``name`` is active (``converge --plant``: the job runs every layout, and its
+    references, with the bug in place)."""
+    return get(name).applied()
 
 
 def get(name: str) -> Fault:

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from harness.finite import badness, first_nonfinite, nonfinite_message, within
+
 CHECKS: dict[str, str] = {
     "schedule-invariants": "every block the ranks run satisfies harness.plan.INVARIANTS (in the run, before the step)",
     "group-audit": "every micro-batch's CP-aware calls get exactly its block's process group (in the run)",
@@ -89,20 +91,27 @@ def token_accounting(ref, got, layout) -> Alarm | None:
                  {"step": 1, "sequence": g, "sequences": len(bad)})
 
 
-def token_loss(ref, got, layout) -> Alarm | None:
+def token_loss_deviations(ref, got, layout, ref_layout: str = "bshd") -> tuple[dict[int, float], dict[int, int]]:
+    """Per sequence, the relative L2 distance of its step-1 token losses from the reference's (a position
+    trained twice counts twice, one never trained counts 0), and the sequences' lengths."""
     seen, lengths = _tokens(got, layout)
-    want, _ = _tokens(ref, "bshd")
+    want, _ = _tokens(ref, ref_layout)
     rel = {}
     for g, L in lengths.items():
         a = np.array([sum(seen.get(g, {}).get(p, [0.0])) for p in range(L)])
         b = np.array([sum(want[g][p]) for p in range(L)])
         rel[g] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-    g = max(rel, key=rel.get)
+    return rel, lengths
+
+
+def token_loss(ref, got, layout, ref_layout: str = "bshd") -> Alarm | None:
+    rel, lengths = token_loss_deviations(ref, got, layout, ref_layout)
+    g = max(rel, key=lambda k: badness(rel[k]))
     tol = TOLERANCES["token-loss"]
-    if rel[g] <= tol:
+    if within(rel[g], tol):
         return None
-    n = sum(v > tol for v in rel.values())
-    return Alarm("token-loss", f"{n} of {len(rel)} sequences' step-1 token losses differ from bshd: sequence {g} "
+    n = sum(not within(v, tol) for v in rel.values())
+    return Alarm("token-loss", f"{n} of {len(rel)} sequences' step-1 token losses differ from {ref_layout}: sequence {g} "
                  f"({lengths[g]} tokens) by {rel[g]:.3g} relative (L2 over its tokens; > {tol:g})",
                  {"step": 1, "sequence": g, "sequences": n}, rel[g], tol)
 
@@ -125,22 +134,31 @@ def replica_consistency(ref, got, layout) -> Alarm | None:
     return None
 
 
-def step1_gradients(ref, got, layout, key: str = "grads", check: str = "step1-gradients",
-                    what: str = "step-1 gradient") -> Alarm | None:
+def gradient_deviations(ref, got, layout, key: str = "grads", ref_layout: str = "bshd") -> dict[str, tuple[float, int]]:
+    """Per parameter, the worst relative L2 distance over the ranks that hold it of its step-1 gradient
+    (``key``: ``grads`` reduced, ``clipped`` after clipping) from the reference's, and that rank."""
     want = {}
     for r in ref:  # with pipeline stages every rank holds its stage's parameters: take each from its first holder
-        for name, g in r["probes"]["bshd"][key].items():
+        for name, g in r["probes"][ref_layout][key].items():
             want.setdefault(name, g)
-    worst = (0.0, None, None)
+    out: dict[str, tuple[float, int]] = {}
     for rank, r in enumerate(got):
         for name, g in r["probes"][layout][key].items():
             w = np.asarray(want[name])
             rel = float(np.linalg.norm(np.asarray(g) - w) / max(np.linalg.norm(w), 1e-30))
-            worst = max(worst, (rel, rank, name), key=lambda x: x[0])
+            if name not in out or badness(rel) > badness(out[name][0]):
+                out[name] = (rel, rank)
+    return out
+
+
+def step1_gradients(ref, got, layout, key: str = "grads", check: str = "step1-gradients",
+                    what: str = "step-1 gradient", ref_layout: str = "bshd") -> Alarm | None:
+    devs = gradient_deviations(ref, got, layout, key, ref_layout)
+    worst = max(((v[0], v[1], n) for n, v in devs.items()), key=lambda x: badness(x[0]), default=(0.0, None, None))
     tol = TOLERANCES[check]
-    if worst[0] <= tol:
+    if within(worst[0], tol):
         return None
-    return Alarm(check, f"{what} of {worst[2]} on rank {worst[1]} differs from bshd by "
+    return Alarm(check, f"{what} of {worst[2]} on rank {worst[1]} differs from {ref_layout} by "
                  f"{worst[0]:.3g} relative (> {tol:g})", {"step": 1, "rank": worst[1], "parameter": worst[2]},
                  worst[0], tol)
 
@@ -149,16 +167,21 @@ def clipped_gradients(ref, got, layout) -> Alarm | None:
     return step1_gradients(ref, got, layout, "clipped", "clipped-gradients", "clipped step-1 gradient")
 
 
-def _per_step(name, ref_vals, vals, relative: bool) -> Alarm | None:
+def _per_step(name, ref_vals, vals, relative: bool, ref_layout: str = "bshd") -> Alarm | None:
     tol = TOLERANCES[name]
-    devs = [abs(a - b) / (max(abs(b), 1e-30) if relative else 1.0) for a, b in zip(vals, ref_vals)]
     if len(vals) != len(ref_vals):
-        return Alarm(name, f"{len(vals)} steps against bshd's {len(ref_vals)}", {})
+        return Alarm(name, f"{len(vals)} steps against {ref_layout}'s {len(ref_vals)}", {})
+    what = {"grad-norm": "gradient norm", "loss-curve": "loss"}.get(name, name)
+    for series, who in ((vals, "this run's"), (ref_vals, f"{ref_layout}'s")):
+        bad = first_nonfinite(series)
+        if bad is not None:
+            return Alarm(name, nonfinite_message(series, what, who), {"step": bad[0] + 1}, None, tol)
+    devs = [abs(a - b) / (max(abs(b), 1e-30) if relative else 1.0) for a, b in zip(vals, ref_vals)]
     k = int(np.argmax(devs))
-    if devs[k] <= tol:
+    if within(devs[k], tol):
         return None
     kind = "relative" if relative else "absolute"
-    return Alarm(name, f"step {k + 1}: {vals[k]:.6g} vs bshd {ref_vals[k]:.6g} ({kind} {devs[k]:.3g} > {tol:g})",
+    return Alarm(name, f"step {k + 1}: {vals[k]:.6g} vs {ref_layout} {ref_vals[k]:.6g} ({kind} {devs[k]:.3g} > {tol:g})",
                  {"step": k + 1}, devs[k], tol)
 
 

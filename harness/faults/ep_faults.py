@@ -1,4 +1,6 @@
-"""Re-creations of expert-parallel dispatch bugs (``harness.dist.expert_parallel``).
+"""Re-creations of expert-parallel bugs: the token dispatch (``harness.dist.expert_parallel``) and the experts'
+gradients (``harness.dist.train.reduce_gradients``), code every layout runs under expert parallelism and no run
+without it.
 
 Shape legend: ``T`` a rank's local tokens, ``K`` top-k, ``X`` experts.
 """
@@ -34,3 +36,36 @@ def make_counts_off_by_one(original):
     def announced_counts(counts_X, shard):
         return torch.roll(original(counts_X, shard), 1)
     return announced_counts
+
+
+def make_expert_grads_all_reduced(original):
+    """Expert gradients summed over the expert-parallel domain with the replicated ones, as if every rank held
+    the same experts: each rank's experts receive the sum of all ranks' experts' gradients (Megatron-LM PR
+    #5916: expert parameters reduced over a group in which they are not replicated - "unrelated gradients will
+    mix"). Without expert parallelism nothing changes."""
+    def reduce_gradients(model, groups, lcfg):
+        if not lcfg.expert_parallel:
+            return original(model, groups, lcfg)
+        from harness.dist.train import all_reduce_flat
+
+        return all_reduce_flat(model, groups.group(lcfg.n_ranks))
+    return reduce_gradients
+
+
+def make_expert_grads_times_ep(original):
+    """Expert gradients ``ep_size`` times too large: an expert's gradient already sums every rank's tokens routed
+    to it (the all-to-all's backward), and the reduction scales it as one rank's share (DeepSpeed PR #5259: with
+    EP = 2 the MoE parameters' gradients came out exactly 2x those of one GPU; Megatron-LM PR #5956: expert
+    gradients ``ep_size`` times too large under Megatron-FSDP v2). Without expert parallelism nothing changes."""
+    def reduce_gradients(model, groups, lcfg):
+        norm = original(model, groups, lcfg)
+        if not lcfg.expert_parallel:
+            return norm
+        from harness.dist.expert_parallel import is_expert_param, shard_square_norm
+
+        shards = [p for n, p in model.named_parameters() if is_expert_param(n) and p.grad is not None]
+        sq = float(shard_square_norm(shards, groups.group(lcfg.n_ranks)))
+        for p in shards:
+            p.grad.mul_(lcfg.n_ranks)
+        return (norm ** 2 + (lcfg.n_ranks ** 2 - 1) * sq) ** 0.5
+    return reduce_gradients

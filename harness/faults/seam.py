@@ -32,6 +32,7 @@ SEAMS: dict[str, str] = {
     "harness.dist.train:cp_group_for": "the process group a micro-batch's CP-aware calls get",
     "harness.dist.train:loss_denominator": "the token count the summed loss is divided by",
     "harness.dist.train:reduce_gradients": "the gradient all-reduce after the micro-batches",
+    "harness.dist.train:make_optimizer": "the optimiser a layout's run steps its parameters with",
     "harness.dist.reroute:block_sequences": "the sequences a rank packs for its block, in pack order",
     "harness.dist.reroute:zigzag_index_array": "the zig-zag slice of the packed data a rank keeps",
     "harness.dist.layouts:deliver": "the blocks every rank runs, rebuilt from the sample_id_groups it is handed",
@@ -50,6 +51,12 @@ SEAMS: dict[str, str] = {
     "harness.dist.replay:route_column": "which layer of the rollout's routes feeds a router on a PP stage",
     "harness.dist.replay:thd_routes": "the replayed route rows of one CP rank (zig-zag front / back halves)",
     "harness.plan.generator_output:check_step_wise_fields": "step-wise validation of a generator's output",
+    "harness.dist.pipeline:split": "the global layers of every stage's virtual chunks (the layer offsets)",
+    "harness.dist.pipeline:pre_process": "whether a virtual chunk embeds the micro-batch's tokens (model chunk 0 only)",
+    "harness.dist.train:_global_norm": "the whole model's gradient norm a run reports (summed over pipeline stages)",
+    "harness.dist.passes:mtp_loss_scales": "the weight of each multi-token prediction depth's summed loss",
+    "harness.dist.passes:ssm_sequences": "the sequences the SSM mixer's conv and scan run over (restarting at each)",
+    "harness.dist.ssm_cp:pack_order": "the pack position of each row the SSM's CP exchange gathers (zig-zag inverse)",
 }
 """Every seam a fault may use: ``"module:function"`` -> what it decides."""
 

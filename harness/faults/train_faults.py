@@ -45,6 +45,19 @@ def make_loss_tokens_per_cp_rank(original):
     return loss_denominator
 
 
+def make_adam_eps_underflow(original):
+    """AdamW whose epsilon is 0: Adam's default 1e-8 added in float16 rounds to 0 (its smallest subnormal is
+    ~6e-8), so a parameter row whose gradient has been exactly zero so far - the embedding row of a token no batch
+    has held yet - is updated by 0 / 0 = NaN (optax issue #1754; apex issue #240). Exact until then; the loss turns
+    NaN at the first step whose batch holds such a token, in every layout, and stays NaN."""
+    def make_optimizer(params, cfg):
+        opt = original(params, cfg)
+        for group in opt.param_groups:
+            group["eps"] = 0.0
+        return opt
+    return make_optimizer
+
+
 def make_grad_reduce_dp_only(original):
     """Gradients all-reduced over the data-parallel group of the static layout only (ranks with the
     same index in their static CP group): the CP ranks' partial gradients are never summed (the

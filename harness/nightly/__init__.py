@@ -112,9 +112,14 @@ def run_cases(cases: list[NightlyCase], *, root: Path, stall_s: float | None = N
 
 
 def overall(entries: list[dict]) -> str:
-    """FAIL when a case failed, else NOT EXERCISED when one was not exercised, else PASS."""
+    """FAIL when a case failed, else NO REFERENCE when one had nothing outside its layouts to be judged against,
+    else NOT EXERCISED when one was not exercised, else PASS (never PASS without a case)."""
     from harness.converge import NOT_EXERCISED
+    from harness.reference import NO_REFERENCE
 
     verdicts = {e["verdict"] for e in entries}
-    return "FAIL" if "FAIL" in verdicts else NOT_EXERCISED if NOT_EXERCISED in verdicts else "PASS" if entries else "FAIL"
+    for v in ("FAIL", NO_REFERENCE, NOT_EXERCISED):
+        if v in verdicts:
+            return v
+    return "PASS" if entries else "FAIL"
 

@@ -19,6 +19,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from harness.finite import is_finite_number
 from harness.io import OutputPathError
 
 FORMAT = 2
@@ -97,8 +98,10 @@ def check_root(root: Path) -> None:
 
 
 def margin(checks: list[dict]) -> float:
-    """Tolerance / observed deviation of the tightest check that has a tolerance (inf: no deviation)."""
-    ratios = [c["limit"] / c["value"] if c["value"] > 0 else math.inf for c in checks if c.get("limit")]
+    """Tolerance / observed deviation of the tightest check that has a tolerance (inf: no deviation; 0 for a
+    check whose value is not a finite number: NaN or inf is no margin at all)."""
+    ratios = [0.0 if not is_finite_number(c["value"]) else c["limit"] / c["value"] if c["value"] > 0 else math.inf
+              for c in checks if c.get("limit")]
     return min(ratios) if ratios else math.inf
 
 

@@ -33,6 +33,7 @@ from harness.plan.errors import (
     PlanInputError,
     ScheduleError,
     SequenceTooLongError,
+    SizeLimitError,
     UnknownAlgorithmError,
     VPPAlignmentError,
 )
@@ -54,7 +55,7 @@ from harness.plan.validate import INVARIANTS, Violation, check_schedule, validat
 __all__ = [
     "ALGORITHMS", "BatchTooSmallError", "Block", "CostModel", "DuplicateGidError", "Execution", "ExecutionError",
     "INDEPENDENT", "INVARIANTS", "InvalidLengthError", "NotPowerOfTwoError", "PassTime", "PlanInputError",
-    "SYNCHRONOUS", "Schedule", "ScheduleError", "ScheduleStats", "SequenceTooLongError", "UnknownAlgorithmError",
+    "SYNCHRONOUS", "Schedule", "ScheduleError", "ScheduleStats", "SequenceTooLongError", "SizeLimitError", "UnknownAlgorithmError",
     "VPPAlignmentError", "Violation", "check_schedule", "cp_min", "gpt_benchmark_cost", "is_power_of_two",
     "lower_bound", "normalize_lengths", "quality", "schedule", "schedule_lower_bound", "shares_from_layers",
     "Simulation", "simulate", "simulate_step_time", "stats", "validate_schedule", "with_microbatch_order",

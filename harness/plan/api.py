@@ -21,6 +21,7 @@ from harness.plan.errors import UnknownAlgorithmError
 from harness.plan.execution import Execution, ExecutionError, resolve_execution
 from harness.plan.layout import Schedule, layout_from_sizes
 from harness.plan.lengths import check_domain, check_fits, normalize_lengths
+from harness.plan.limits import check_ranks, check_work
 from harness.plan.megatron_dev import schedule_dev
 from harness.plan.megatron_pr2000 import schedule_pr2000
 
@@ -43,7 +44,7 @@ def schedule(lengths, *, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
 
     Args:
         lengths: ``(gid, L)`` pairs, or plain ints (gid = index); padded lengths in tokens.
-        n_ranks: DP x CP positions (a power of two).
+        n_ranks: DP x CP positions (a power of two, at most ``harness.plan.limits.MAX_RANKS``).
         max_seqlen_per_rank: tokens one rank may hold in a micro-batch.
         min_cp_size: smallest CP block (a power of two <= n_ranks); for ``dp-balanced`` the static
             CP size is ``max(min_cp_size, cp_min(longest))``.
@@ -60,16 +61,21 @@ def schedule(lengths, *, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
             is (exact parity). Stored on the schedule (``Schedule.execution``): ``simulate``, ``quality``,
             ``stats`` judge it by this model unless told otherwise.
     Raises:
-        PlanInputError (a ``ValueError``) subclasses naming the value and the fix.
+        PlanInputError (a ``ValueError``) subclasses naming the value and the fix; ``SizeLimitError`` for sizes
+        past ``harness.plan.limits`` (ranks, sequences, sequences x ranks).
     """
     if algorithm not in ALGORITHMS:
         raise UnknownAlgorithmError(
             f"unknown algorithm {algorithm!r}; choose one of {', '.join(sorted(ALGORITHMS))}"
         )
     ex = resolve_execution(execution)
+    check_ranks(n_ranks)  # before anything sized by it is allocated
     check_domain(n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group)
     vpp_group = _group(vpp_group, ex)
+    if hasattr(lengths, "__len__") and not isinstance(lengths, (str, bytes)):
+        check_work(len(lengths), n_ranks)
     pairs = normalize_lengths(lengths)
+    check_work(len(pairs), n_ranks)
     check_fits(pairs, n_ranks, max_seqlen_per_rank)
     cost = cost or CostModel.megatron()
     vpp = vpp_group if vpp_group and vpp_group > 1 else None

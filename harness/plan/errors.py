@@ -40,6 +40,11 @@ class VPPAlignmentError(BatchTooSmallError):
     """The micro-batch count cannot be made a multiple of the VPP group size."""
 
 
+class SizeLimitError(PlanInputError):
+    """A size exceeds what the planning layer is built for (``harness.plan.limits``): the message names
+    the value, the limit and why."""
+
+
 class ScheduleError(ValueError):
     """A schedule violates one of the invariants of ``harness.plan.validate``.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from harness.report import pipeline_report, plots
+from harness.report import loss_plots, md, pipeline_report, plots, units
 from harness.report.html import esc, figure_png, page, table
 
 
@@ -41,11 +41,12 @@ def _pipeline_section(result, schedules, markdown: bool = False) -> str:
 
 
 def summary_rows(result) -> list[list]:
-    base = result.rows.get("bshd") or next(iter(result.rows.values()))
+    ref = "bshd" if "bshd" in result.rows else next(iter(result.rows))
+    diffs = loss_plots.deltas(result.rows, ref)
     out = []
     for layout, rs in result.rows.items():
-        d = [abs(r["loss"] - b["loss"]) for r, b in zip(rs, base)]
-        out.append([layout, f"{rs[0]['loss']:.5f}", f"{rs[-1]['loss']:.5f}", f"{max(d):.2e}",
+        d = loss_plots.max_text(diffs[layout]) if layout in diffs else "0 (reference)"
+        out.append([layout, f"{rs[0]['loss']:.5f}", f"{rs[-1]['loss']:.5f}", d,
                     f"{statistics.median(r['tokens_per_s'] for r in rs):.0f}",
                     f"{100 * statistics.fmean(r['padding_fraction'] for r in rs):.1f}%",
                     f"{statistics.fmean(r['microbatches'] for r in rs):.1f}"])
@@ -58,7 +59,6 @@ HEADER = ["layout", "first loss", "last loss", "max |delta| vs bshd", "tokens/s 
 def section(result, tracking: dict | None = None) -> str:
     c = result.config
     schedules = _schedules(result)
-    checks = [[x["target"], f"{x['value']:.3g}", _mark(x)] for x in result.checks]
     track = "" if tracking is None else f"<p class=\"meta\">tracking: {esc(tracking)}</p>"
     return "".join([
         f"<h2>Convergence: bshd vs THD packing vs dynamic CP ({esc(result.case_id)})</h2>",
@@ -67,9 +67,9 @@ def section(result, tracking: dict | None = None) -> str:
         f'({esc(c["corpus"]["lengths"])}), max_seqlen_per_rank {c["max_seqlen_per_rank"]}, static CP {c["static_cp"]}, '
         f'scheduler {esc(c["scheduler"])}; golden: {esc(c["golden"] or "not compared")}</p>', track,
         _exercise_line(c.get("dcp_exercise")),
-        table(checks, ["check", "value", "verdict"], left=1),
+        units.html_table(result.checks, ".3g"),
         table(summary_rows(result), HEADER, left=1),
-        figure_png(plots.loss_curves(result.rows)),
+        figure_png(loss_plots.loss_curves(result.rows)),
         figure_png(plots.layout_bars(result.rows)),
         "<h3>One global batch (step 0) in each layout</h3>",
         "<p>Ranks x micro-batches; a rectangle is a CP block, coloured by its first sequence, labelled with its "
@@ -77,10 +77,6 @@ def section(result, tracking: dict | None = None) -> str:
         figure_png(plots.schedule_grids(schedules)),
         _pipeline_section(result, schedules),
     ])
-
-
-def _mark(check: dict) -> str:
-    return "PASS" if check["pass"] else "NOT EXERCISED" if check.get("exercise") else "FAIL"
 
 
 def _exercise_line(ex: dict | None) -> str:
@@ -94,10 +90,9 @@ def _exercise_line(ex: dict | None) -> str:
 
 
 def markdown(result) -> str:
-    lines = [f"## Convergence {result.case_id}: {result.verdict}", "", "| check | value | verdict |", "|---|---|---|"]
-    lines += [f"| {x['target']} | {x['value']:.3g} | {_mark(x)} |" for x in result.checks]
-    lines += ["", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(map(str, r)) + " |" for r in summary_rows(result)]
+    lines = [f"## Convergence {result.case_id}: {result.verdict}", ""]
+    lines += md.table(units.HEADER, units.rows(result.checks, ".3g"))
+    lines += [""] + md.table(HEADER, summary_rows(result))
     pipe = _pipeline_section(result, _schedules(result), markdown=True) if _pipelined(result) else ""
     return "\n".join(lines) + "\n" + ("\n" + pipe if pipe else "")
 

@@ -6,7 +6,8 @@ It reads a ``harness.faults.run.run_catalogue`` result; it never runs anything.
 
 from __future__ import annotations
 
-from harness.report.html import Raw, esc, table
+from harness.report import md
+from harness.report.html import Raw, esc, table, versions_line
 from harness.report.html import page as html_page
 
 
@@ -27,6 +28,13 @@ def console(result: dict) -> str:
                      _where(f["where"])[:48], _margin(f["margin"]) if f["caught"] else "-", f"{f['seconds']:.1f}"))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    numeric, floor = [f for f in result["faults"] if f["margin"] is not None], 10  # suites/faults' minimum margin
+    if numeric:
+        weak, fmt = min(numeric, key=lambda f: f["margin"]), lambda m: _margin(m) if m >= 100 else f"{m:.3g}x"
+        lines += ["", f"margins: weakest {fmt(weak['margin'])} ({weak['name']}, {weak['check']}) of {len(numeric)} "
+                      f"numeric; {len(result['faults']) - len(numeric)} exact"
+                  + ("" if weak["margin"] >= floor else f"; BELOW the {floor}x floor: "
+                     + ", ".join(f"{f['name']} {fmt(f['margin'])}" for f in numeric if f["margin"] < floor))]
     clean = "; ".join(f"{k}: {'no alarm' if not v['alarms'] else v['alarms'][0]['message']}"
                       for k, v in result["clean"].items())
     lines += ["", f"clean runs: {clean}",
@@ -34,19 +42,45 @@ def console(result: dict) -> str:
     return "\n".join(lines)
 
 
+SHORT = 72
+"""Characters of an alarm's message shown before its <details> is opened."""
+COLUMNS = [("fault", "19%"), ("source", "24%"), ("layer", "6.5%"), ("caught by, margin", "12%"), ("where", "12%"),
+           ("alarm (open for the seam and the other checks that fired)", "23%"), ("s", "3.5%")]
+"""The catalogue table's columns and their share of the page: fixed, so that every column stays on a
+1400-pixel screen and long text wraps inside its cell."""
+
+
+def _small(text: str) -> str:
+    return f'<span class="small">{esc(text)}</span>'
+
+
+def _alarm(f: dict) -> Raw:
+    """The alarm in one line (its start) and, opened, the whole message, the seam and the other alarms."""
+    msg = f["message"] or "-"
+    head = msg if len(msg) <= SHORT else msg[:SHORT].rsplit(" ", 1)[0] + " ..."
+    others = ", ".join(f"{a['check']} ({_margin(a['margin'])})" for a in f["alarms"][1:]) or "-"
+    body = "".join([f"<div>{esc(msg)}</div>" if head != msg else "",
+                    f'<div>seam <code>{esc(f["seam"])}</code></div>', f"<div>also fired: {esc(others)}</div>"])
+    return Raw(f'<details class="small"><summary>{esc(head)}</summary>{body}</details>')
+
+
+def _source(f: dict) -> Raw:
+    """The source's name as the link, its account after it: "Megatron-LM PR #3405: RoPE computed ..."."""
+    name, sep, rest = f["source"].partition(": ")
+    return Raw(f'<span class="small"><a href="{esc(f["url"])}">{esc(name)}</a>{esc(sep + rest)}</span>')
+
+
+def _row(f: dict) -> list:
+    caught = f'{esc(f["caught_by"])}<br>{_margin(f["margin"])}' if f["caught"] else f"MISSED (expected {esc(f['check'])})"
+    return [Raw(f'<b>{esc(f["name"])}</b><br>{_small(f["title"])}'),
+            _source(f), f["layer"], Raw(caught),
+            Raw(_small(_where(f["where"]))), _alarm(f), f"{f['seconds']:.1f}"]
+
+
 def section(result: dict) -> str:
     """The HTML section: verdict line, the table, the clean runs, the checks."""
-    rows, classes = [], []
-    for f in result["faults"]:
-        others = [f"{a['check']} ({_margin(a['margin'])})" for a in f["alarms"][1:]]
-        rows.append([Raw(f'<b>{esc(f["name"])}</b><br><span class="small">{esc(f["title"])}</span>'),
-                     Raw(f'<a href="{esc(f["url"])}">{esc(f["source"])}</a>'), f["layer"],
-                     Raw(f'<code>{esc(f["seam"])}</code>'),
-                     f["caught_by"] if f["caught"] else f"MISSED (expected {f['check']})",
-                     _where(f["where"]), _margin(f["margin"]) if f["caught"] else "-",
-                     Raw(f'<span class="small">{esc(f["message"])}</span>'),
-                     Raw(f'<span class="small">{esc(", ".join(others) or "-")}</span>'), f"{f['seconds']:.1f}"])
-        classes.append("" if f["caught"] else "fail")
+    rows = [_row(f) for f in result["faults"]]
+    classes = ["" if f["caught"] else "fail" for f in result["faults"]]
     ok = result["clean_ok"] and result["caught"] == result["total"]
     clean = table([[k, "no alarm" if not v["alarms"] else v["alarms"][0]["message"], f"{v['seconds']:.1f}"]
                    for k, v in result["clean"].items()], ["scenario", "clean run", "s"], left=2)
@@ -56,8 +90,7 @@ def section(result: dict) -> str:
         f'<p><span class="verdict {"pass" if ok else "fail"}">faults caught: {result["caught"]}/{result["total"]}'
         f'</span> <span class="meta">in {result["seconds"]:.0f} s; margin = observed deviation / tolerance of '
         f'the check that caught it ("exact": a count or an invariant)</span></p>',
-        table(rows, ["fault", "source", "layer", "seam", "caught by", "where", "margin", "alarm", "also fired", "s"],
-              left=10, classes=classes),
+        table(rows, [h for h, _ in COLUMNS], left=len(COLUMNS) - 1, classes=classes, widths=[w for _, w in COLUMNS]),
         "<h3>Clean runs (no check may fire)</h3>", clean,
         "<h3>Checks, cheapest first</h3>", checks])
 
@@ -65,13 +98,12 @@ def section(result: dict) -> str:
 def page(result: dict) -> str:
     prod = result.get("producer", {})
     head = (f'<h1>dcp-harness: fault catalogue</h1><p class="meta">git {esc(prod.get("git_rev"))} &middot; '
-            f'{esc(prod.get("versions"))}</p>')
+            f'{versions_line(prod.get("versions"))}</p>')
     return html_page("dcp-harness faults", head + section(result))
 
 
 def markdown(result: dict) -> str:
-    lines = [f"## Fault catalogue: {result['caught']}/{result['total']} caught", "",
-             "| fault | layer | caught by | where | margin |", "|---|---|---|---|---|"]
-    lines += [f"| {f['name']} | {f['layer']} | {f['caught_by'] if f['caught'] else 'MISSED'} | {_where(f['where'])} | "
-              f"{_margin(f['margin']) if f['caught'] else '-'} |" for f in result["faults"]]
-    return "\n".join(lines)
+    rows = [[f["name"], f["layer"], f["caught_by"] if f["caught"] else "MISSED", _where(f["where"]),
+             _margin(f["margin"]) if f["caught"] else "-"] for f in result["faults"]]
+    return "\n".join([f"## Fault catalogue: {result['caught']}/{result['total']} caught", ""]
+                     + md.table(["fault", "layer", "caught by", "where", "margin"], rows))

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from harness.plan.cost import CostModel
 from harness.plan.execution import Execution
 from harness.plan.layout import Schedule
+from harness.report import md
 from harness.report.html import esc, figure_png, table
 
 HEADER = ["layout", "micro-batches", "measured bubble", "simulated bubble", "measured span (ms)"]
@@ -196,7 +197,6 @@ def markdown(rows: Mapping[str, list[dict]], config: Mapping, schedules: Mapping
     """The bubble table as markdown ("" for pp <= 1)."""
     if not _pipelined(config, rows):
         return ""
-    lines = [f"### Pipeline ({execution_of(config).describe()})", "", "| " + " | ".join(HEADER) + " |",
-             "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(map(str, r)) + " |" for r in bubble_rows(rows, config, schedules, cost)]
+    lines = [f"### Pipeline ({execution_of(config).describe()})", ""]
+    lines += md.table(HEADER, bubble_rows(rows, config, schedules, cost))
     return "\n".join(lines) + "\n"

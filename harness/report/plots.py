@@ -70,7 +70,7 @@ def timelines(schedules: dict[str, Schedule], cost, step_times: dict[str, float]
         ax.set_xlim(0, horizon * 1.01)
         ax.set_ylim(s.n_ranks, 0)
         ax.set_ylabel("rank")
-        ax.set_title(f"{name}: step {step_times[name] / horizon:.3f} x the slowest, "
+        ax.set_title(f"{name}: step time {step_times[name] / horizon:.3f} x the slowest schedule's, "
                      f"{s.num_microbatches} micro-batches", fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("simulated time (cost-model units)")
     handles = [Rectangle((0, 0), 1, 1, facecolor=color[sz]) for sz in sizes]
@@ -100,29 +100,6 @@ def schedule_grids(schedules: dict[str, Schedule]):
         ax.set_xlabel("micro-batch")
         ax.set_ylabel("rank")
         ax.set_title(f"{name}: {s.num_microbatches} micro-batches", fontsize=9)
-    fig.tight_layout()
-    return fig
-
-
-def loss_curves(rows: dict[str, list[dict]]):
-    """Loss per step for every layout (top) and |loss - bshd| (bottom, log scale)."""
-    fig, (top, bot) = plt.subplots(2, 1, figsize=(10, 5.4), sharex=True, height_ratios=[3, 2])
-    styles = {"bshd": ("k", "-", 2.2), "thd": ("#ff7f0e", "--", 1.6), "dcp": ("#1f77b4", ":", 1.8)}
-    base = rows.get("bshd") or next(iter(rows.values()))
-    for layout, rs in rows.items():
-        c, ls, lw = styles.get(layout, (None, "-", 1.2))
-        top.plot([r["step"] for r in rs], [r["loss"] for r in rs], ls, color=c, lw=lw, label=layout)
-        if rs is not base:
-            d = [max(abs(r["loss"] - b["loss"]), 1e-12) for r, b in zip(rs, base)]
-            bot.semilogy([r["step"] for r in rs], d, ls, color=c, lw=1.2, label=f"|{layout} - bshd|")
-    top.set_ylabel("loss (per token)")
-    top.legend()
-    top.grid(alpha=0.3)
-    bot.set_ylabel("|delta loss|")
-    bot.set_xlabel("step")
-    bot.grid(alpha=0.3, which="both")
-    if bot.lines:
-        bot.legend(fontsize=8)
     fig.tight_layout()
     return fig
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import datetime as dt
 
-from harness.report import faults_report, plots
-from harness.report.html import Raw, esc, figure_png, page, table
+from harness.report import faults_report, md, plots, units
+from harness.report.html import Raw, esc, figure_png, page, table, versions_line
 
 TABLE_KEYS = [("scheduler", "scheduler"), ("latency_ms", "latency ms"), ("quality", "quality (GPT cost)"),
-              ("quality_l2", "quality (L^2/cp)"), ("microbatches", "micro-batches"), ("invalid_batches", "invalid batches")]
+              ("quality_l2", "quality (L^2/cp)"), ("microbatches", "micro-batches"), ("invalid_batches", "invalid")]
+QUALITY = ("Quality = simulated step time / its lower bound, a ratio of two times of the same batch: lower is "
+           "better, 1.0 = the lower bound (no schedule can be faster)")
 
 
 def _fmt(v) -> str:
@@ -24,9 +26,9 @@ def _config_tables(rows: list[dict]) -> str:
                  for r in sub]
         out.append(f"<h3>{esc(cfg[0])}: {cfg[1]} ranks, {cfg[2]} sequences, max_seqlen_per_rank "
                    f"{sub[0]['max_seqlen_per_rank']}</h3>"
-                   + table(cells, [h for _, h in TABLE_KEYS] + ["violated invariants"], left=1,
+                   + table(cells, [h for _, h in TABLE_KEYS] + ["violated"], left=1,
                            classes=["best" if r["quality"] == best else "" for r in sub]))
-    return "".join(out)
+    return "".join(f"<div>{x}</div>" for x in out)
 
 
 def _edge_table(edges: list[dict]) -> str:
@@ -55,7 +57,6 @@ def render(result: dict) -> tuple[str, str]:
     bench, checks, edges = result["bench"], result["checks"], result["edge_cases"]
     ok = result["verdict"] == "PASS"
     stamp = result.get("finished", dt.datetime.now().isoformat(timespec="seconds"))
-    check_rows = [[c["target"], c.get("shown", f"{c['value']:.4g}"), "PASS" if c["pass"] else "FAIL"] for c in checks]
     cases = [result[k] for k in CONVERGENCE_KEYS if result.get(k) is not None]
     conv_html = ""
     if cases:
@@ -65,16 +66,20 @@ def render(result: dict) -> tuple[str, str]:
     body = [
         "<h1>dcp-harness: convergence, scheduler comparison, edge cases, fault catalogue</h1>",
         f'<p class="meta">{esc(stamp)} &middot; git {esc(result["producer"].get("git_rev"))} &middot; '
-        f'{esc(result["producer"]["versions"])} &middot; {bench["batches"]} global batches per configuration</p>',
+        f'{versions_line(result["producer"]["versions"])} &middot; {bench["batches"]} global batches per configuration</p>',
         f'<p><span class="verdict {"pass" if ok else "fail"}">{result["verdict"]}</span></p>',
-        "<h2>Checks</h2>", table(check_rows, ["check", "value", "verdict"], left=1),
+        "<h2>Checks</h2>", units.html_table(checks),
         conv_html,
         "<h2>Scheduler comparison</h2>",
-        "<p>Quality = simulated step time / lower bound (1.0 is optimal) under the cost of a 12-layer, hidden-2048, "
+        f"<p>{QUALITY}; under the cost of a 12-layer, hidden-2048, "
         "FFN-8192 GPT with K/V exchange priced at 1000 FLOP/byte; <i>balanced</i> is given that cost, "
         "<i>balanced[L2]</i> only upstream's L&sup2;/cp estimate. Latency checks are informational here: "
-        "<code>dcp-harness bench schedule</code> gates them.</p>",
-        "<h3>Quality</h3>", figure_png(plots.grouped_bars(bench["rows"], "quality", "step time / lower bound", ref=1.0)),
+        "<code>dcp-harness bench schedule</code> gates them. \"balanced quality &lt; megatron-dev\" in the checks is "
+        "balanced's quality / megatron-dev's on the same batches: below 1.0 balanced's step is that fraction of "
+        "megatron-dev's.</p>",
+        "<h3>Quality</h3>",
+        figure_png(plots.grouped_bars(bench["rows"], "quality", "step time / lower bound\n(lower is better; 1.0 = bound)",
+                                      ref=1.0)),
         "<h3>Latency per global batch</h3>", figure_png(plots.grouped_bars(bench["rows"], "latency_ms", "ms (log)", log=True)),
         "<h3>One global batch, rank by rank</h3>",
         f"<p>{esc(result['timeline']['title'])}. White gaps: a rank waits for the other members of its next CP block "
@@ -82,26 +87,31 @@ def render(result: dict) -> tuple[str, str]:
         result["timeline"]["img"],
         "<h2>Edge cases (spec 2.8 and defects found by the differential suite)</h2>", _edge_table(edges),
         faults_report.section(result["faults"]) if result.get("faults") else "",
-        "<h2>Per configuration</h2>", _config_tables(bench["rows"]),
+        "<h2>Per configuration</h2>", f"<p>{QUALITY}; latency in ms of wall time per global batch (median); "
+        "invalid: batches whose schedule breaks an invariant (violated: which); the bold row has the best quality."
+        f'</p><div class="grid">{_config_tables(bench["rows"])}</div>',
     ]
-    md = [f"# dcp-harness run: {result['verdict']}", "", f"{stamp}, git {result['producer'].get('git_rev')}", "",
-          "| check | value | verdict |", "|---|---|---|"]
-    md += [f"| {c['target']} | {c.get('shown', format(c['value'], '.4g'))} | {'PASS' if c['pass'] else 'FAIL'} |"
-           for c in checks]
-    for c in cases:
-        from harness.report.convergence_report import markdown
+    return page("dcp-harness run", "\n".join(body)), _markdown(result, cases, stamp)
 
-        md += ["", markdown(c)]
+
+def _markdown(result: dict, cases: list, stamp: str) -> str:
+    from harness.report.convergence_report import markdown
+
+    bench = result["bench"]
+    lines = [f"# dcp-harness run: {result['verdict']}", "", f"{stamp}, git {result['producer'].get('git_rev')}", ""]
+    lines += md.table(units.HEADER, units.rows(result["checks"]))
+    for c in cases:
+        lines += ["", markdown(c)]
     if result.get("faults"):
-        md += ["", faults_report.markdown(result["faults"])]
-    md += ["", "| distribution | ranks | seqs | scheduler | latency ms | quality | q(L^2/cp) | #mb | invalid |",
-           "|---|---|---|---|---|---|---|---|---|"]
-    md += [f"| {r['distribution']} | {r['ranks']} | {r['sequences']} | {r['scheduler']} | {r['latency_ms']:.2f} | "
-           f"{r['quality']:.3f} | {r['quality_l2']:.3f} | {r['microbatches']:.0f} | {r['invalid_batches']} |"
-           for r in bench["rows"]]
-    md += ["", "| edge case | harness | megatron-core |", "|---|---|---|"]
-    for e in edges:
-        ours = "all OK" if all(o["ok"] for o in e["ours"].values()) else "FAIL"
-        up = "not installed" if e["upstream"] is None else e["upstream"]["kind"]
-        md.append(f"| {e['key']}: {e['title']} | {ours} | {up} |")
-    return page("dcp-harness run", "\n".join(body)), "\n".join(md) + "\n"
+        lines += ["", faults_report.markdown(result["faults"])]
+    lines += ["", QUALITY + "."]
+    lines += [""] + md.table(["distribution", "ranks", "seqs", "scheduler", "latency ms", "quality", "q(L^2/cp)", "#mb",
+                              "invalid"],
+                             [[r["distribution"], r["ranks"], r["sequences"], r["scheduler"], f"{r['latency_ms']:.2f}",
+                               f"{r['quality']:.3f}", f"{r['quality_l2']:.3f}", f"{r['microbatches']:.0f}",
+                               r["invalid_batches"]] for r in bench["rows"]])
+    lines += [""] + md.table(["edge case", "harness", "megatron-core"],
+                             [[f"{e['key']}: {e['title']}", "all OK" if all(o["ok"] for o in e["ours"].values())
+                               else "FAIL", "not installed" if e["upstream"] is None else e["upstream"]["kind"]]
+                              for e in result["edge_cases"]])
+    return "\n".join(lines) + "\n"

@@ -116,9 +116,13 @@ class MoE(nn.Module):
         self.top_k, self.z_coef, self.num_experts = c.top_k, c.z_loss, c.experts
 
     def forward(self, x_TE, real_T, routing=None, experts: Experts | None = None):
-        # the router runs in fp32 even under bf16 autocast (standard practice; Megatron's
-        # moe_router_dtype=fp32)
-        logits_TX = F.linear(x_TE.float(), self.router.weight.float())
+        # the router runs in at least fp32, also under bf16 autocast (Megatron's moe_router_dtype=fp32):
+        # autocast would otherwise run F.linear in bf16 whatever its inputs' dtype. An fp64 model keeps
+        # fp64, so the router of an fp64 run is not rounded to fp32 (whose result depends on the batch's
+        # row count: a one-token matmul takes another BLAS kernel).
+        dt = torch.promote_types(x_TE.dtype, torch.float32)
+        with torch.autocast(x_TE.device.type, enabled=False):
+            logits_TX = F.linear(x_TE.to(dt), self.router.weight.to(dt))
         if routing is None:
             idx_TK = torch.topk(logits_TX.detach(), self.top_k, dim=-1).indices
         else:

@@ -54,9 +54,13 @@ def test_pipelines_the_world_cannot_run(kw, world, match, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_missing_golden_says_how_to_create_it(tmp_path):
+def test_missing_golden_says_how_to_create_it(tmp_path, monkeypatch):
+    from harness.corpus import CorpusConfig
+
+    monkeypatch.setattr("harness.dist.entry.launch", lambda *a, **k: pytest.fail("trained before checking the golden"))
     with pytest.raises(golden.GoldenError, match=r"missing; create it with: dcp-harness converge .*--steps 7 .*--update-golden"):
-        converge.run(TrainConfig(steps=7), world=4, golden="require", out_root=tmp_path, progress=lambda s: None)
+        converge.run(TrainConfig(steps=7, corpus=CorpusConfig(seed=5)), world=4, golden="require", out_root=tmp_path,
+                     progress=lambda s: None)
 
 
 def test_corrupted_golden_is_reported_before_training(tmp_path, monkeypatch):
@@ -74,7 +78,7 @@ def test_an_interrupted_run_leaves_earlier_reports_and_goldens_intact(tmp_path, 
     earlier = tmp_path / "converge-20260101-000000"
     earlier.mkdir()
     (earlier / "index.html").write_text("earlier report")
-    gold = golden.path_for(converge.GOLDEN_SUITE, "converge__tiny_gpt__w4__s50__fp32", "cpu")
+    gold = golden.path_for(converge.GOLDEN_SUITE, "converge__tiny_gpt__w4__fp32", "cpu")
     before = gold.read_bytes()
 
     def interrupted(*a, **k):
@@ -94,8 +98,51 @@ def test_cli_bad_input_exits_2_without_traceback():
 
 
 def test_golden_file_records_its_config_and_rule():
-    doc = json.loads(golden.path_for(converge.GOLDEN_SUITE, "converge__tiny_gpt__w4__s50__fp32", "cpu").read_text())
-    assert doc["config"]["world"] == 4 and doc["config"]["steps"] == 50 and doc["config"]["model"] == "tiny-gpt"
+    doc = json.loads(golden.path_for(converge.GOLDEN_SUITE, "converge__tiny_gpt__w4__fp32", "cpu").read_text())
+    assert doc["config"]["world"] == 4 and doc["config"]["steps"] == 100 and doc["config"]["model"] == "tiny-gpt"
     assert doc["rule"] == {"kind": "approx", "atol": 1e-5, "rtol": 0.0}
-    assert set(doc["data"]) == {"bshd", "thd", "dcp"} and len(doc["data"]["bshd"]) == 50
+    assert set(doc["data"]) == {"bshd", "thd", "dcp"} and len(doc["data"]["bshd"]) == 100
     assert doc["data"]["bshd"][0] > doc["data"]["bshd"][-1]  # the loss falls
+
+
+def _golden_case(tmp_path, monkeypatch, edit, steps=5):
+    """A copy of the committed tiny-GPT golden, edited, in a private golden folder; ``converge.run`` on it with
+    the launcher replaced by one that fails the test (nothing may train)."""
+    src = golden.path_for(converge.GOLDEN_SUITE, "converge__tiny_gpt__w4__fp32", "cpu")
+    monkeypatch.setattr(golden.path_for, "__defaults__", ("any", tmp_path / "golden"))
+    dst = golden.path_for(converge.GOLDEN_SUITE, "converge__tiny_gpt__w4__fp32", "cpu")
+    dst.parent.mkdir(parents=True)
+    doc = json.loads(src.read_text())
+    edit(doc)
+    dst.write_text(json.dumps(doc))
+    monkeypatch.setattr("harness.dist.entry.launch", lambda *a, **k: pytest.fail("trained before checking the golden"))
+    return lambda: converge.run(TrainConfig(steps=steps), world=4, out_root=tmp_path / "reports", golden="require",
+                                progress=lambda s: None)
+
+
+@pytest.mark.parametrize("edit, steps, match", [
+    (lambda d: d["rule"].update(atol=1e9), 5, r"looser than the harness's tolerance .*atol 1e\+09 > 1e-05.* only tighten"),
+    (lambda d: d["rule"].update(rtol=0.5), 5, r"looser .*rtol 0.5 > 0"),
+    (lambda d: d["rule"].update(atol="1e-5"), 5, r"rule atol '1e-5' must be a finite number >= 0"),
+    (lambda d: d["rule"].update(atol=float("nan")), 5, r"rule atol nan must be a finite number >= 0"),
+    (lambda d: d["rule"].update(kind="close"), 5, r"rule kind 'close' must be one of \['exact', 'approx'\]"),
+    (lambda d: d["data"]["bshd"].__setitem__(1, "2.5"), 5, r"step 2: bshd is '2.5': not a finite number"),
+    (lambda d: d["data"]["bshd"].__setitem__(1, float("nan")), 5, r"step 2: bshd is nan: not a finite number"),
+    (lambda d: d["data"].pop("bshd"), 5, r"has no series 'bshd'"),
+    (lambda d: d["data"].update(bshd=d["data"]["bshd"][:3]), 5, r"holds 3 steps of bshd, this run trains 5.*--steps 3"),
+])
+def test_a_golden_that_is_loose_malformed_or_short_is_refused_before_training(edit, steps, match, tmp_path,
+                                                                                monkeypatch):
+    run = _golden_case(tmp_path, monkeypatch, edit, steps)
+    with pytest.raises(golden.GoldenError, match=match):
+        run()
+    assert not (tmp_path / "reports").exists() or not any((tmp_path / "reports").glob("converge-*"))
+
+
+def test_a_tighter_golden_rule_and_a_longer_golden_are_accepted(tmp_path, monkeypatch):
+    """A golden may tighten the tolerance, and a golden of N steps serves a shorter run (its prefix)."""
+    doc = json.loads(golden.path_for(converge.GOLDEN_SUITE, "converge__tiny_gpt__w4__fp32", "cpu").read_text())
+    _golden_case(tmp_path, monkeypatch, lambda d: d["rule"].update(atol=1e-6))
+    g = converge.load_golden(TrainConfig(steps=5), 4, "cpu")
+    assert g["tol"] == {"max": 1e-6, "mean": 1e-6} and g["steps"] == 100
+    assert g["series"]["bshd"] == doc["data"]["bshd"][:5]

@@ -16,10 +16,10 @@ EP = TrainConfig(model="tiny-moe", steps=50, expert_parallel=True)
 
 
 def test_case_id_reference_and_execution_model():
-    assert converge.case_id(EP, 4) == "converge__tiny_moe__w4_ep__s50__fp32"
+    assert converge.case_id(EP, 4) == "converge__tiny_moe__w4_ep__fp32"
     ref, world = converge.reference_case(EP, 4)
     assert (ref.expert_parallel, world) == (False, 4)
-    assert converge.case_id(ref, world) == "converge__tiny_moe__w4__s50__fp32"  # the committed golden
+    assert converge.case_id(ref, world) == "converge__tiny_moe__w4__fp32"  # the committed golden
     assert execution_line(EP, 4) == ("execution model: synchronous (MoE with expert parallelism over the 4-rank "
                                      "DP x CP domain)")
     assert execution_line(TrainConfig(), 4).startswith("execution model: independent (dense model")
@@ -63,7 +63,7 @@ def test_expert_parallel_layouts_equal_the_run_without(tmp_path):
 @pytest.mark.slow
 def test_expert_parallel_equals_the_committed_tiny_moe_golden(tmp_path):
     res = converge.run(EP, world=4, golden="require", out_root=tmp_path, progress=lambda s: None)
-    assert res.case_id == "converge__tiny_moe__w4_ep__s50__fp32"
-    assert res.config["golden"].endswith("converge__tiny_moe__w4__s50__fp32.cpu.json")
+    assert res.case_id == "converge__tiny_moe__w4_ep__fp32"
+    assert res.config["golden"].endswith("converge__tiny_moe__w4__fp32.cpu.json")
     assert res.verdict == "PASS", [c for c in res.checks if not c["pass"]]
     assert sum("golden" in c["target"] for c in res.checks) >= 3

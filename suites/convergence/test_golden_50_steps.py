@@ -11,11 +11,11 @@ from harness.dist.train import TrainConfig
 
 pytestmark = pytest.mark.slow
 
-CASES = [("tiny-gpt", 4, None, "converge__tiny_gpt__w4__s50__fp32"),
-         ("tiny-gpt-mtp", 4, None, "converge__tiny_gpt_mtp__w4__s50__fp32"),
-         ("tiny-hybrid", 4, None, "converge__tiny_hybrid__w4__s50__fp32"),
-         ("tiny-hybrid", 2, 512, "converge__tiny_hybrid__w2__m512__s50__fp32"),
-         ("tiny-gpt-mtp", 2, 512, "converge__tiny_gpt_mtp__w2__m512__s50__fp32")]
+CASES = [("tiny-gpt", 4, None, "converge__tiny_gpt__w4__fp32"),
+         ("tiny-gpt-mtp", 4, None, "converge__tiny_gpt_mtp__w4__fp32"),
+         ("tiny-hybrid", 4, None, "converge__tiny_hybrid__w4__fp32"),
+         ("tiny-hybrid", 2, 512, "converge__tiny_hybrid__w2__m512__fp32"),
+         ("tiny-gpt-mtp", 2, 512, "converge__tiny_gpt_mtp__w2__m512__fp32")]
 
 
 @pytest.mark.parametrize("model, world, mslpr, case", CASES, ids=[c[3] for c in CASES])

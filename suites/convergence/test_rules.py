@@ -51,10 +51,32 @@ def test_the_case_id_names_a_non_default_corpus():
     from harness.dist.train import TrainConfig
 
     base = TrainConfig(steps=50)
-    assert converge.case_id(base, 4) == "converge__tiny_gpt__w4__s50__fp32"
+    assert converge.case_id(base, 4) == "converge__tiny_gpt__w4__fp32"
     spec = replace(base, corpus=CorpusConfig(lengths="lognormal:mean=160,sigma=1.2,min=16,max=512"))
-    assert converge.case_id(spec, 4) == "converge__tiny_gpt__w4__lognormal-mean160-sigma1.2-min16-max512__s50__fp32"
+    assert converge.case_id(spec, 4) == "converge__tiny_gpt__w4__lognormal-mean160-sigma1.2-min16-max512__fp32"
     seeded = replace(base, corpus=CorpusConfig(seed=3))
-    assert converge.case_id(seeded, 4) == "converge__tiny_gpt__w4__seed3__s50__fp32"
+    assert converge.case_id(seeded, 4) == "converge__tiny_gpt__w4__seed3__fp32"
     ids = {converge.case_id(c, 4) for c in (base, spec, seeded, replace(spec, corpus=replace(spec.corpus, seed=3)))}
     assert len(ids) == 4
+
+
+def test_a_non_finite_loss_fails_and_says_where():
+    """Python's max() skips a NaN unless it comes first: a layout whose loss turns NaN after step 1 must still
+    fail, naming the step, and so must a NaN in the reference."""
+    nan, inf = float("nan"), float("inf")
+    for bad, word in ((nan, "nan"), (inf, "inf")):
+        late = BASE[:7] + [bad] + BASE[8:]
+        checks = converge.evaluate(rows({"bshd": BASE, "thd": BASE, "dcp": late}), TrainConfig(steps=40), 4, "cpu")
+        failed = [c["target"] for c in checks if not c["pass"]]
+        assert failed == [f"dcp vs bshd: step 8: dcp loss is {word}"], failed
+    ref = BASE[:2] + [nan] + BASE[3:]
+    checks = converge.evaluate(rows({"bshd": ref, "thd": BASE}), TrainConfig(steps=40), 4, "cpu")
+    assert [c["target"] for c in checks if not c["pass"]] == ["thd vs bshd: step 3: bshd loss is nan"]
+    for model in ("tiny-moe", "tiny-gpt"):  # the MoE rule's late window too
+        v = verdicts({"bshd": BASE, "thd": BASE[:35] + [nan] + BASE[36:]}, model=model)
+        assert not all(v.values()) and any("step 36: thd loss is nan" in t for t in v), v
+
+
+def test_curves_of_different_lengths_fail_instead_of_comparing_a_prefix():
+    v = verdicts({"bshd": BASE, "thd": BASE[:30]})
+    assert v == {"thd vs bshd: 30 steps against the reference's 40": False}

@@ -126,19 +126,27 @@ def _is_process(pid: int) -> bool:
         return False
 
 
-def test_sigterm_to_the_cli_ends_the_whole_job(tmp_path):
-    """A scheduler's SIGTERM (a time limit, a cancelled CI job): one line, exit 143, no process left."""
+@pytest.mark.parametrize("sig, code, said", [
+    (signal.SIGTERM, 143, "terminated by signal SIGTERM; the job's processes were killed"),
+    (signal.SIGINT, 130, "interrupted; the job's processes were killed"),
+], ids=["sigterm", "ctrl-c"])
+def test_an_interrupted_cli_ends_the_whole_job_and_names_its_log(tmp_path, sig, code, said):
+    """A scheduler's SIGTERM (a time limit, a cancelled CI job) or Ctrl-C: one line naming the log that keeps
+    the job's output so far, exit 143 / 130, no process left."""
     proc, pids = _start_and_reach_step_2(tmp_path)
     try:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
         left = _gone_within(pids, 15)
     finally:
         for p in pids:
             if _is_process(p):
                 os.kill(p, signal.SIGKILL)
-    assert proc.returncode == 143, (proc.returncode, err[-2000:])
-    assert err.strip() == "dcp-harness: terminated by signal SIGTERM; the job's processes were killed", err
+    assert proc.returncode == code, (proc.returncode, err[-2000:])
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dcp-harness: {said}; output: "), err
+    log = Path(lines[0].rsplit("; output: ", 1)[1])
+    assert log.parent == tmp_path / "logs" and "step    2/400" in log.read_text()
     assert not left, f"processes {left} outlived the job"
 
 

@@ -13,7 +13,8 @@ from harness.faults import CHECKS, FAULTS, LAYERS, SEAMS, SeamError, UnknownFaul
 from harness.faults import checks as ck
 from harness.faults.seam import resolve
 
-ISSUE_LAYERS = {"plan", "reroute", "attention", "loss", "gradients", "groups", "pipeline", "model", "replay", "step-wise"}
+LAYER_NAMES = {"plan", "reroute", "attention", "loss", "gradients", "optimizer", "groups", "pipeline", "model", "replay",
+               "step-wise"}
 
 
 def test_every_fault_is_complete():
@@ -24,7 +25,7 @@ def test_every_fault_is_complete():
         assert f.url.startswith("https://github.com/") and f.source and f.title, f.name
         re.compile(f.expect)
         resolve(f.seam)  # the seam exists and is a function
-    assert {f.layer for f in FAULTS} == ISSUE_LAYERS  # every layer the catalogue promises has a fault
+    assert {f.layer for f in FAULTS} == LAYER_NAMES  # every layer the catalogue promises has a fault
 
 
 def test_unknown_names_are_one_typed_error_listing_the_catalogue():

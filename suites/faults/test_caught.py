@@ -72,7 +72,8 @@ def test_every_seam_is_live_and_a_passthrough_changes_nothing(tmp_path):
     assert all(r["out"]["replay_mismatches"] == 0 for r in rep)
 
 
-MODEL_SEAM_MODULES = ("harness.dist.passes", "harness.runtime", "harness.dist.pipeline", "harness.dist.train")
+MODEL_SEAM_MODULES = ("harness.dist.passes", "harness.runtime", "harness.dist.pipeline", "harness.dist.train",
+                      "harness.dist.ssm_cp")
 
 
 @pytest.mark.parametrize("cfg", [

@@ -3,6 +3,7 @@ chromium is installed, e.g. CI's fresh machine; ``apt-get install chromium`` ena
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -33,6 +34,57 @@ def test_the_fault_report_renders_its_table_and_links(tmp_path):
     assert "faults caught: 2/2" in dom and dom.count("<tr") >= 2 + 1 + 2 + 1 + 11 + 1
     assert 'href="https://github.com/NovaSky-AI/SkyRL/pull/1281"' in dom
     assert shot.stat().st_size > 20_000  # a page with content, not a blank screenshot
+
+
+WIDTH = 1400
+"""The window a user reads the reports in: every column visible, no horizontal scrollbar."""
+ROW_PX = 100
+"""Most pixels a fault's row of the catalogue may take at WIDTH, on average."""
+PROBE = """<script>addEventListener("load", () => { const e = document.documentElement;
+  const out = document.createElement("pre"); out.id = "layout";
+  out.textContent = JSON.stringify({scrollWidth: e.scrollWidth, clientWidth: e.clientWidth, height: e.scrollHeight});
+  document.body.appendChild(out); });</script>"""
+
+
+def _layout(page: Path, tmp_path) -> dict:
+    """The page's extent in a WIDTH-pixel window, as the browser laid it out: a copy of the page with the probe
+    script writes the document's scroll width, client width and height into the DOM, which is dumped."""
+    probe = tmp_path / f"probe-{page.name}"
+    probe.write_text(page.read_text().replace("</body>", PROBE + "</body>"))
+    dom = subprocess.run([BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          f"--user-data-dir={tmp_path / 'profile'}", f"--window-size={WIDTH},2000",
+                          "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    return json.loads(dom.split('<pre id="layout">', 1)[1].split("</pre>", 1)[0])
+
+
+@pytest.fixture(scope="module")
+def report_pages(tmp_path_factory) -> dict[str, Path]:
+    """The fault catalogue's page (the recorded run), a convergence report and the main job's page."""
+    from harness.report import convergence_report, faults_report, schedule_report
+    from suites.repo.report_examples import RECORDED_FAULTS, convergence_result, main_result
+
+    d = tmp_path_factory.mktemp("reports")
+    html = {"faults": faults_report.page(json.loads(RECORDED_FAULTS.read_text())),
+            "convergence": convergence_report.render_standalone(convergence_result(), None)[0],
+            "main": schedule_report.render(main_result())[0]}
+    for name, text in html.items():
+        (d / f"{name}.html").write_text(text)
+    return {name: d / f"{name}.html" for name in html}
+
+
+@pytest.mark.parametrize("name", ["faults", "convergence", "main"])
+def test_every_report_fits_a_1400_pixel_window(report_pages, name, tmp_path):
+    seen = _layout(report_pages[name], tmp_path)
+    assert seen["scrollWidth"] <= seen["clientWidth"] <= WIDTH, seen  # no horizontal scrollbar
+
+
+def test_the_fault_catalogue_rows_are_compact(report_pages, tmp_path):
+    """A few lines a fault (the long text wraps or waits in a <details>), not a screen of white space."""
+    from suites.repo.report_examples import RECORDED_FAULTS
+
+    faults = len(json.loads(RECORDED_FAULTS.read_text())["faults"])
+    assert _layout(report_pages["faults"], tmp_path)["height"] <= ROW_PX * faults + 1200
 
 
 CHECK = """<!DOCTYPE html><html><body><pre id="out">pending</pre>

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from harness.plan import Schedule, validate_schedule
 
 
@@ -55,17 +57,25 @@ def test_bench_schedule_quick_writes_json(tmp_path):
     assert "latency ms" in r.stdout and r.returncode in (0, 1)  # 1 = a latency target missed on a busy box
 
 
-def test_main_job_writes_a_complete_report(tmp_path):
-    """The main job with a short convergence run (the 50-step golden run is the slow suite's)."""
-    r = cli("run", "--batches", "1", "--steps", "3", "--out", str(tmp_path))
+@pytest.mark.parametrize("faults", [pytest.param(False, id="no-faults"),
+                                    pytest.param(True, id="with-faults", marks=pytest.mark.slow)])
+def test_main_job_writes_a_complete_report(tmp_path, faults):
+    """The main job with a short convergence run (the 50-step golden run is the slow suite's). The default suite
+    skips its fault catalogue (``suites/faults`` runs every fault, and the faults command's report is tested
+    below); the slow suite runs the whole job."""
+    r = cli("run", "--batches", "1", "--steps", "3", "--out", str(tmp_path), *([] if faults else ["--no-faults"]))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "verdict: PASS" in r.stdout and "[bshd] step    3/3" in r.stdout
     (run,) = [p for p in tmp_path.iterdir() if p.name.startswith("run-")]
     html = (run / "index.html").read_text()
     assert "Edge cases" in html and "Convergence" in html and "Pipeline: one step per layout" in html
-    assert "converge__tiny_gpt__w4_pp2__m512__s3__fp32" in html and "[dcp ] step    3/3" in r.stdout
+    assert "converge__tiny_gpt__w4_pp2__m512__fp32" in html and "[dcp ] step    3/3" in r.stdout
     n = len(__import__("harness.faults", fromlist=["FAULTS"]).FAULTS)
-    assert "Fault catalogue" in html and f"faults caught: {n}/{n}" in (run / "summary.md").read_text()
+    if faults:
+        assert "Fault catalogue" in html and f"faults caught: {n}/{n}" in (run / "summary.md").read_text()
+    else:
+        assert "faults caught" not in (run / "summary.md").read_text()
+    assert "vs reference (1 rank: no CP, PP or EP)" in html and "dcp (pp 2) vs reference" in html
     assert (run / "convergence" / "metrics.jsonl").read_text().count("\n") == 9
     assert (run / "pipeline" / "metrics.jsonl").read_text().count("\n") == 9
     assert json.loads((run / "results.json").read_text())["verdict"] == "PASS"

@@ -52,6 +52,25 @@ def test_moe_config_is_checked():
         ModelConfig(hidden=66)
 
 
+def test_the_router_computes_in_fp32_under_bf16_autocast_and_keeps_fp64():
+    """Megatron's moe_router_dtype=fp32. Autocast runs F.linear in bf16 whatever its inputs' dtype, so the
+    router must leave autocast: its z-loss under bf16 autocast equals the fp32 one bit for bit. An fp64
+    model keeps fp64 (rounded to fp32, a one-token batch's logits take another BLAS kernel on CPU)."""
+    from harness.runtime.layers import MoE
+
+    cfg = ModelConfig(experts=4, top_k=2, hidden=16, ffn=24, z_loss=1.0)
+    moe, x, real = MoE(cfg, layer=1), torch.randn(7, 16), torch.ones(7)
+    _, z32 = moe(x, real)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, z_bf16 = moe(x, real)
+    assert z_bf16.dtype == torch.float32 and torch.equal(z_bf16, z32)
+    moe64, x64 = moe.double().requires_grad_(False), x.double()
+    _, z64 = moe64(x64, real.double())
+    logits = x64 @ moe64.router.weight.T
+    assert z64.dtype == torch.float64
+    assert abs(z64.item() - torch.logsumexp(logits, -1).pow(2).sum().item()) <= 1e-13 * z64.item()
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"mtp_depth": -1}, r"mtp_depth=-1 must be an int >= 0"),
     ({"mtp_depth": 1.5}, r"mtp_depth=1.5 must be an int"),

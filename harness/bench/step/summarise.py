@@ -13,6 +13,7 @@ import statistics
 from harness.bench.step.config import PHASES, StepBenchConfig
 from harness.bench.step.workload import model_cost, model_flops, peak_tflops
 from harness.bench.trace import mean_breakdown
+from harness.finite import within
 
 TARGETS = {"speedup_vs_static": 1.4, "world": 4, "ours": "dcp:balanced", "upstream": "dcp:megatron-dev",
            "baseline": "thd:dp-balanced"}
@@ -212,5 +213,5 @@ def checks(summary: dict, device_type: str) -> list[dict]:
         if v is None:
             continue
         out.append({"target": target, "value": v, "per_run": ratios[name]["per_run"], "runs": runs,
-                    "pass": v >= threshold if applies else None})
+                    "pass": within(v, threshold, ">=") if applies else None})
     return out

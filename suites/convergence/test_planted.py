@@ -1,0 +1,38 @@
+"""``converge --plant``: a catalogued bug active on every rank must turn the verdict to FAIL, and a loss that
+turns non-finite after the first step is named (Python's ``max()`` would have skipped it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from harness import converge
+from harness.dist.layouts import LayoutError
+from harness.dist.train import TrainConfig
+from harness.faults.catalogue import UnknownFaultError
+
+
+def test_a_loss_that_turns_nan_after_step_one_fails_every_comparison(tmp_path):
+    cfg = TrainConfig(steps=2, layouts=("bshd", "dcp"), max_seqlen_per_rank=512)
+    res = converge.run(cfg, world=2, out_root=tmp_path, progress=lambda s: None, plant="adam-eps-underflow")
+    losses = {k: [r["loss"] for r in rs] for k, rs in res.rows.items()}
+    assert all(v[0] == v[0] and v[1] != v[1] for v in losses.values()), losses  # finite at step 1, NaN at step 2
+    failed = sorted(c["target"] for c in res.checks if not c["pass"])
+    ref = "reference (1 rank: no CP, PP or EP)"
+    assert {"bshd vs golden bshd: step 2: bshd loss is nan", "dcp vs bshd: step 2: dcp loss is nan",
+            "dcp vs golden bshd: step 2: dcp loss is nan", f"dcp vs {ref}: step 2: dcp loss is nan",
+            f"dcp vs {ref}: step 2: dcp grad norm is nan"} <= set(failed), failed
+    assert all("step 2" in t or "step-1" not in t for t in failed), failed  # step 1 was still exact
+    assert res.verdict == "FAIL" and res.config["planted"] == "adam-eps-underflow"
+
+
+def test_plant_refuses_unknown_faults_and_golden_updates(tmp_path):
+    with pytest.raises(UnknownFaultError, match="unknown fault 'nope'"):
+        converge.run(TrainConfig(steps=1), world=4, out_root=tmp_path, plant="nope")
+    with pytest.raises(LayoutError, match="would write a golden of a planted bug"):
+        converge.run(TrainConfig(steps=1), world=4, out_root=tmp_path, golden="update", plant="adam-eps-underflow")
+    r = subprocess.run([sys.executable, "-m", "harness", "converge", "--plant", "nope", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown fault 'nope'" in r.stderr and "Traceback" not in r.stderr
