@@ -20,12 +20,11 @@ import argparse
 import math
 import os
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from harness.corpus import MAX_BATCH_SEQUENCES, MAX_SEED
-from harness.io import OutputPathError
+from harness.io import writable_folder as io_writable_folder
 from harness.plan.limits import MAX_LENGTH, MAX_RANKS, MAX_SEQUENCES, WHY_LENGTH, WHY_RANKS, WHY_SEQUENCES
 
 MAX_STEPS = 100_000
@@ -61,42 +60,35 @@ def _show(text: str) -> str:
     return repr(text if len(text) <= 40 else text[:40] + "...")
 
 
-def integer(lo: int, hi: int, low: str, high: str) -> Callable[[str], int]:
-    """An int from ``lo`` to ``hi``; ``low`` and ``high`` say why smaller and larger ones are refused."""
+def _bounded(convert: Callable[[str], float], kind: str, lo, hi, low: str, high: str, fmt: str) -> Callable:
+    """A parser of ``convert(text)`` (``kind``: the type's name in errors) from ``lo`` to ``hi``; NaN and inf are
+    refused; ``low`` / ``high`` say why smaller / larger values are."""
 
-    def parse(text: str) -> int:
+    def parse(text: str):
         try:
-            value = int(text, 10)
+            value = convert(text)
         except ValueError:  # also more digits than Python converts
-            raise argparse.ArgumentTypeError(f"{_show(text)} is not an integer") from None
+            raise argparse.ArgumentTypeError(f"{_show(text)} is not {kind}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text.strip()} is not a finite number")
         if value < lo:
-            raise argparse.ArgumentTypeError(f"{value} is below the minimum {lo} ({low})")
+            raise argparse.ArgumentTypeError(f"{value:{fmt}} is below the minimum {lo:{fmt}} ({low})")
         if value > hi:
-            raise argparse.ArgumentTypeError(f"{value} exceeds the limit {hi} ({high})")
+            raise argparse.ArgumentTypeError(f"{value:{fmt}} exceeds the limit {hi:{fmt}} ({high})")
         return value
 
-    parse.__name__ = "int"
+    parse.__name__ = convert.__name__
     return parse
+
+
+def integer(lo: int, hi: int, low: str, high: str) -> Callable[[str], int]:
+    """An int from ``lo`` to ``hi``; ``low`` and ``high`` say why smaller and larger ones are refused."""
+    return _bounded(lambda text: int(text, 10), "an integer", lo, hi, low, high, "d")
 
 
 def real(lo: float, hi: float, low: str, high: str) -> Callable[[str], float]:
     """A finite float from ``lo`` to ``hi`` (``low`` / ``high``: why smaller / larger ones are refused)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{_show(text)} is not a number") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text.strip()} is not a finite number")
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"{value:g} is below the minimum {lo:g} ({low})")
-        if value > hi:
-            raise argparse.ArgumentTypeError(f"{value:g} exceeds the limit {hi:g} ({high})")
-        return value
-
-    parse.__name__ = "float"
-    return parse
+    return _bounded(float, "a number", lo, hi, low, high, "g")
 
 
 SEED = integer(0, MAX_SEED, "a seed is a non-negative integer", "numpy seeds here are 32-bit unsigned integers")
@@ -170,22 +162,5 @@ def check_run_size(steps: int, batch: int) -> None:
 
 
 def writable_folder(path: Path, flag: str) -> Path:
-    """``path`` if it is a folder, or can be made one, that files can be written in; else ``OutputPathError``.
-    Nothing is created: the nearest existing folder is probed with a real file (``os.access`` says yes to
-    root even where the file system refuses)."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise OutputPathError(f"{flag} {path} is a file, not a folder; give a folder")
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise OutputPathError(f"{flag} {path} cannot be made: {probe} is a file; give a folder")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".dcp-harness-", suffix=".probe", dir=probe)
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
-        raise OutputPathError(f"{flag} {path} cannot be written ({e.strerror or e} in {probe}); give a writable "
-                              f"folder") from None
-    return path
+    """``harness.io.writable_folder`` for the option ``flag``."""
+    return io_writable_folder(path, flag)

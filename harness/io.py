@@ -33,6 +33,29 @@ def writable(path: str | Path) -> Path:
     return path
 
 
+def writable_folder(path: str | Path, what: str, how: str = "") -> Path:
+    """``path`` if it is a folder, or can be made one, that files can be written in; else ``OutputPathError``
+    naming ``what`` (``--out``, ``nightly root``) and the fix (``how`` ends it: `` with --root``). Nothing is
+    created: the nearest existing folder is probed with a real file (``os.access`` says yes to root even
+    where the file system refuses)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputPathError(f"{what} {path} is a file, not a folder; give a folder{how}")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise OutputPathError(f"{what} {path} cannot be made: {probe} is a file; give a folder{how}")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".dcp-harness-", suffix=".probe", dir=probe)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise OutputPathError(f"{what} {path} cannot be written ({e.strerror or e} in {probe}); give a writable "
+                              f"folder{how}") from None
+    return path
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)

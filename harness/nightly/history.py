@@ -16,11 +16,10 @@ import json
 import math
 import os
 import statistics
-import tempfile
 from pathlib import Path
 
 from harness.finite import is_finite_number
-from harness.io import OutputPathError
+from harness.io import writable_folder
 
 FORMAT = 2
 NAME = "history.jsonl"
@@ -76,20 +75,7 @@ def read(root: Path, warn=print) -> list[dict]:
 def check_root(root: Path) -> None:
     """Refuse, before anything runs, a root that is a file or cannot be written, and a history from a
     newer version."""
-    if root.exists() and not root.is_dir():
-        raise OutputPathError(f"nightly root {root} is a file, not a folder; give a folder with --root")
-    probe = root
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise OutputPathError(f"nightly root {root} cannot be made: {probe} is a file; give a folder with --root")
-    try:  # a real probe: os.access says yes to root even where the file system refuses
-        fd, tmp = tempfile.mkstemp(prefix=".nightly-", suffix=".probe", dir=probe)
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
-        raise OutputPathError(f"nightly root {root} cannot be written ({e.strerror or e} in {probe}); give a "
-                              f"writable folder with --root") from None
+    writable_folder(root, "nightly root", " with --root")
     newer = [d.get("format") for d in read(root, warn=lambda _: None)
              if isinstance(d.get("format"), int) and d["format"] > FORMAT]
     if newer:

@@ -169,7 +169,7 @@ def test_a_folder_that_cannot_be_written_is_refused_even_as_root(tmp_path, monke
     def refuse(*a, **k):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(cli_types.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr("harness.io.tempfile.mkstemp", refuse)
     with pytest.raises(OutputPathError, match=r"--out .*/new cannot be written \(Permission denied in .*\); give a "
                                                r"writable folder"):
         cli_types.writable_folder(tmp_path / "new", "--out")
