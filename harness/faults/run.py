@@ -49,6 +49,7 @@ def _judge(f: Fault, alarms: list[Alarm], seconds: float, error: str | None) -> 
     return {"name": f.name, "title": f.title, "source": f.source, "url": f.url, "layer": f.layer, "seam": f.seam,
             "scenario": f.scenario, "check": f.check, "caught": caught, "caught_by": first.check if first else None,
             "where": first.where if first else None, "margin": mine.margin if mine else None,
+            "nonfinite": mine is not None and mine.observed is None and mine.tolerance is not None,
             "message": first.message if first else (error or "no check fired"),
             "alarms": [a.to_dict() for a in alarms], "error": error, "seconds": round(seconds, 2)}
 

@@ -162,7 +162,7 @@ def _failure_line(e) -> str:
 
 def run_batch(scenario: str, faults: list[str], workdir) -> dict:
     """The clean run and then every fault of a world scenario (``train``, ``train-small-batch``,
-    ``replay``), in one world (one start-up: ~2 s of imports per world). If that world dies (a fault
+    ``replay``), in one world (one start-up). If that world dies (a fault
     that breaks it in a way no check anticipates), every run goes again in a world of its own.
     Returns ``{None: clean outcome, name: outcome}``, an outcome being ``{"alarms", "seconds", "error"}``."""
     from harness.dist.launch import RankFailure

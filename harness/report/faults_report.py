@@ -17,22 +17,25 @@ def _where(w: dict | None) -> str:
     return ", ".join(f"{k} {v}" for k, v in w.items() if v not in (None, [], "") and k != "layout") or "-"
 
 
-def _margin(m) -> str:
-    return "exact" if m is None else f"{m:,.0f}x"
+def _margin(m, nonfinite: bool = False) -> str:
+    """A numeric check's margin; ``non-finite`` when it fired on NaN or inf, ``exact`` for counts and invariants."""
+    return "non-finite" if nonfinite else "exact" if m is None else f"{m:,.0f}x"
 
 
 def console(result: dict) -> str:
     rows = [("fault", "layer", "caught by", "where", "margin", "s")]
     for f in result["faults"]:
         rows.append((f["name"], f["layer"], f["caught_by"] if f["caught"] else f"MISSED ({f['caught_by'] or '-'})",
-                     _where(f["where"])[:48], _margin(f["margin"]) if f["caught"] else "-", f"{f['seconds']:.1f}"))
+                     _where(f["where"])[:48], _margin(f["margin"], f.get("nonfinite")) if f["caught"] else "-",
+                     f"{f['seconds']:.1f}"))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     numeric, floor = [f for f in result["faults"] if f["margin"] is not None], 10  # suites/faults' minimum margin
     if numeric:
         weak, fmt = min(numeric, key=lambda f: f["margin"]), lambda m: _margin(m) if m >= 100 else f"{m:.3g}x"
+        nonfinite = sum(bool(f.get("nonfinite")) for f in result["faults"])
         lines += ["", f"margins: weakest {fmt(weak['margin'])} ({weak['name']}, {weak['check']}) of {len(numeric)} "
-                      f"numeric; {len(result['faults']) - len(numeric)} exact"
+                      f"numeric; {nonfinite} non-finite; {len(result['faults']) - len(numeric) - nonfinite} exact"
                   + ("" if weak["margin"] >= floor else f"; BELOW the {floor}x floor: "
                      + ", ".join(f"{f['name']} {fmt(f['margin'])}" for f in numeric if f["margin"] < floor))]
     clean = "; ".join(f"{k}: {'no alarm' if not v['alarms'] else v['alarms'][0]['message']}"
@@ -71,7 +74,7 @@ def _source(f: dict) -> Raw:
 
 
 def _row(f: dict) -> list:
-    caught = f'{esc(f["caught_by"])}<br>{_margin(f["margin"])}' if f["caught"] else f"MISSED (expected {esc(f['check'])})"
+    caught = f'{esc(f["caught_by"])}<br>{_margin(f["margin"], f.get("nonfinite"))}' if f["caught"] else f"MISSED (expected {esc(f['check'])})"
     return [Raw(f'<b>{esc(f["name"])}</b><br>{_small(f["title"])}'),
             _source(f), f["layer"], Raw(caught),
             Raw(_small(_where(f["where"]))), _alarm(f), f"{f['seconds']:.1f}"]
@@ -104,6 +107,6 @@ def page(result: dict) -> str:
 
 def markdown(result: dict) -> str:
     rows = [[f["name"], f["layer"], f["caught_by"] if f["caught"] else "MISSED", _where(f["where"]),
-             _margin(f["margin"]) if f["caught"] else "-"] for f in result["faults"]]
+             _margin(f["margin"], f.get("nonfinite")) if f["caught"] else "-"] for f in result["faults"]]
     return "\n".join([f"## Fault catalogue: {result['caught']}/{result['total']} caught", ""]
                      + md.table(["fault", "layer", "caught by", "where", "margin"], rows))

@@ -68,3 +68,19 @@ def test_a_hung_rank_makes_the_world_fail_within_the_timeout(tmp_path):
     assert time.monotonic() - t < 60
     assert e.value.rank == 0 and "still running at the deadline (killed)" in str(e.value)
     assert "rank 1:" in str(e.value)  # its timeout is listed as a consequence
+
+
+def _env_of(rank: int, world: int) -> str | None:
+    import os
+
+    return os.environ.get("DCP_HARNESS_TEST_ENV")
+
+
+def test_ranks_get_the_callers_environment_at_the_call(tmp_path, monkeypatch):
+    """The fork server starts once per process; a variable set after that still reaches every rank (as with
+    ``spawn``), and one removed is gone."""
+    run_on_ranks(_env_of, world_size=2, tmp_path=tmp_path / "a")  # the server is running from here on
+    monkeypatch.setenv("DCP_HARNESS_TEST_ENV", "set after the server started")
+    assert run_on_ranks(_env_of, world_size=2, tmp_path=tmp_path / "b") == ["set after the server started"] * 2
+    monkeypatch.delenv("DCP_HARNESS_TEST_ENV")
+    assert run_on_ranks(_env_of, world_size=2, tmp_path=tmp_path / "c") == [None, None]
