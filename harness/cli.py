@@ -28,12 +28,12 @@ from pathlib import Path
 
 from harness import __version__
 from harness import cli_types as T
+from harness.apps.nightly import NIGHTLY_MODELS
+from harness.apps.nightly.history import HistoryError
 from harness.bench.step import COMPILE_CHOICES, GRAD_REDUCE_CHOICES
-from harness.dist.watchdog import JobFailure, Terminated
 from harness.golden import GoldenError
 from harness.io import OutputPathError
-from harness.nightly import NIGHTLY_MODELS
-from harness.nightly.history import HistoryError
+from harness.jobs.watchdog import JobFailure, Terminated
 from harness.plan import ALGORITHMS, CostModel, PlanInputError, check_schedule, gpt_benchmark_cost
 from harness.plan.limits import MAX_WORK
 from harness.runtime.model_config import MODELS
@@ -67,11 +67,11 @@ def _add_schedule(sub) -> None:
 
 
 def _cmd_schedule(a) -> int:
+    from harness.data.workloads import sample
     from harness.io import atomic_write_json, writable
     from harness.plan import schedule, stats
     from harness.plan.limits import check_work
     from harness.report.text import microbatch_table, occupancy_map, summary
-    from harness.workloads import sample
 
     if a.json:
         writable(a.json)
@@ -129,7 +129,7 @@ def _add_converge(sub) -> None:
                         "execution model")
     c.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: float32 on CPU, bfloat16 on GPU")
-    c.add_argument("--lengths", default=None, help="length spec of the corpus (harness.workloads)")
+    c.add_argument("--lengths", default=None, help="length spec of the corpus (harness.data.workloads)")
     c.add_argument("--batch-size", type=T.BATCH_SIZE, default=None, help="sequences per global batch (default 32)")
     c.add_argument("--max-seqlen-per-rank", type=T.TOKENS, default=None)
     c.add_argument("--seed", type=T.SEED, default=None, help=f"corpus seed, 0 to {T.MAX_SEED}")
@@ -138,7 +138,7 @@ def _add_converge(sub) -> None:
     c.add_argument("--update-golden", action="store_true", help="write the golden of this case from this run")
     c.add_argument("--out", type=Path, default=None, help="report root (default reports/)")
     c.add_argument("--reference", choices=["run", "off"], default="run",
-                   help="also train the reference (one rank: no CP, PP or EP; harness.reference) and judge every "
+                   help="also train the reference (one rank: no CP, PP or EP; harness.apps.reference) and judge every "
                         "layout against it: losses, gradient norms, step-1 gradients and token losses (default "
                         "run); off: without a golden the verdict is NO REFERENCE")
     c.add_argument("--plant", metavar="FAULT", default=None,
@@ -154,8 +154,8 @@ def _add_stall(p) -> None:
 
 
 def _cmd_converge(a) -> int:
-    from harness import converge
-    from harness.bench.common import REPORTS
+    from harness.apps import converge
+    from harness.paths import REPORTS
 
     if a.device == "auto":
         import torch
@@ -189,10 +189,10 @@ def _add_faults(sub) -> None:
 
 
 def _cmd_faults(a) -> int:
-    from harness.bench.common import REPORTS
     from harness.faults import FAULTS, select
     from harness.faults.run import run_catalogue, verdict, write
     from harness.io import writable
+    from harness.paths import REPORTS
     from harness.report.faults_report import console
 
     if a.list:
@@ -338,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
         if a.command == "run":
-            from harness import main_job
-            from harness.bench.common import REPORTS
+            from harness.apps import main_job
+            from harness.paths import REPORTS
 
             conv = None if a.no_convergence else {**main_job.DEFAULT_CONVERGENCE, "steps": a.steps}
             skip = a.no_pipeline or a.no_convergence
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "faults":
             return _cmd_faults(a)
         if a.command == "nightly":
-            from harness import nightly
+            from harness.apps import nightly
 
             if a.world is not None and _cpu_ranks(a.device):
                 T.check_cpu_ranks(a.world, "--world")
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             return bench_schedule.main(quick=a.quick, batches=a.batches, out=a.out, execution=a.execution,
                                        seed=a.seed)
         if a.command == "fixtures":
-            from harness.workloads import make_wikipedia_sample
+            from harness.data.workloads import make_wikipedia_sample
 
             print(f"wrote {make_wikipedia_sample(a.source, a.n, a.seed)}")
             return 0
@@ -443,7 +443,7 @@ def _line(e: BaseException) -> str:
 
 
 def _output(e: BaseException) -> str:
-    """Where an interrupted job's output so far is (``harness.dist.entry.launch`` sets ``log``), if it was kept."""
+    """Where an interrupted job's output so far is (``harness.jobs.entry.launch`` sets ``log``), if it was kept."""
     log = getattr(e, "log", None)
     return f"; output: {log}" if log is not None and Path(log).exists() else ""
 

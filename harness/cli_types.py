@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from harness.corpus import MAX_BATCH_SEQUENCES, MAX_SEED
+from harness.data.corpus import MAX_BATCH_SEQUENCES, MAX_SEED
 from harness.io import writable_folder as io_writable_folder
 from harness.plan.limits import MAX_LENGTH, MAX_RANKS, MAX_SEQUENCES, WHY_LENGTH, WHY_RANKS, WHY_SEQUENCES
 

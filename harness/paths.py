@@ -24,3 +24,5 @@ def project_root(cwd: Path | None = None) -> Path:
 
 
 ROOT = project_root()
+REPORTS = ROOT / "reports"
+"""Where commands write their reports by default."""

@@ -7,7 +7,7 @@ rank's time, TFLOP/s counting causal FLOPs (forward 2 L^2 H D per sequence, back
 and the per-GPU efficiency relative to one GPU's attention (same backend) on the whole pack:
 ``t_1gpu / (cp * t_cp)``. Target: >= 0.8 at cp 4 with 128K tokens. For cp > 1 a breakdown times the
 K/V exchange alone (all-gather, key gather and their backward) and the chunk attention alone, and
-the same pack with the ``ring`` exchange (``harness.dist.ring``: K/V passed around the block while
+the same pack with the ``ring`` exchange (``harness.parallel.ring``: K/V passed around the block while
 attention runs; its own efficiency column; the backend must have a log-sum-exp, else ``auto``).
 """
 
@@ -19,6 +19,9 @@ from pathlib import Path
 
 from harness.bench.common import REPORTS, table, write_report
 from harness.finite import within
+from harness.jobs.entry import register
+
+JOB = register("bench-attention", "harness.bench.attention:measure")
 
 DEFAULT = {"tokens": [32768, 131072], "shapes": [1, 8], "cps": [1, 2, 4], "heads": 16, "kv_heads": 16,
            "head_dim": 128, "warmup": 3, "iters": 10, "dtype": "bfloat16", "backend": "auto"}
@@ -31,14 +34,14 @@ def causal_flops(lengths: list[int], heads: int, head_dim: int) -> float:
 
 
 def measure(rank: int, world: int, cfg: dict) -> list[dict]:
-    """Runs on every rank under torchrun (``harness.dist.entry bench-attention``)."""
+    """Runs on every rank under torchrun (``harness.jobs.entry bench-attention``)."""
     import torch
     import torch.distributed as dist
 
-    from harness.dist.collectives import gather_chunk_keys
-    from harness.dist.cp_attention import CPAttentionPlan, cp_attention
-    from harness.dist.groups import DynamicGroups, ParallelLayout
-    from harness.dist.watchdog import Heartbeat
+    from harness.heartbeat import Heartbeat
+    from harness.parallel.collectives import gather_chunk_keys
+    from harness.parallel.cp_attention import CPAttentionPlan, cp_attention
+    from harness.parallel.groups import DynamicGroups, ParallelLayout
     from harness.plan.thd import pack, padding_divisor, zigzag_index_array
     from harness.runtime.attention import LSE_BACKENDS, chunk_attention
 
@@ -150,7 +153,7 @@ def main(*, out: Path | None = None, nproc: int | None = None, cfg: dict | None 
 
     import torch
 
-    from harness.dist.entry import launch
+    from harness.jobs.entry import launch
     from harness.runtime.attention import BACKENDS
 
     backend = (cfg or {}).get("backend", DEFAULT["backend"])
@@ -164,7 +167,7 @@ def main(*, out: Path | None = None, nproc: int | None = None, cfg: dict | None 
     print(f"bench attention: {n} GPUs ({torch.cuda.get_device_name(0)}), torch {torch.__version__}, backend {backend}")
     with tempfile.TemporaryDirectory() as tmp:
         logs = (Path(out).parent if out else REPORTS) / "logs"
-        res = launch("bench-attention", n, Path(tmp) / "bench.json", cfg, stall_s=stall_s,
+        res = launch(JOB, n, Path(tmp) / "bench.json", cfg, stall_s=stall_s,
                      log=logs / f"bench-attention-{time.strftime('%Y%m%d-%H%M%S')}.log")
     rows = summarize(res["ranks"])
     print(table(rows, COLUMNS))

@@ -8,10 +8,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from harness.golden import ROOT, producer
+from harness.golden import producer
 from harness.io import atomic_write_json
-
-REPORTS = ROOT / "reports"
+from harness.paths import REPORTS
 
 
 def time_call(fn: Callable[[], object], *, min_total_s: float = 0.2, max_reps: int = 7) -> tuple[float, object]:

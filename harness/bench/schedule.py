@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from harness.bench.common import table, time_call, write_report
+from harness.data.workloads import sample
 from harness.finite import within, worst
 from harness.plan import CostModel, check_schedule, gpt_benchmark_cost, schedule, stats
 from harness.plan.layout import Schedule
-from harness.workloads import sample
 
 DISTRIBUTIONS = {
     "lognormal-1024": ("lognormal:mean=1024,sigma=1.5,min=128,max=8192", 2048),

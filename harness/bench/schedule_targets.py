@@ -20,9 +20,9 @@ import math
 
 from harness.bench.common import time_call
 from harness.bench.schedule_family import Case, family
+from harness.data.workloads import sample
 from harness.finite import within, worst_of
 from harness.plan import CostModel, VPPAlignmentError, check_schedule, quality, schedule, simulate
-from harness.workloads import sample
 
 EXECUTIONS = ("independent", "synchronous")
 LN1024 = "lognormal:mean=1024,sigma=1.5,min=128,max=8192"

@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.bench.common import table, time_call, write_report
+from harness.data.workloads import sample
 from harness.finite import within
 from harness.plan.thd import pack, padding_divisor, zigzag_index_array
-from harness.workloads import sample
 
 TARGET_MS = 20.0
 

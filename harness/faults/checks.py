@@ -2,9 +2,9 @@
 ``Alarm`` a check raises when a run breaks it.
 
 In-run checks stop the run where they fire (every rank raises the same error): ``schedule-invariants``
-(``harness.plan.validate_schedule`` on the blocks every rank runs, in ``harness.dist.layouts.deliver``),
-``group-audit`` (``harness.dist.audit``) and ``expert-dispatch`` (``harness.dist.expert_parallel``). The others compare a run's probes
-(``harness.dist.probes``) with the clean bshd run of the same scenario, or need no reference at all
+(``harness.plan.validate_schedule`` on the blocks every rank runs, in ``harness.train.layouts.deliver``),
+``group-audit`` (``harness.parallel.audit``) and ``expert-dispatch`` (``harness.parallel.expert_parallel``). The others compare a run's probes
+(``harness.train.probes``) with the clean bshd run of the same scenario, or need no reference at all
 (``token-accounting``, ``replica-consistency``). Numeric checks carry a tolerance; their margin is
 observed deviation / tolerance (fp32 on CPU: the clean dynamic-CP run stays within ~2e-7 of bshd on
 every one of them, so 1e-5 leaves ~50x for noise and every fault is ~1e3x past it).

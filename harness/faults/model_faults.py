@@ -1,8 +1,8 @@
 """Re-creations of bugs in the model components that every layout shares under CP: the multi-token
-prediction loss (``harness.dist.passes``) and the SSM mixer's CP exchange (``harness.dist.passes``,
-``harness.dist.ssm_cp``).
+prediction loss (``harness.train.passes``) and the SSM mixer's CP exchange (``harness.train.passes``,
+``harness.parallel.ssm_cp``).
 
-Each is exact on one rank without CP, the reference of ``harness.reference``. Shape legend: ``P`` the pack's
+Each is exact on one rank without CP, the reference of ``harness.apps.reference``. Shape legend: ``P`` the pack's
 tokens.
 """
 

@@ -1,9 +1,9 @@
-"""Re-creations of pipeline-parallel bugs (``harness.dist.pipeline`` and the pipeline's gradient handling in
-``harness.dist.train``): code every layout runs under PP or VPP, and no run on one stage.
+"""Re-creations of pipeline-parallel bugs (``harness.train.pipeline`` and the pipeline's gradient handling in
+``harness.train.trainer``): code every layout runs under PP or VPP, and no run on one stage.
 
 Each ``make_*`` takes the seam's original function and returns the faulty one. Under a fault the layouts
 (bshd, thd, dcp) still agree with each other - they share the pipeline - so only a reference without a
-pipeline (``harness.reference``) or the clean bshd run of a fault scenario tells.
+pipeline (``harness.apps.reference``) or the clean bshd run of a fault scenario tells.
 """
 
 from __future__ import annotations

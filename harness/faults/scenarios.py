@@ -5,7 +5,7 @@
   sequences of 200-400 tokens, fewer than the ranks). The clean run trains bshd and dcp; a fault run
   trains dcp only, with the fault active on every rank, and is judged against the clean bshd run.
 - ``train-ep``: the ``train`` run with the tiny MoE under expert parallelism (one expert per rank).
-- ``replay``: router replay under PP 2 x CP 2 (``harness.dist.replay.replay_check``).
+- ``replay``: router replay under PP 2 x CP 2 (``harness.train.replay.replay_check``).
 - ``plan``: PR #2000's scheduler on the input that triggers the vacuous room check (N = 10,
   [8000, 7000] at 2048 tokens per rank), run as upstream's driver runs it, and ``balanced`` under the
   synchronous model (the rows by levels) on a batch whose 2-rank blocks fill up; judged by ``check_schedule``.
@@ -56,12 +56,12 @@ def _fault(name):
 
 def _train_run(rank: int, world: int, cfg: dict, fault: str | None) -> dict:
     """One train run on one rank: its rows and probes, or the in-run alarm every rank raised."""
-    from harness.dist.audit import GroupAuditError
-    from harness.dist.expert_parallel import DispatchAuditError
-    from harness.dist.pipeline import ScheduleAgreementError
-    from harness.dist.train import train
+    from harness.parallel.audit import GroupAuditError
+    from harness.parallel.expert_parallel import DispatchAuditError
     from harness.plan import ScheduleError
     from harness.plan.pipeline_schedule import PipelineScheduleError
+    from harness.train.pipeline import ScheduleAgreementError
+    from harness.train.trainer import train
 
     try:
         with _fault(fault), contextlib.redirect_stdout(io.StringIO()):  # no per-step lines
@@ -89,7 +89,7 @@ def _train_run(rank: int, world: int, cfg: dict, fault: str | None) -> dict:
 
 
 def _replay_run(rank: int, world: int, cfg: dict, fault: str | None) -> dict:
-    from harness.dist.replay import replay_check
+    from harness.train.replay import replay_check
 
     with _fault(fault):
         return replay_check(rank, world, cfg)
@@ -114,7 +114,7 @@ def batch_world(rank: int, world: int, spec: dict) -> list[dict]:
 
 
 def _world(fn, spec, workdir):
-    from harness.dist.launch import run_on_ranks
+    from harness.jobs.launch import run_on_ranks
 
     return run_on_ranks(fn, world_size=WORLD, tmp_path=workdir, args=(spec,), timeout_s=WORLD_TIMEOUT_S)
 
@@ -165,7 +165,7 @@ def run_batch(scenario: str, faults: list[str], workdir) -> dict:
     ``replay``), in one world (one start-up). If that world dies (a fault
     that breaks it in a way no check anticipates), every run goes again in a world of its own.
     Returns ``{None: clean outcome, name: outcome}``, an outcome being ``{"alarms", "seconds", "error"}``."""
-    from harness.dist.launch import RankFailure
+    from harness.jobs.launch import RankFailure
 
     runs = [None, *faults]
     try:

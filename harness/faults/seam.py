@@ -7,8 +7,8 @@ also when the run raises; it refuses to stack a second replacement on a seam, so
 be active at once by accident. Nothing outlives the ``with`` block: no flag, no registry entry.
 
 >>> from harness.faults.seam import replaced, resolve
->>> module, attr, original = resolve("harness.dist.passes:labels_for")
->>> with replaced("harness.dist.passes:labels_for", lambda orig: (lambda mb: orig(mb))):
+>>> module, attr, original = resolve("harness.train.passes:labels_for")
+>>> with replaced("harness.train.passes:labels_for", lambda orig: (lambda mb: orig(mb))):
 ...     module.labels_for is original
 False
 >>> module.labels_for is original
@@ -22,41 +22,41 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 SEAMS: dict[str, str] = {
-    "harness.dist.passes:rope_positions": "RoPE position ids of a rank's slice of a micro-batch",
-    "harness.dist.passes:labels_for": "next-token labels of a rank's slice",
-    "harness.dist.passes:attention_plan": "the CP attention plan of a micro-batch (its cu_seqlens)",
-    "harness.dist.passes:mtp_columns": "multi-token prediction's shifted tokens, labels and mask of a rank's slice",
+    "harness.train.passes:rope_positions": "RoPE position ids of a rank's slice of a micro-batch",
+    "harness.train.passes:labels_for": "next-token labels of a rank's slice",
+    "harness.train.passes:attention_plan": "the CP attention plan of a micro-batch (its cu_seqlens)",
+    "harness.train.passes:mtp_columns": "multi-token prediction's shifted tokens, labels and mask of a rank's slice",
     "harness.runtime.layers:cp_ops": "the CP operations (attention, SSM mixing) a module uses for a call",
     "harness.runtime.ssm:scan_layout": "the sequence boundaries the SSM scan resets its state at",
-    "harness.dist.train:new_groups": "the dynamic groups a layout's run uses after (re-)initialisation",
-    "harness.dist.train:cp_group_for": "the process group a micro-batch's CP-aware calls get",
-    "harness.dist.train:loss_denominator": "the token count the summed loss is divided by",
-    "harness.dist.train:reduce_gradients": "the gradient all-reduce after the micro-batches",
-    "harness.dist.train:make_optimizer": "the optimiser a layout's run steps its parameters with",
-    "harness.dist.reroute:block_sequences": "the sequences a rank packs for its block, in pack order",
-    "harness.dist.reroute:zigzag_index_array": "the zig-zag slice of the packed data a rank keeps",
-    "harness.dist.layouts:deliver": "the blocks every rank runs, rebuilt from the sample_id_groups it is handed",
-    "harness.dist.layouts:schedule": "the scheduler call of the thd / dcp layouts (with the pipeline's VPP group)",
-    "harness.dist.pipeline:stage_view": "the schedule as a later pipeline stage runs it (its local_cp_size per block)",
-    "harness.dist.train:stage_cost": "the cost model a pipeline stage plans with",
-    "harness.dist.train:clip_gradients": "gradient clipping by the whole model's norm (summed over pipeline stages)",
-    "harness.dist.layouts:sample_id_groups": "the Megatron-shaped schedule (micro-batch -> slot -> gids) handed to ranks",
+    "harness.train.trainer:new_groups": "the dynamic groups a layout's run uses after (re-)initialisation",
+    "harness.train.trainer:cp_group_for": "the process group a micro-batch's CP-aware calls get",
+    "harness.train.trainer:loss_denominator": "the token count the summed loss is divided by",
+    "harness.train.trainer:reduce_gradients": "the gradient all-reduce after the micro-batches",
+    "harness.train.trainer:make_optimizer": "the optimiser a layout's run steps its parameters with",
+    "harness.parallel.reroute:block_sequences": "the sequences a rank packs for its block, in pack order",
+    "harness.parallel.reroute:zigzag_index_array": "the zig-zag slice of the packed data a rank keeps",
+    "harness.train.layouts:deliver": "the blocks every rank runs, rebuilt from the sample_id_groups it is handed",
+    "harness.train.layouts:schedule": "the scheduler call of the thd / dcp layouts (with the pipeline's VPP group)",
+    "harness.train.pipeline:stage_view": "the schedule as a later pipeline stage runs it (its local_cp_size per block)",
+    "harness.train.trainer:stage_cost": "the cost model a pipeline stage plans with",
+    "harness.train.trainer:clip_gradients": "gradient clipping by the whole model's norm (summed over pipeline stages)",
+    "harness.train.layouts:sample_id_groups": "the Megatron-shaped schedule (micro-batch -> slot -> gids) handed to ranks",
     "harness.plan.layout:blocks_from_slots": "slot lists -> CP blocks (how a rank finds its block and local_cp_size)",
     "harness.plan.megatron_pr2000:fill_free_ranks": "PR #2000's expansion of CP groups into free positions",
     "harness.plan.balanced.levels:_Pool": "the blocks of one size the rows by levels fill (balanced, barriers)",
     "harness.plan.balanced.tall:_tightest": "the block a long sequence joins in the tall micro-batch (balanced, barriers)",
     "harness.plan.tallest:lowest_height": "the least height of the tallest micro-batch (the synchronous lower bound)",
-    "harness.dist.expert_parallel:dispatch_routes": "the experts each local token is sent to (expert parallelism)",
-    "harness.dist.expert_parallel:announced_counts": "the per-expert token counts a rank announces to the experts' owners",
-    "harness.dist.replay:route_column": "which layer of the rollout's routes feeds a router on a PP stage",
-    "harness.dist.replay:thd_routes": "the replayed route rows of one CP rank (zig-zag front / back halves)",
+    "harness.parallel.expert_parallel:dispatch_routes": "the experts each local token is sent to (expert parallelism)",
+    "harness.parallel.expert_parallel:announced_counts": "the per-expert token counts a rank announces to the experts' owners",
+    "harness.train.replay:route_column": "which layer of the rollout's routes feeds a router on a PP stage",
+    "harness.train.replay:thd_routes": "the replayed route rows of one CP rank (zig-zag front / back halves)",
     "harness.plan.generator_output:check_step_wise_fields": "step-wise validation of a generator's output",
-    "harness.dist.pipeline:split": "the global layers of every stage's virtual chunks (the layer offsets)",
-    "harness.dist.pipeline:pre_process": "whether a virtual chunk embeds the micro-batch's tokens (model chunk 0 only)",
-    "harness.dist.train:_global_norm": "the whole model's gradient norm a run reports (summed over pipeline stages)",
-    "harness.dist.passes:mtp_loss_scales": "the weight of each multi-token prediction depth's summed loss",
-    "harness.dist.passes:ssm_sequences": "the sequences the SSM mixer's conv and scan run over (restarting at each)",
-    "harness.dist.ssm_cp:pack_order": "the pack position of each row the SSM's CP exchange gathers (zig-zag inverse)",
+    "harness.train.pipeline:split": "the global layers of every stage's virtual chunks (the layer offsets)",
+    "harness.train.pipeline:pre_process": "whether a virtual chunk embeds the micro-batch's tokens (model chunk 0 only)",
+    "harness.train.trainer:_global_norm": "the whole model's gradient norm a run reports (summed over pipeline stages)",
+    "harness.train.passes:mtp_loss_scales": "the weight of each multi-token prediction depth's summed loss",
+    "harness.train.passes:ssm_sequences": "the sequences the SSM mixer's conv and scan run over (restarting at each)",
+    "harness.parallel.ssm_cp:pack_order": "the pack position of each row the SSM's CP exchange gathers (zig-zag inverse)",
 }
 """Every seam a fault may use: ``"module:function"`` -> what it decides."""
 

@@ -1,4 +1,4 @@
-"""Re-creations of integration bugs in the training runtime (``harness.dist.train`` / ``reroute``).
+"""Re-creations of integration bugs in the training runtime (``harness.train.trainer`` / ``reroute``).
 
 Each ``make_*`` takes the seam's original function and returns the faulty one; state a fault needs
 (a group kept from the previous micro-batch, the DP-only groups) lives in that closure, so it is
@@ -72,7 +72,7 @@ def make_grad_reduce_dp_only(original):
                 g = dist.new_group(ranks)
                 if groups.rank in ranks:
                     state["mine"] = g
-        from harness.dist.train import all_reduce_flat
+        from harness.train.trainer import all_reduce_flat
 
         return all_reduce_flat(model, state["mine"])
     return reduce_gradients
@@ -114,7 +114,7 @@ def make_pack_without_cu_seqlens(original):
     """The attention told the pack is one sequence: the rerouted batch lost ``cu_seqlens`` /
     ``max_seqlen`` (Megatron-LM PR #6816, bug 1), so tokens attend across sequence boundaries."""
     def attention_plan(mb, device, exchange):
-        from harness.dist.cp_attention import CPAttentionPlan
+        from harness.parallel.cp_attention import CPAttentionPlan
 
         return CPAttentionPlan.build([0, mb.cu_seqlens_padded[-1]], mb.local_cp_size, mb.cp_rank, device,
                                      exchange=exchange)

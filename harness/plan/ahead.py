@@ -12,7 +12,7 @@ step's kernels (on an H200 a micro-batch is close to host-bound); a separate pro
 ``"module:name"`` string: the function must be importable, not a closure) and calls it on every
 request, in order::
 
-    with PlanAhead("harness.dist.layouts:plan") as ahead:
+    with PlanAhead("harness.train.layouts:plan") as ahead:
         ahead.submit("dcp", lengths[0], cfg, cost)
         for k in range(steps):
             (sched, padding, fixed), seconds = ahead.result()  # waits only if the planner is behind
@@ -56,7 +56,7 @@ def _resolve(spec: str):
     """``"module:name"`` -> the function (dotted names after the colon reach attributes)."""
     if not isinstance(spec, str) or spec.count(":") != 1:
         raise PlanInputError(f"the planning function must be given as 'module:name', got {spec!r}; "
-                             f"e.g. 'harness.dist.layouts:plan'")
+                             f"e.g. 'harness.train.layouts:plan'")
     mod, name = spec.split(":")
     try:
         obj = importlib.import_module(mod)

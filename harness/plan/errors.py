@@ -69,3 +69,8 @@ def _span(ranks: list[int]) -> str:
     if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}..{ranks[-1]}"
     return str(ranks)
+
+
+class LayoutError(PlanInputError):
+    """A layout (bshd, thd, dcp; a pipeline or expert-parallel configuration) cannot run this world or batch
+    (names the values and the fix)."""

@@ -8,36 +8,17 @@ from harness.report import loss_plots, md, pipeline_report, plots, units
 from harness.report.html import esc, figure_png, page, table
 
 
-def _schedules(result):
-    """Recompute step 0's schedule for each layout (deterministic) for the pictures: on one stage's DP x CP
-    domain (the world / pp) with the interleaved pipeline's micro-batch group, as the ranks planned it."""
-    from harness.corpus import global_batch
-    from harness.dist.layouts import LayoutConfig, plan
-    from harness.dist.train import TrainConfig, model_cost
-
-    cfg = TrainConfig.from_dict(result.config)
-    lengths = [len(x) - 1 for x in global_batch(cfg.corpus, 0)]
-    lcfg = LayoutConfig(n_ranks=cfg.domain(result.config["world"]), max_seqlen_per_rank=cfg.max_seqlen_per_rank,
-                        static_cp=result.config["static_cp"], micro_batch_size=cfg.micro_batch_size,
-                        scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding,
-                        vpp_group=cfg.pipeline_config().vpp_group,
-                        execution=cfg.execution_model(result.config["world"])[0])
-    return {layout: plan(layout, lengths, lcfg, model_cost(cfg))[0] for layout in result.rows}
-
-
 def _pipelined(result) -> bool:
     return int(result.config.get("pp", 1)) > 1
 
 
 def _pipeline_section(result, schedules, markdown: bool = False) -> str:
-    """The pipeline timelines and bubbles of step 0 ("" for PP = 1; ``harness.report.pipeline_report``),
-    simulated on the re-planned schedules under the trained model's cost."""
-    if not _pipelined(result):
+    """The pipeline timelines and bubbles of step 0 ("" for PP = 1 or a result without its step-0 schedules;
+    ``harness.report.pipeline_report``), simulated on the schedules under the trained model's cost."""
+    if not _pipelined(result) or not schedules:
         return ""
-    from harness.dist.train import TrainConfig, model_cost
-
     render = pipeline_report.markdown if markdown else pipeline_report.section
-    return render(result.rows, result.config, schedules, model_cost(TrainConfig.from_dict(result.config)))
+    return render(result.rows, result.config, schedules, result.cost)
 
 
 def summary_rows(result) -> list[list]:
@@ -58,7 +39,7 @@ HEADER = ["layout", "first loss", "last loss", "max |delta| vs bshd", "tokens/s 
 
 def section(result, tracking: dict | None = None) -> str:
     c = result.config
-    schedules = _schedules(result)
+    schedules = result.schedules or {}
     track = "" if tracking is None else f"<p class=\"meta\">tracking: {esc(tracking)}</p>"
     return "".join([
         f"<h2>Convergence: bshd vs THD packing vs dynamic CP ({esc(result.case_id)})</h2>",
@@ -71,16 +52,15 @@ def section(result, tracking: dict | None = None) -> str:
         table(summary_rows(result), HEADER, left=1),
         figure_png(loss_plots.loss_curves(result.rows)),
         figure_png(plots.layout_bars(result.rows)),
-        "<h3>One global batch (step 0) in each layout</h3>",
-        "<p>Ranks x micro-batches; a rectangle is a CP block, coloured by its first sequence, labelled with its "
-        "size.</p>",
-        figure_png(plots.schedule_grids(schedules)),
+        *(["<h3>One global batch (step 0) in each layout</h3>",
+           "<p>Ranks x micro-batches; a rectangle is a CP block, coloured by its first sequence, labelled with its "
+           "size.</p>", figure_png(plots.schedule_grids(schedules))] if schedules else []),
         _pipeline_section(result, schedules),
     ])
 
 
 def _exercise_line(ex: dict | None) -> str:
-    """What dynamic CP did in the dcp layout (``harness.converge.dcp_exercise``)."""
+    """What dynamic CP did in the dcp layout (``harness.apps.converge.dcp_exercise``)."""
     if not ex:
         return ""
     sizes = ", ".join(f"CP {k}: {v}" for k, v in ex["cp_groups"].items())
@@ -93,7 +73,7 @@ def markdown(result) -> str:
     lines = [f"## Convergence {result.case_id}: {result.verdict}", ""]
     lines += md.table(units.HEADER, units.rows(result.checks, ".3g"))
     lines += [""] + md.table(HEADER, summary_rows(result))
-    pipe = _pipeline_section(result, _schedules(result), markdown=True) if _pipelined(result) else ""
+    pipe = _pipeline_section(result, result.schedules, markdown=True)
     return "\n".join(lines) + "\n" + ("\n" + pipe if pipe else "")
 
 

@@ -4,7 +4,7 @@ beside the bubble the planner's simulator predicts for the same schedule.
 A run with pp > 1 records, on the first step of each layout, ``row["timeline"]``: one dict per rank,
 ``{"rank", "stage", "position", "chunks", "cp_sizes", "events"}`` with ``events`` = ``[kind "F"/"B",
 micro-batch, virtual chunk, start_s, ready_s, end_s]`` in seconds since that rank started the step's passes
-(``harness.dist.pipeline.Timeline``): start -> ready waits for the input activation / gradient, ready -> end
+(``harness.train.pipeline.Timeline``): start -> ready waits for the input activation / gradient, ready -> end
 computes (waits for CP partners inside the pass's collectives included).
 
 * Measured bubble = ``1 - sum(end - ready) / (ranks x span)``, span = the latest ``end`` of any rank (every

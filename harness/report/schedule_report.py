@@ -48,12 +48,12 @@ def _edge_table(edges: list[dict]) -> str:
 
 
 CONVERGENCE_KEYS = ("convergence", "pipeline", "hybrid")
-"""The main job's convergence cases in its ``result`` (``harness.main_job.CASES``; reports never import
+"""The main job's convergence cases in its ``result`` (``harness.apps.main_job.CASES``; reports never import
 the job)."""
 
 
 def render(result: dict) -> tuple[str, str]:
-    """(html, markdown) for a main-job ``result`` (see ``harness.main_job``)."""
+    """(html, markdown) for a main-job ``result`` (see ``harness.apps.main_job``)."""
     bench, checks, edges = result["bench"], result["checks"], result["edge_cases"]
     ok = result["verdict"] == "PASS"
     stamp = result.get("finished", dt.datetime.now().isoformat(timespec="seconds"))

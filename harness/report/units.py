@@ -1,7 +1,7 @@
 """What a check's number means: its unit and which way is better, beside the bare value.
 
 Checks are ``{"target": sentence, "value": number, "pass": bool}`` (``harness.bench.schedule``,
-``harness.bench.schedule_targets``, ``harness.converge``, the main job); reports read them and do not
+``harness.bench.schedule_targets``, ``harness.apps.converge``, the main job); reports read them and do not
 reach back, so the unit comes from the target's wording: the first rule whose pattern the target
 contains gives it. Worked example: "balanced quality < megatron-dev on ('wikipedia', 32, 256)" with
 value 0.545 reads "balanced quality / megatron-dev quality: the ratio of their simulated step times on

@@ -22,7 +22,7 @@ exchange (``harness.runtime.ssm``)."""
 Experts = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``experts(moe, x_TE, idx_TK, weight_TK) -> y_TE``: an MoE layer's experts applied to the tokens routed to
 them, weighted by the gate weights and summed per token. ``None`` (single process): ``local_experts``;
-expert parallelism: ``harness.dist.expert_parallel`` sends each token to the ranks that own its experts
+expert parallelism: ``harness.parallel.expert_parallel`` sends each token to the ranks that own its experts
 and back."""
 
 
@@ -139,7 +139,7 @@ def local_experts(moe: MoE, x_TE, idx_TK, weight_TK):
     if len(moe.experts) != moe.num_experts:
         raise ValueError(f"MoE layer {moe.layer} holds {len(moe.experts)} of its {moe.num_experts} experts "
                          "(sharded for expert parallelism): pass the micro-batch's expert dispatch "
-                         "(experts=..., harness.dist.expert_parallel) to run it")
+                         "(experts=..., harness.parallel.expert_parallel) to run it")
     out = torch.zeros_like(x_TE)
     for e, expert in enumerate(moe.experts):
         tok, slot = (idx_TK == e).nonzero(as_tuple=True)

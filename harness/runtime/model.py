@@ -248,7 +248,7 @@ class TinyLM(nn.Module):
         """Apply blocks ``layers`` (global numbers; default all) to hidden states ``x``; returns
         (hidden states, aux loss of those blocks). Pipeline stages call this with their range.
         ``mixing``: the micro-batch's SSM mixing (hybrid models). ``experts``: the micro-batch's expert
-        dispatch (MoE models under expert parallelism, ``harness.dist.expert_parallel``)."""
+        dispatch (MoE models under expert parallelism, ``harness.parallel.expert_parallel``)."""
         aux = torch.zeros((), device=x.device)
         if not isinstance(pos_T, Rotary):
             pos_T = Rotary(pos_T, self.c.hidden // self.c.heads, self.c.rope_base)

@@ -5,7 +5,7 @@ final norm) with the embedding of token i + k: ``h'_i = proj([norm(h^{k-1}_i); n
 runs one transformer block over the sequence (same positions, same causal attention and CP plan), and
 the model's head predicts ``t_{i+k+1}``. The shifted inputs ``t_{i+k}``, labels ``t_{i+k+1}`` and masks
 (the last k positions of a sequence have no target) are made *per sequence before the CP split*
-(``harness.dist.train``): a shift after the split would cross chunk and sequence boundaries.
+(``harness.train.trainer``): a shift after the split would cross chunk and sequence boundaries.
 
 Departure from DeepSeek-V3 / Megatron: each MTP block has its own embedding table instead of sharing
 the main one, so that a pipeline keeps MTP on its last stage without sending the first stage's

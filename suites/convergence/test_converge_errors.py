@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from harness import converge, golden
-from harness.dist.layouts import LayoutError
-from harness.dist.train import TrainConfig
+from harness import golden
+from harness.apps import converge
+from harness.train.layouts import LayoutError
+from harness.train.trainer import TrainConfig
 
 
 @pytest.mark.parametrize("cfg, world, match", [
@@ -20,7 +21,7 @@ from harness.dist.train import TrainConfig
     (TrainConfig(cp_exchange="p2p"), 4, "cp_exchange must be one of gather, ring, auto, got 'p2p'"),
     (TrainConfig(), 3, "world size 3 is not a power of two"),
     (TrainConfig(), 2, r"needs a static CP group of 4 ranks .* world has 2"),
-    (TrainConfig(corpus=__import__("harness.corpus", fromlist=["CorpusConfig"]).CorpusConfig(sequences_per_batch=31),
+    (TrainConfig(corpus=__import__("harness.data.corpus", fromlist=["CorpusConfig"]).CorpusConfig(sequences_per_batch=31),
                  max_seqlen_per_rank=512), 4, "multiple of 2"),
     (TrainConfig(model="tiny-hybrid"), 8, r"SSM mixers' 4 heads cannot be split over a CP block of 8 ranks"),
 ])
@@ -45,7 +46,7 @@ def test_pipelines_the_world_cannot_run(kw, world, match, tmp_path):
     """Bad pipeline options fail before any process starts, naming the value and the fix: a stage count
     that does not divide the world, VPP without PP, layers the split cannot hold, unknown kinds, and
     VPP groups a step's batch cannot satisfy (every step is planned first)."""
-    from harness.corpus import CorpusConfig
+    from harness.data.corpus import CorpusConfig
 
     if "corpus" in kw:
         kw["corpus"] = CorpusConfig(**kw["corpus"])
@@ -55,9 +56,9 @@ def test_pipelines_the_world_cannot_run(kw, world, match, tmp_path):
 
 
 def test_missing_golden_says_how_to_create_it(tmp_path, monkeypatch):
-    from harness.corpus import CorpusConfig
+    from harness.data.corpus import CorpusConfig
 
-    monkeypatch.setattr("harness.dist.entry.launch", lambda *a, **k: pytest.fail("trained before checking the golden"))
+    monkeypatch.setattr("harness.jobs.entry.launch", lambda *a, **k: pytest.fail("trained before checking the golden"))
     with pytest.raises(golden.GoldenError, match=r"missing; create it with: dcp-harness converge .*--steps 7 .*--update-golden"):
         converge.run(TrainConfig(steps=7, corpus=CorpusConfig(seed=5)), world=4, golden="require", out_root=tmp_path,
                      progress=lambda s: None)
@@ -84,7 +85,7 @@ def test_an_interrupted_run_leaves_earlier_reports_and_goldens_intact(tmp_path, 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("harness.dist.entry.launch", interrupted)
+    monkeypatch.setattr("harness.jobs.entry.launch", interrupted)
     with pytest.raises(KeyboardInterrupt):
         converge.run(TrainConfig(steps=50), world=4, golden="update", out_root=tmp_path, progress=lambda s: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["converge-20260101-000000"]
@@ -115,7 +116,7 @@ def _golden_case(tmp_path, monkeypatch, edit, steps=5):
     doc = json.loads(src.read_text())
     edit(doc)
     dst.write_text(json.dumps(doc))
-    monkeypatch.setattr("harness.dist.entry.launch", lambda *a, **k: pytest.fail("trained before checking the golden"))
+    monkeypatch.setattr("harness.jobs.entry.launch", lambda *a, **k: pytest.fail("trained before checking the golden"))
     return lambda: converge.run(TrainConfig(steps=steps), world=4, out_root=tmp_path / "reports", golden="require",
                                 progress=lambda s: None)
 

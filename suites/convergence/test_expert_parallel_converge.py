@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from harness import converge
-from harness.dist.expert_parallel import ExpertParallelError
-from harness.dist.launch import run_on_ranks
-from harness.dist.layouts import LayoutError
-from harness.dist.train import TrainConfig, execution_line, train
+from harness.apps import converge
+from harness.jobs.launch import run_on_ranks
+from harness.parallel.expert_parallel import ExpertParallelError
+from harness.train.layouts import LayoutError
+from harness.train.trainer import TrainConfig, execution_line, train
 
 EP = TrainConfig(model="tiny-moe", steps=50, expert_parallel=True)
 

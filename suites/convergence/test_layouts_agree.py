@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.dist.launch import run_on_ranks
-from harness.dist.train import train
+from harness.jobs.launch import run_on_ranks
+from harness.train.trainer import train
 
 pytestmark = pytest.mark.dist_cpu
 

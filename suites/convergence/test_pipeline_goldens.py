@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness import converge
-from harness.dist.train import TrainConfig
+from harness.apps import converge
+from harness.train.trainer import TrainConfig
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from harness.dist.launch import run_on_ranks
-from harness.dist.train import train
+from harness.jobs.launch import run_on_ranks
+from harness.train.trainer import train
 
 pytestmark = pytest.mark.dist_cpu
 

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from harness import converge
-from harness.dist.layouts import LayoutError
-from harness.dist.train import TrainConfig
+from harness.apps import converge
 from harness.faults.catalogue import UnknownFaultError
+from harness.train.layouts import LayoutError
+from harness.train.trainer import TrainConfig
 
 
 def test_a_loss_that_turns_nan_after_step_one_fails_every_comparison(tmp_path):

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from harness import converge
-from harness.dist.train import TrainConfig
+from harness.apps import converge
+from harness.train.trainer import TrainConfig
 
 
 def rows(curves):
@@ -46,9 +46,9 @@ def test_the_case_id_names_a_non_default_corpus():
     """Runs on another length spec or corpus seed train on other data: they must not share a golden."""
     from dataclasses import replace
 
-    from harness import converge
-    from harness.corpus import CorpusConfig
-    from harness.dist.train import TrainConfig
+    from harness.apps import converge
+    from harness.data.corpus import CorpusConfig
+    from harness.train.trainer import TrainConfig
 
     base = TrainConfig(steps=50)
     assert converge.case_id(base, 4) == "converge__tiny_gpt__w4__fp32"

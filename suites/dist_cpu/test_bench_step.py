@@ -12,7 +12,7 @@ import torch
 
 from harness.bench import step
 from harness.bench.trace import PARTS, breakdown, classify
-from harness.dist.launch import run_on_ranks
+from harness.jobs.launch import run_on_ranks
 from harness.plan import CostModel
 
 pytestmark = pytest.mark.dist_cpu

@@ -41,7 +41,7 @@ def _worker(root: int, rank: int) -> int | None:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"harness.dist.entry" in cmd and f"RANK={rank}".encode() in env:
+        if b"harness.jobs.entry" in cmd and f"RANK={rank}".encode() in env:
             return pid
     return None
 
@@ -55,7 +55,7 @@ def _alive(pids: list[int]) -> list[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (OSError, IndexError):
             continue
-        if state not in "ZX" and b"harness.dist.entry" in cmd:
+        if state not in "ZX" and b"harness.jobs.entry" in cmd:
             alive.append(pid)
     return alive
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.dist.checks import all_checks
-from harness.dist.launch import run_on_ranks
+from harness.jobs.launch import run_on_ranks
+from harness.parallel.checks import all_checks
 
 pytestmark = pytest.mark.dist_cpu
 

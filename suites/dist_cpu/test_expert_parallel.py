@@ -1,4 +1,4 @@
-"""Expert parallelism on real gloo worlds (``harness.dist.expert_parallel``).
+"""Expert parallelism on real gloo worlds (``harness.parallel.expert_parallel``).
 
 The MoE layer with its experts sharded over 2 and 4 ranks, tokens dispatched and combined by
 all-to-all, equals the single-process layer on all the tokens: outputs, input gradients, the router's
@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.dist.expert_parallel import (
+from harness.jobs.launch import run_on_ranks
+from harness.parallel.expert_parallel import (
     ExpertDispatch,
     ExpertParallelError,
     ExpertShard,
@@ -28,11 +29,10 @@ from harness.dist.expert_parallel import (
     is_expert_param,
     shard_experts,
 )
-from harness.dist.launch import run_on_ranks
-from harness.dist.replay import replay_check
 from harness.runtime.layers import MoE, local_experts
 from harness.runtime.model_config import ModelConfig
 from harness.runtime.replay import ReplayStore, Routing
+from harness.train.replay import replay_check
 
 pytestmark = pytest.mark.dist_cpu
 
@@ -134,7 +134,7 @@ def test_router_replay_holds_with_expert_parallelism(pp, cp, tmp_path):
 
 
 def _train_pair(rank: int, world: int) -> dict:
-    from harness.dist.train import train
+    from harness.train.trainer import train
 
     cfg = {"model": "tiny-moe", "steps": 2, "layouts": ["dcp"], "probes": True, "max_seqlen_per_rank": 256,
            "corpus": {"sequences_per_batch": 8}}
@@ -185,7 +185,7 @@ def test_expert_parallel_seams_are_live_and_a_passthrough_changes_nothing(tmp_pa
     from harness.faults import SEAMS
     from harness.faults import scenarios as sc
 
-    seams = [s for s in SEAMS if s.startswith("harness.dist.expert_parallel")]
+    seams = [s for s in SEAMS if s.startswith("harness.parallel.expert_parallel")]
     cfg = {**sc.TRAIN_CONFIGS["train-ep"], "layouts": ["dcp"]}
     got = run_on_ranks(sc.passthrough_world, world_size=sc.WORLD, tmp_path=tmp_path,
                        args=({"kind": "train", "cfg": cfg, "seams": seams, "clean": True},), timeout_s=300)

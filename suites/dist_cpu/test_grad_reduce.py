@@ -1,4 +1,4 @@
-"""``harness.dist.grad_reduce``: bucketed gradient all-reduce overlapped with the last backward.
+"""``harness.parallel.grad_reduce``: bucketed gradient all-reduce overlapped with the last backward.
 
 The reduced buffer must equal one all-reduce of the fully accumulated gradients (earlier
 micro-batches are never reduced on their own), buckets must launch in index order on every rank
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.dist.grad_reduce import BucketedGradReducer, GradReduceError
-from harness.dist.launch import run_on_ranks
+from harness.jobs.launch import run_on_ranks
+from harness.parallel.grad_reduce import BucketedGradReducer, GradReduceError
 
 pytestmark = pytest.mark.dist_cpu
 

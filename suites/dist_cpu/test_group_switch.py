@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.dist.launch import run_on_ranks
+from harness.jobs.launch import run_on_ranks
 
 pytestmark = pytest.mark.dist_cpu
 
@@ -18,8 +18,8 @@ MODEL = dict(layers=4, pattern="M*M-", mtp_depth=1)  # a mixer, attention, a mix
 def _pass(model, groups, rank, size: int | None, used: list) -> float:
     """One forward of a 2-sequence pack through every layer and the MTP block, in a CP block of ``size``
     ranks (None: each rank alone, an evaluation pass); records the group of every CP call."""
-    from harness.dist.cp_attention import CPAttentionPlan, cp_attention
-    from harness.dist.ssm_cp import CPChannelExchange
+    from harness.parallel.cp_attention import CPAttentionPlan, cp_attention
+    from harness.parallel.ssm_cp import CPChannelExchange
     from harness.plan.thd import pack, padding_divisor, zigzag_index_array
     from harness.runtime.model import Rotary
     from harness.runtime.ssm import SequenceLayout
@@ -55,8 +55,8 @@ def _pass(model, groups, rank, size: int | None, used: list) -> float:
 def switch_world(rank: int, world: int, fault: str | None) -> dict:
     import torch.distributed as dist  # noqa: F401 - the world is initialised by run_on_ranks
 
-    from harness.dist.groups import DynamicGroups, ParallelLayout, live_groups
     from harness.faults.catalogue import get
+    from harness.parallel.groups import DynamicGroups, ParallelLayout, live_groups
     from harness.runtime.model import ModelConfig, TinyLM
 
     torch.manual_seed(0)
@@ -107,7 +107,7 @@ def test_a_module_that_keeps_its_group_is_visible_here_too(tmp_path):
     """The same drive with the catalogue's ``module-keeps-cp-group`` fault: pass B (CP=4) runs the mixer
     on pass A's CP=2 exchange and group, which cannot take the CP=4 slice: the job fails on every rank
     with an error naming the mismatch instead of training on the wrong group."""
-    from harness.dist.launch import RankFailure
+    from harness.jobs.launch import RankFailure
 
     with pytest.raises(RankFailure, match=r"to_channels expects \[32, channels\], got \[16, \d+\]; the pack "
                                           r"has 64 tokens over cp=2 ranks"):

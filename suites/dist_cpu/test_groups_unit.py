@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.dist.groups import GroupError, ParallelLayout, check_block
+from harness.parallel.groups import GroupError, ParallelLayout, check_block
 from harness.plan import PlanInputError
 
 

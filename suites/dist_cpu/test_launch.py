@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.dist.launch import RankFailure, run_on_ranks
+from harness.jobs.launch import RankFailure, run_on_ranks
 
 pytestmark = pytest.mark.dist_cpu
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.dist.entry import launch
-from harness.dist.watchdog import JobFailure
+from harness.jobs.entry import launch
+from harness.jobs.watchdog import JobFailure
 
 pytestmark = pytest.mark.dist_cpu
 
@@ -72,7 +72,8 @@ def test_the_watchdog_names_the_stopped_rank_and_waits_for_startup(tmp_path):
     import subprocess
     import sys
 
-    from harness.dist.watchdog import STARTUP_S, Heartbeat, stalled
+    from harness.heartbeat import Heartbeat
+    from harness.jobs.watchdog import STARTUP_S, stalled
 
     t0 = time.time()
     Heartbeat(tmp_path, 0).beat(force=True, step=5, of=9)

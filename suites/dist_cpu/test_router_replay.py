@@ -1,11 +1,11 @@
-"""Router replay end to end on gloo: PP=2, CP=2 and PP=2 x CP=2 (``harness.dist.replay``)."""
+"""Router replay end to end on gloo: PP=2, CP=2 and PP=2 x CP=2 (``harness.train.replay``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness.dist.launch import run_on_ranks
-from harness.dist.replay import replay_check
+from harness.jobs.launch import run_on_ranks
+from harness.train.replay import replay_check
 
 pytestmark = pytest.mark.dist_cpu
 

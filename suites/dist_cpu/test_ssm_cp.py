@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.dist.groups import DynamicGroups, ParallelLayout
-from harness.dist.launch import run_on_ranks
-from harness.dist.ssm_cp import CPChannelExchange, ExchangeError
+from harness.jobs.launch import run_on_ranks
+from harness.parallel.groups import DynamicGroups, ParallelLayout
+from harness.parallel.ssm_cp import CPChannelExchange, ExchangeError
 from harness.plan.thd import pack, padding_divisor, zigzag_index_array
 from harness.runtime.ssm import SequenceLayout, SSMConfig, SSMMixer, SSMShardError
 

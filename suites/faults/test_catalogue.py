@@ -48,18 +48,18 @@ def test_a_fault_is_active_only_inside_its_context(fault):
 
 
 def test_the_seam_is_restored_when_the_run_raises_and_never_stacked():
-    module, attr, original = resolve("harness.dist.passes:labels_for")
+    module, attr, original = resolve("harness.train.passes:labels_for")
     with pytest.raises(RuntimeError, match="boom"):
         with get("labels-rolled-after-split").applied():
             raise RuntimeError("boom")
     assert getattr(module, attr) is original
     with get("labels-rolled-after-split").applied():
         with pytest.raises(SeamError, match="already replaced by 'labels-rolled-after-split'"):
-            with replaced("harness.dist.passes:labels_for", lambda o: o):
+            with replaced("harness.train.passes:labels_for", lambda o: o):
                 pass
     assert getattr(module, attr) is original
     with pytest.raises(SeamError, match="not a registered seam"):
-        with replaced("harness.dist.train:train", lambda o: o):
+        with replaced("harness.train.trainer:train", lambda o: o):
             pass
 
 

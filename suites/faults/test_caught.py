@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from harness.dist.launch import run_on_ranks
 from harness.faults import FAULTS, SEAMS
 from harness.faults import scenarios as sc
 from harness.faults.run import ORDER
+from harness.jobs.launch import run_on_ranks
 
 pytestmark = pytest.mark.dist_cpu
 
@@ -55,9 +55,9 @@ def test_every_seam_is_live_and_a_passthrough_changes_nothing(tmp_path):
     """Each seam wrapped by a call counter: the train and replay runs call every one of theirs, and the
     results equal the clean runs'. (The plan and step-wise seams are called in-process by their
     scenarios; their clean runs are the tests above.)"""
-    train_seams = [s for s in SEAMS if s.startswith(("harness.dist.train", "harness.dist.reroute",
-                                                     "harness.dist.layouts", "harness.plan.layout"))]
-    replay_seams = [s for s in SEAMS if s.startswith("harness.dist.replay")]
+    train_seams = [s for s in SEAMS if s.startswith(("harness.train.trainer", "harness.parallel.reroute",
+                                                     "harness.train.layouts", "harness.plan.layout"))]
+    replay_seams = [s for s in SEAMS if s.startswith("harness.train.replay")]
     cfg = {**sc.TRAIN_CONFIGS["train"], "layouts": ["bshd", "dcp"]}
     got = run_on_ranks(sc.passthrough_world, world_size=sc.WORLD, tmp_path=tmp_path,
                        args=({"kind": "train", "cfg": cfg, "seams": train_seams},), timeout_s=120)
@@ -72,8 +72,8 @@ def test_every_seam_is_live_and_a_passthrough_changes_nothing(tmp_path):
     assert all(r["out"]["replay_mismatches"] == 0 for r in rep)
 
 
-MODEL_SEAM_MODULES = ("harness.dist.passes", "harness.runtime", "harness.dist.pipeline", "harness.dist.train",
-                      "harness.dist.ssm_cp")
+MODEL_SEAM_MODULES = ("harness.train.passes", "harness.runtime", "harness.train.pipeline", "harness.train.trainer",
+                      "harness.parallel.ssm_cp")
 
 
 @pytest.mark.parametrize("cfg", [

@@ -16,10 +16,10 @@ def test_bench_step_runs_on_two_gpus(tmp_path):
         pytest.skip("needs 2 CUDA GPUs")
     from harness.bench import step
     from harness.bench.trace import PARTS
-    from harness.dist.entry import launch
+    from harness.jobs.entry import launch
 
     over = {"warmup": 1, "iters": 2, "profile_iters": 1, "microbatches": 2, "runs": 1}
-    res = launch("bench-step", 2, tmp_path / "step.json", over)
+    res = launch(step.JOB, 2, tmp_path / "step.json", over)
     s = step.summarize(res, step.StepBenchConfig.from_dict(over))
     for label, a in s["arms"].items():
         b = a["breakdown"]

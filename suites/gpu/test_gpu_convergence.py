@@ -1,6 +1,6 @@
 """GPU convergence (``pytest -m gpu suites/gpu``): bshd / thd / dcp in bf16 with NCCL on 2 and 4
-GPUs; per-step |delta loss| <= 2e-3 and mean <= 5e-4 against bshd (``harness.converge.TOLERANCES``;
-for MoE over the first 20 steps, then the late-window band: see ``harness.converge``)."""
+GPUs; per-step |delta loss| <= 2e-3 and mean <= 5e-4 against bshd (``harness.apps.converge.TOLERANCES``;
+for MoE over the first 20 steps, then the late-window band: see ``harness.apps.converge``)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ pytestmark = pytest.mark.gpu
 def test_layouts_agree_in_bf16(nproc, model, tmp_path):
     if not torch.cuda.is_available() or torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} CUDA GPUs")
-    from harness import converge
-    from harness.corpus import CorpusConfig
-    from harness.dist.train import TrainConfig
+    from harness.apps import converge
+    from harness.data.corpus import CorpusConfig
+    from harness.train.trainer import TrainConfig
 
     # MoE: top-k routing turns last-bit bf16 differences into discrete flips; 128 sequences per batch
     # (~25K tokens) average them like a real batch would, 32 (~6K) do not
@@ -41,9 +41,9 @@ def test_pipeline_of_two_stages_with_dynamic_cp_in_bf16(vpp, model, tmp_path):
     stage), with and without interleaving: the layouts agree within the GPU tolerances."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 4:
         pytest.skip("needs 4 CUDA GPUs (2 pipeline stages x 2 DP x CP ranks)")
-    from harness import converge
-    from harness.corpus import CorpusConfig
-    from harness.dist.train import TrainConfig
+    from harness.apps import converge
+    from harness.data.corpus import CorpusConfig
+    from harness.train.trainer import TrainConfig
 
     corpus = CorpusConfig(sequences_per_batch=128 if model == "tiny-moe" else 32)
     cfg = TrainConfig(model=model, steps=30, device="cuda", dtype="bfloat16", max_seqlen_per_rank=512, pp=2, vpp=vpp,

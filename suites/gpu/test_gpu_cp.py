@@ -23,7 +23,7 @@ CONFIGS = {
 def test_cp_attention_on_gpus(nproc, config, tmp_path):
     if not torch.cuda.is_available() or torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} CUDA GPUs")
-    from harness.dist.entry import launch
+    from harness.jobs.entry import launch
 
     res = launch("checks", nproc, tmp_path / "checks.json", CONFIGS[config])
     seen = set()

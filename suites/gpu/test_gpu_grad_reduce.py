@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 def test_overlapped_reduction_equals_one_all_reduce_on_nccl(tmp_path):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
-    from harness.dist.launch import run_on_ranks
+    from harness.jobs.launch import run_on_ranks
     from suites.dist_cpu.test_grad_reduce import reduce_world
 
     ranks = run_on_ranks(reduce_world, world_size=2, tmp_path=tmp_path, args=("cuda",), backend="nccl", timeout_s=120)

@@ -55,8 +55,8 @@ def test_one_gpu_packing_agrees_with_bshd_in_bf16(model, tmp_path):
     against bshd in bf16. No dcp layout: on one rank it never forms a CP group > 1, so its verdict could
     only be NOT EXERCISED (dynamic CP on GPUs needs 2+, ``test_gpu_convergence.py``)."""
     _cuda()
-    from harness import converge
-    from harness.dist.train import TrainConfig
+    from harness.apps import converge
+    from harness.train.trainer import TrainConfig
 
     cfg = TrainConfig(model=model, steps=30, device="cuda", dtype="bfloat16", max_seqlen_per_rank=1024,
                       layouts=("bshd", "thd"))

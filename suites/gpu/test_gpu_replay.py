@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 def test_replay_pp2_cp2_bf16(tmp_path):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 4:
         pytest.skip("needs 4 CUDA GPUs")
-    from harness.dist.entry import launch
+    from harness.jobs.entry import launch
 
     res = launch("replay", 4, tmp_path / "replay.json", {"pp": 2, "cp": 2, "dtype": "bfloat16", "sequences": 16,
                                                           "lengths": "uniform:min=64,max=2048"})

@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from harness.corpus import CorpusConfig, batch_lengths
+from harness.data.corpus import CorpusConfig, batch_lengths
+from harness.data.workloads import make_wikipedia_sample, parse_spec, read_lengths, sample
 from harness.plan import (
     ALGORITHMS,
     DuplicateGidError,
@@ -26,7 +27,6 @@ from harness.plan import (
     schedule,
 )
 from harness.plan.limits import MAX_LENGTH, MAX_RANKS, MAX_SEQUENCES, MAX_WORK
-from harness.workloads import make_wikipedia_sample, parse_spec, read_lengths, sample
 
 OK = dict(n_ranks=8, max_seqlen_per_rank=1024)
 

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness.bench.schedule import CONFIGS, DISTRIBUTIONS
+from harness.data.workloads import sample
 from harness.plan import ALGORITHMS, check_schedule, gpt_benchmark_cost, quality, schedule
-from harness.workloads import sample
 
 GPT = gpt_benchmark_cost()
 

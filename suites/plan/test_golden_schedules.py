@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.data.workloads import sample
 from harness.plan import ALGORITHMS, gpt_benchmark_cost, quality, schedule
-from harness.workloads import sample
 
 CASES = {
     "vector_a__n8__m2048": dict(lengths=[8192, 4096, 3000, 2048, 1024, 1024, 512, 512, 256], n_ranks=8,

@@ -18,7 +18,7 @@ PLAN_MODULES = sorted(m.name for m in pkgutil.iter_modules(harness.plan.__path__
 
 
 def test_plan_never_imports_torch():
-    code = ("import sys, harness.plan, harness.workloads, harness.testing; "
+    code = ("import sys, harness.plan, harness.data.workloads, harness.testing; "
             "from harness.plan import schedule; schedule([5000, 300], n_ranks=4, max_seqlen_per_rank=2048); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -34,7 +34,7 @@ def test_docstring_examples(name):
 
 def test_schedules_do_not_depend_on_hash_seeds():
     """Determinism across processes: no set or dict iteration order leaks into a schedule."""
-    code = ("import json; from harness.plan import schedule, ALGORITHMS; from harness.workloads import sample; "
+    code = ("import json; from harness.plan import schedule, ALGORITHMS; from harness.data.workloads import sample; "
             "L = sample('wikipedia:max=32768', 300, 7); "
             "print(json.dumps({a: schedule(L, n_ranks=16, max_seqlen_per_rank=4096, algorithm=a).microbatches "
             "for a in ALGORITHMS}))")

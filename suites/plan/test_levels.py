@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.data.workloads import sample
 from harness.plan import SYNCHRONOUS, CostModel, check_schedule, gpt_benchmark_cost, quality, schedule, simulate
 from harness.plan.api import cyclic_gc_paused
 from harness.plan.balanced import EXTRA_MAX_SEQUENCES, levels
@@ -19,7 +20,6 @@ from harness.plan.balanced.evaluate import Judge
 from harness.plan.balanced.items import Item
 from harness.plan.cost import cp_min
 from harness.testing import batches
-from harness.workloads import sample
 
 GPT = gpt_benchmark_cost()
 LN1024 = "lognormal:mean=1024,sigma=1.5,min=128,max=8192"

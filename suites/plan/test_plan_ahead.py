@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from harness.dist.layouts import LayoutConfig, plan
 from harness.plan import CostModel
 from harness.plan.ahead import PlanAhead, PlanAheadError
 from harness.plan.errors import PlanInputError, SequenceTooLongError
+from harness.train.layouts import LayoutConfig, plan
 
-PLAN = "harness.dist.layouts:plan"
+PLAN = "harness.train.layouts:plan"
 
 
 def chatty(x):
@@ -115,10 +115,10 @@ def test_a_slow_planner_times_out_with_the_fix_named_and_is_not_used_again():
             ahead.submit(0.0)
 
 
-@pytest.mark.parametrize("spec, msg", [("harness.dist.layouts.plan", "'module:name'"),
+@pytest.mark.parametrize("spec, msg", [("harness.train.layouts.plan", "'module:name'"),
                                        ("harness.nope:plan", "cannot import"),
-                                       ("harness.dist.layouts:nope", "cannot import"),
-                                       ("harness.dist.layouts:LAYOUTS", "not callable")])
+                                       ("harness.train.layouts:nope", "cannot import"),
+                                       ("harness.train.layouts:LAYOUTS", "not callable")])
 def test_bad_function_specs_are_refused_before_a_process_starts(spec, msg):
     with pytest.raises(PlanInputError, match=msg):
         PlanAhead(spec)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.data.workloads import sample
 from harness.plan import (
     INDEPENDENT,
     SYNCHRONOUS,
@@ -26,7 +27,6 @@ from harness.plan import (
     stats,
 )
 from harness.testing import batches
-from harness.workloads import sample
 
 A = [8192, 4096, 3000, 2048, 1024, 1024, 512, 512, 256]  # spec vector A
 GPT = gpt_benchmark_cost()

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.data.workloads import sample
 from harness.plan import CostModel, check_schedule, gpt_benchmark_cost, lower_bound, schedule, simulate, tallest
 from harness.plan.balanced.candidates import by_levels
 from harness.plan.balanced.evaluate import Judge
@@ -19,7 +20,6 @@ from harness.plan.balanced.tall import tall_rows
 from harness.plan.cost import cp_min
 from harness.plan.execution import SYNCHRONOUS
 from harness.plan.layout import Schedule, layout_from_sizes
-from harness.workloads import sample
 
 
 def _set_partitions(items: tuple):

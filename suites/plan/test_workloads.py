@@ -7,8 +7,8 @@ import gzip
 import numpy as np
 import pytest
 
+from harness.data.workloads import WIKIPEDIA_SAMPLE, parse_spec, read_lengths, sample
 from harness.plan import PlanInputError
-from harness.workloads import WIKIPEDIA_SAMPLE, parse_spec, read_lengths, sample
 
 
 def test_lognormal_is_megatrons_and_deterministic():

@@ -29,23 +29,27 @@ def loss_rows(steps: int = 50, deltas: dict[str, float] = DELTAS) -> dict[str, l
 
 def convergence_result(rows: dict[str, list[dict]] | None = None):
     """A passing ``ConvergeResult`` of the main job's case on ``rows`` (``loss_rows()`` by default)."""
-    from harness.converge import ConvergeResult, case_id, evaluate
-    from harness.dist.layouts import static_cp_for
-    from harness.dist.train import TrainConfig, longest_sequence
+    from harness.apps.converge import ConvergeResult, case_id, evaluate
+    from harness.train.layouts import static_cp_for
+    from harness.train.trainer import TrainConfig, longest_sequence
 
     rows = rows or loss_rows()
     cfg = TrainConfig(steps=len(rows["bshd"]))
     case = case_id(cfg, 4)
     config = {**cfg.to_dict(), "world": 4, "static_cp": static_cp_for(longest_sequence(cfg), 4, cfg.max_seqlen_per_rank),
               "longest": longest_sequence(cfg), "case_id": case, "hardware": "cpu", "golden": None}
-    return ConvergeResult("PASS", Path("."), case, rows, evaluate(rows, cfg, 4, "cpu"), config)
+    from harness.apps.converge import step0_schedules
+    from harness.train.config import model_cost
+
+    return ConvergeResult("PASS", Path("."), case, rows, evaluate(rows, cfg, 4, "cpu"), config,
+                          schedules=step0_schedules(config), cost=model_cost(cfg))
 
 
 def main_result() -> dict:
-    """The main job's ``result`` (``harness.main_job``) with the recorded fault catalogue."""
-    from harness import main_job
+    """The main job's ``result`` (``harness.apps.main_job``) with the recorded fault catalogue."""
+    from harness.apps import main_job
     from harness.bench import schedule as bench_schedule
-    from harness.edge_cases import run_all
+    from harness.data.edge_cases import run_all
     from harness.golden import producer
 
     conv = convergence_result()

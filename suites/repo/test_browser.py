@@ -109,7 +109,7 @@ def test_the_nightly_page_of_two_cpu_runs_loads_every_image_and_resolves_every_l
     from urllib.parse import unquote, urlparse
 
     from harness import cli
-    from harness.nightly import history
+    from harness.apps.nightly import history
 
     root = tmp_path / "nightly"
     for i in (1, 2):

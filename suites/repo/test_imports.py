@@ -1,7 +1,7 @@
 """The harness's import direction, read from the source with ``ast`` (nothing here imports it):
 reports read results and never import a benchmark, and no module reaches, by an import inside a
 function or an ``__import__("...")`` call, a module that imports it back - the ways an import cycle
-is hidden instead of broken (``harness.bench.step`` and its report, ``harness.nightly``).
+is hidden instead of broken (``harness.bench.step`` and its report, ``harness.apps.nightly``).
 
 Imports inside functions are fine for what they are for: keeping torch, matplotlib and the
 distributed runtime out of modules that do not need them at import time."""
@@ -129,7 +129,7 @@ def test_the_scan_sees_the_harness():
     assert "harness.bench.step" in MODULES and "harness.report.step_report" in MODULES
     assert "harness.report.step_tables" in IMPORTS["harness.report.step_report"].top
     assert "harness.bench.step.config" in IMPORTS["harness.bench.step"].top
-    assert "harness.golden" in IMPORTS["harness.nightly"].top
+    assert "harness.golden" in IMPORTS["harness.apps.nightly"].top
 
 
 def test_reports_never_import_a_benchmark():
@@ -141,7 +141,7 @@ def test_reports_never_import_a_benchmark():
 
 def test_no_import_is_hidden_in_a_dunder_import_call():
     """``__import__("harness.x")`` says what ``import harness.x`` says, out of sight of tools and
-    readers (``harness.dist.entry`` imports its jobs by a name from a table: not a literal, allowed)."""
+    readers (``harness.jobs.entry`` imports its jobs by a name from a table: not a literal, allowed)."""
     assert not {m: sorted(v.dunder) for m, v in IMPORTS.items() if v.dunder}
 
 
@@ -163,4 +163,50 @@ def test_the_bench_step_pair_and_nightly_have_no_cycle_at_all():
     importer back by any import."""
     assert _reaches("harness.report.step_report", "harness.bench.step", deferred=True) is None
     assert _reaches("harness.report.step_tables", "harness.bench.step", deferred=True) is None
-    assert _reaches("harness.golden", "harness.nightly", deferred=True) is None
+    assert _reaches("harness.golden", "harness.apps.nightly", deferred=True) is None
+
+
+LAYERS = (
+    ("base", ("harness", "harness.io", "harness.paths", "harness.finite", "harness.heartbeat", "harness.golden")),
+    ("plan", ("harness.plan",)),
+    ("upstream", ("harness.upstream",)),
+    ("data", ("harness.data",)),
+    ("report", ("harness.report",)),
+    ("runtime", ("harness.runtime",)),
+    ("parallel", ("harness.parallel",)),
+    ("train", ("harness.train",)),
+    ("jobs", ("harness.jobs",)),
+    ("faults", ("harness.faults",)),
+    ("bench", ("harness.bench",)),
+    ("apps", ("harness.apps",)),
+    ("front", ("harness.cli", "harness.cli_types", "harness.__main__", "harness.pytest_plugin", "harness.testing")),
+)
+"""The rooms of the harness, lowest first: a module may import its own room and the rooms below it, never one
+above (top-level imports, imports inside functions and ``__import__`` alike). The reports read results: they
+sit below the runtime and import nothing of it."""
+
+
+def _layer(module: str) -> int:
+    best = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or (p != "harness" and module.startswith(p + "."))) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    assert best is not None, f"{module} is in no room of LAYERS: add it"
+    return best[0]
+
+
+def test_every_module_is_in_a_room_and_imports_only_its_room_and_below():
+    up = []
+    for m, v in IMPORTS.items():
+        mine = _layer(m)
+        for t in sorted(v.top | v.deferred | v.dunder):
+            if _layer(t) > mine:
+                up.append(f"{m} ({LAYERS[mine][0]}) imports {t} ({LAYERS[_layer(t)][0]})")
+    assert not up, "\n".join(up)
+
+
+def test_no_folder_is_named_like_build_output():
+    """Packaging tools and code-map tools skip ``dist``, ``build`` and the like as generated."""
+    generated = {"dist", "build", "out", "target", "output", "gen", "generated"}
+    assert not [p for p in HARNESS.rglob("*") if p.is_dir() and p.name in generated]

@@ -14,14 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, converge, golden
-from harness.corpus import CorpusConfig
-from harness.dist.layouts import LayoutError
-from harness.dist.train import TrainConfig
+from harness import cli, golden
+from harness.apps import converge
+from harness.apps.nightly import cases as nc
+from harness.apps.nightly import history
+from harness.data.corpus import CorpusConfig
 from harness.io import OutputPathError
-from harness.nightly import cases as nc
-from harness.nightly import history
 from harness.report import nightly_report
+from harness.train.layouts import LayoutError
+from harness.train.trainer import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -240,7 +241,7 @@ def test_a_nightly_case_that_never_forms_a_cp_group_is_not_exercised_and_exits_1
     the page and the summary, and the exit status is 1."""
     case = nc.NightlyCase(TrainConfig(model="tiny-gpt", steps=2, layouts=("bshd", "dcp"), max_seqlen_per_rank=1024),
                           1, nc.DISTRIBUTED)
-    from harness import nightly
+    from harness.apps import nightly
 
     assert nightly.run_cases([case], root=tmp_path / "n", json_path=tmp_path / "s.json") == 1
     out = capsys.readouterr().out

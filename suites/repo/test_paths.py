@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _root_seen(pythonpath: Path, cwd: Path) -> str:
-    code = "from harness.paths import ROOT; from harness.workloads import WIKIPEDIA_SAMPLE; print(ROOT); print(WIKIPEDIA_SAMPLE.is_file())"
+    code = "from harness.paths import ROOT; from harness.data.workloads import WIKIPEDIA_SAMPLE; print(ROOT); print(WIKIPEDIA_SAMPLE.is_file())"
     r = subprocess.run([sys.executable, "-c", code], cwd=cwd, env={"PYTHONPATH": str(pythonpath), "PATH": ""},
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

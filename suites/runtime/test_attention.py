@@ -119,7 +119,7 @@ def test_optional_backends_match_sdpa_when_present(name):
 def test_split_attention_parts_merge_to_full_attention_with_gradients(lengths, lcp, seed):
     """Keys cut into two parts (one causal, one not) and merged by log-sum-exp give causal attention;
     each part's backward from the *merged* output and lse sums to autograd's gradients (fp64)."""
-    from harness.dist.ring import _merge
+    from harness.parallel.ring import _merge
     from harness.runtime.attention import Segments, attention_backward_lse, attention_forward_lse
 
     g = torch.Generator().manual_seed(seed)
@@ -157,7 +157,7 @@ def test_split_attention_parts_merge_to_full_attention_with_gradients(lengths, l
 
 @given(st.lists(st.integers(0, 12), min_size=1, max_size=6), st.sampled_from([2, 4, 8]), st.data())
 def test_ring_plan_rows_are_the_zigzag_chunks_and_steps_cover_every_rank_once(chunks, cp, data):
-    from harness.dist.ring import RingPlan
+    from harness.parallel.ring import RingPlan
 
     r = data.draw(st.integers(0, cp - 1))
     cu = [0]
@@ -174,7 +174,7 @@ def test_ring_plan_rows_are_the_zigzag_chunks_and_steps_cover_every_rank_once(ch
 
 
 def test_ring_exchange_refuses_backends_without_a_log_sum_exp_and_unknown_exchanges():
-    from harness.dist.cp_attention import CPAttentionPlan
+    from harness.parallel.cp_attention import CPAttentionPlan
     from harness.runtime.attention import resolve_lse_backend
 
     with pytest.raises(ValueError, match="cannot run split attention.*exchange='gather'"):
@@ -186,7 +186,7 @@ def test_ring_exchange_refuses_backends_without_a_log_sum_exp_and_unknown_exchan
 
 
 def test_auto_exchange_picks_the_ring_only_for_long_blocks_on_cuda(monkeypatch):
-    import harness.dist.cp_attention as cpa
+    import harness.parallel.cp_attention as cpa
 
     big = cpa.RING_MIN_TOKENS_DEFAULT
     assert cpa.choose_exchange("auto", 10 * big, "cpu", 4) == "gather"  # the CPU reference ring is for checking
@@ -202,7 +202,7 @@ def test_auto_exchange_picks_the_ring_only_for_long_blocks_on_cuda(monkeypatch):
 
 
 def test_ring_attention_refuses_a_wrong_slice_and_a_missing_group():
-    from harness.dist.ring import RingPlan, ring_attention
+    from harness.parallel.ring import RingPlan, ring_attention
 
     plan = RingPlan.build([0, 8, 24], 2, 0, "cpu")  # chunks of 2 and 4 tokens: 12 local rows
     q = torch.zeros(12, 2, 4)

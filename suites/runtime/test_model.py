@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.corpus import CorpusConfig, global_batch
+from harness.data.corpus import CorpusConfig, global_batch
 from harness.plan.thd import pack
 from harness.runtime.attention import thd_attention
 from harness.runtime.model import MODELS, ModelConfig, TinyLM, rope

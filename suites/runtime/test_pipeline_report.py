@@ -99,16 +99,20 @@ def test_the_runtime_schedule_kind_follows_vpp():
 
 
 def _result(pp: int, vpp: int, rows: dict):
-    from harness.converge import ConvergeResult
-    from harness.dist.layouts import static_cp_for
-    from harness.dist.train import TrainConfig, longest_sequence
+    from harness.apps.converge import ConvergeResult
+    from harness.train.layouts import static_cp_for
+    from harness.train.trainer import TrainConfig, longest_sequence
 
     cfg = TrainConfig(pp=pp, vpp=vpp, steps=1)
     world = 4 * pp
     config = {**cfg.to_dict(), "world": world, "static_cp": static_cp_for(longest_sequence(cfg), world // pp,
                                                                           cfg.max_seqlen_per_rank),
               "longest": longest_sequence(cfg), "case_id": "example", "hardware": "cpu", "golden": None}
-    return ConvergeResult("PASS", Path("."), "example", rows, [], config)
+    from harness.apps.converge import step0_schedules
+    from harness.train.config import model_cost
+
+    return ConvergeResult("PASS", Path("."), "example", rows, [], config, schedules=step0_schedules(config),
+                          cost=model_cost(cfg))
 
 
 def test_the_convergence_report_has_the_section_for_pp_runs_only():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.dist.reroute import RerouteError, build_microbatches, sample_for
+from harness.parallel.reroute import RerouteError, build_microbatches, sample_for
 from harness.plan.layout import Block, Schedule
 from harness.plan.thd import whole_chunks
 from harness.runtime.attention import DeviceChunks, chunk_attention

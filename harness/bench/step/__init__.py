@@ -20,7 +20,7 @@ Arms (``layout:scheduler[:padding][@exchange]``):
 - ``dcp:<scheduler>``: dynamic CP with any ``harness.plan.ALGORITHMS`` scheduler (``balanced``,
   ``megatron-dev``, ...); padding ``local`` (``2 x local_cp_size``, default) or ``domain``;
 - ``@gather`` / ``@ring`` / ``@auto`` after any arm: its CP blocks exchange K/V that way instead of
-  ``cp_exchange`` (``harness.dist.cp_attention.EXCHANGES``), so both exchanges run interleaved in one
+  ``cp_exchange`` (``harness.parallel.cp_attention.EXCHANGES``), so both exchanges run interleaved in one
   job (calibration uses ``cp_exchange``).
 
 Before the arms (``calibrate``, default on), the job times the forward + backward of a few
@@ -55,7 +55,7 @@ Modules, in import order (each imports only those before it; none imports the pa
 ``rank`` (one rank's step) -> ``calibrate`` (cost fit) -> ``job`` (``measure``, the torchrun job) ->
 ``summarise`` (statistics, targets) -> ``cli`` (``main``: run, print, write). The tables' columns
 live in ``harness.report.step_tables``: the HTML report reads results and never imports a benchmark.
-The names below are this package's public interface (``harness.dist.entry`` runs
+The names below are this package's public interface (``harness.jobs.entry`` runs
 ``harness.bench.step:measure``).
 """
 
@@ -66,7 +66,7 @@ from harness.bench.step.calibrate import (
     calibration_shapes,
     fit_cost,
 )
-from harness.bench.step.cli import CPU_SMOKE, main
+from harness.bench.step.cli import CPU_SMOKE, JOB, main
 from harness.bench.step.config import (
     COMPILE_CHOICES,
     GLOBAL_BATCH_CHOICES,
@@ -95,7 +95,7 @@ from harness.report.step_tables import (
 __all__ = [
     "BREAKDOWN_COLUMNS", "BREAKDOWN_FIELDS", "CALIBRATION_TERMS", "COLUMNS", "COMPILE_CHOICES", "CPU_SMOKE",
     "DEVICE_PEAK_TFLOPS", "GLOBAL_BATCH_CHOICES", "GRAD_REDUCE_CHOICES", "MAX_BATCH_SEQUENCES", "PHASES",
-    "PHASE_COLUMNS", "RATIOS", "TARGETS", "Arm", "BenchConfigError", "StepBenchConfig", "calibrate_cost",
+    "JOB", "PHASE_COLUMNS", "RATIOS", "TARGETS", "Arm", "BenchConfigError", "StepBenchConfig", "calibrate_cost",
     "calibration_features", "calibration_shapes", "checks", "cost_model_from", "fit_cost", "global_batch_lengths",
     "load_cost_model", "main", "measure", "model_cost", "model_flops", "parse_arm", "peak_tflops", "phase_rows",
     "phase_times", "run_columns", "runs_rows", "summarize", "trimmed_mean", "weights_digest",

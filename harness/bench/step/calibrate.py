@@ -108,7 +108,7 @@ def _time_shape(ctx: RankContext, size: int, lengths: list[int]) -> float:
     block of ``size`` ranks (every block of the world runs one), timed in bursts after one untimed burst."""
     import torch.distributed as dist
 
-    from harness.dist.reroute import build_microbatches, sample_for
+    from harness.parallel.reroute import build_microbatches, sample_for
     from harness.plan.layout import Block, Schedule
 
     cfg, dev, n, me = ctx.cfg, ctx.device, ctx.world, ctx.rank

@@ -17,6 +17,7 @@ from harness.bench.common import REPORTS, table, write_report
 from harness.bench.step.config import BenchConfigError, StepBenchConfig
 from harness.bench.step.summarise import TARGETS, checks, summarize
 from harness.io import atomic_write_text
+from harness.jobs.entry import register
 from harness.report.step_report import render
 from harness.report.step_tables import (
     BREAKDOWN_COLUMNS,
@@ -34,6 +35,9 @@ CPU_SMOKE = {"model": "tiny-gpt", "lengths": "lognormal:mean=96,sigma=1.2,min=8,
              "calibration_burst": 2, "runs": 1}
 """``--cpu``: a smoke configuration on gloo (checks the pipeline end to end; no targets)."""
 
+JOB = register("bench-step", "harness.bench.step.job:measure")
+"""The torchrun job of ``bench step``: every rank runs ``harness.bench.step.job.measure``."""
+
 
 def _progress(line: str) -> None:
     if not line.startswith(("USDT:", "STAGE:")):  # libkineto prints these on every profiler start/stop
@@ -44,7 +48,7 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
          overrides: dict | None = None, stall_s: float | None = None) -> int:
     import torch
 
-    from harness.dist.entry import launch
+    from harness.jobs.entry import launch
 
     cuda = torch.cuda.is_available() and not cpu
     if not cuda and not cpu:
@@ -68,7 +72,7 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
           f"arms {', '.join(cfg.arms)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         cfg_json = {**cfg.to_dict(), "arms": list(cfg.arms)}
-        res = launch("bench-step", n, Path(tmp) / "step.json", cfg_json, stream=_progress, stall_s=stall_s,
+        res = launch(JOB, n, Path(tmp) / "step.json", cfg_json, stream=_progress, stall_s=stall_s,
                      log=out.parent / "logs" / f"bench-step-{time.strftime('%Y%m%d-%H%M%S')}.log")
     summary = summarize(res, cfg)
     _print_tables(summary, cfg)

@@ -37,7 +37,7 @@ class Arm:
 
 
 def parse_arm(text: str) -> Arm:
-    from harness.dist.cp_attention import EXCHANGES
+    from harness.parallel.cp_attention import EXCHANGES
     from harness.runtime.model import COMPILE_SCOPES
 
     text = str(text)
@@ -69,7 +69,7 @@ class StepBenchConfig:
     model: str = "gpt-12l-h2048"
     """A key of ``harness.runtime.model.MODELS``."""
     lengths: str = "lognormal:mean=1024,sigma=1.5,min=128,max=8192"
-    """Length distribution (``harness.workloads`` spec)."""
+    """Length distribution (``harness.data.workloads`` spec)."""
     max_seqlen_per_rank: int = 2048
     microbatches: int = 8
     """Global batch = ``microbatches x N x max_seqlen_per_rank`` tokens (at most), with
@@ -123,14 +123,14 @@ class StepBenchConfig:
     targets are judged on the median over runs of each ratio: on 4 H200s one run's ratio moves
     +-4% (the machine's speed drifts ~20% within minutes), so a single run can pass or fail by luck."""
     cp_exchange: str = "gather"
-    """How CP blocks exchange K/V (``harness.dist.cp_attention.EXCHANGES``): ``gather`` (all-gather
+    """How CP blocks exchange K/V (``harness.parallel.cp_attention.EXCHANGES``): ``gather`` (all-gather
     before the attention kernels, fp32 reduce-scatter of dK/dV after) or ``ring`` (K/V passed around
     the block while each received block's attention part runs, as TransformerEngine's ``p2p`` CP and
     Megatron's static-CP baseline; needs the ``flash`` kernels on CUDA) or ``auto`` (ring for long
-    blocks, ``harness.dist.cp_attention.choose_exchange``). An arm may override it (``@ring``)."""
+    blocks, ``harness.parallel.cp_attention.choose_exchange``). An arm may override it (``@ring``)."""
     grad_reduce: str = "overlap"
     """Gradient all-reduce over the DP x CP group: ``overlap`` (buckets of 40M elements reduced as
-    the step's last backward completes them, ``harness.dist.grad_reduce``; Megatron's
+    the step's last backward completes them, ``harness.parallel.grad_reduce``; Megatron's
     ``--overlap-grad-reduce``) or ``after`` (one all-reduce of the whole buffer after the last backward)."""
     plan: str = "ahead"
     """Where each step's schedule is computed: ``ahead`` (a ``harness.plan.ahead.PlanAhead`` process
@@ -179,8 +179,8 @@ class StepBenchConfig:
         return arms
 
     def validate(self, world: int) -> None:
+        from harness.data.workloads import parse_spec
         from harness.runtime.model import MODELS
-        from harness.workloads import parse_spec
 
         if self.model not in MODELS:
             raise BenchConfigError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
@@ -210,7 +210,7 @@ class StepBenchConfig:
             raise BenchConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.plan not in ("ahead", "inline"):
             raise BenchConfigError(f"plan must be 'ahead' or 'inline', got {self.plan!r}")
-        from harness.dist.cp_attention import EXCHANGES
+        from harness.parallel.cp_attention import EXCHANGES
 
         if self.cp_exchange not in EXCHANGES:
             raise BenchConfigError(f"cp_exchange must be one of {', '.join(EXCHANGES)}, got {self.cp_exchange!r}")

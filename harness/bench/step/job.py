@@ -1,7 +1,7 @@
 """The ``bench-step`` torchrun job (``measure``): build each rank's model and batches, then per run
 calibrate the cost model and time every arm, interleaved step by step.
 
-``harness.dist.entry`` starts it as ``harness.bench.step:measure`` (re-exported by the package).
+``harness.jobs.entry`` starts it as ``harness.bench.step:measure`` (re-exported by the package).
 Rank 0's result carries the slowest-rank times and the schedules' figures that
 ``summarise.summarize`` turns into the report; the other ranks' carry their own breakdowns.
 """
@@ -33,7 +33,7 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
     """The ``bench-step`` torchrun job: every arm on every rank (see the package doc)."""
     import torch
 
-    from harness.dist.watchdog import Heartbeat
+    from harness.heartbeat import Heartbeat
 
     cfg = StepBenchConfig.from_dict(cfg_dict)
     cfg.validate(world)
@@ -58,8 +58,8 @@ def _context(cfg: StepBenchConfig, rank: int, world: int) -> RankContext:
     reducer and the global batches' samples it loads."""
     import torch
 
-    from harness.dist.grad_reduce import BucketedGradReducer
-    from harness.dist.groups import DynamicGroups, ParallelLayout
+    from harness.parallel.grad_reduce import BucketedGradReducer
+    from harness.parallel.groups import DynamicGroups, ParallelLayout
     from harness.runtime.model import MODELS, TinyLM
 
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
@@ -196,7 +196,7 @@ class _Ahead:
         from harness.plan.ahead import PlanAhead
 
         self.ctx, self.order = ctx, order
-        self.planner = PlanAhead("harness.dist.layouts:plan")
+        self.planner = PlanAhead("harness.train.layouts:plan")
 
     def submit(self, j: int) -> None:
         if j < len(self.order):

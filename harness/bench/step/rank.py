@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.bench.step.config import Arm, StepBenchConfig
-from harness.dist.watchdog import Heartbeat
+from harness.heartbeat import Heartbeat
 from harness.plan import CostModel
 
 
@@ -89,8 +89,8 @@ def local_samples(lengths: list[int], index: int, me: int, n: int, vocab: int, s
 
 
 def layout_cfg(ctx: RankContext, arm: Arm):
-    """The scheduler's view of ``arm`` on this world (``harness.dist.layouts.plan``)."""
-    from harness.dist.layouts import LayoutConfig
+    """The scheduler's view of ``arm`` on this world (``harness.train.layouts.plan``)."""
+    from harness.train.layouts import LayoutConfig
 
     return LayoutConfig(n_ranks=ctx.world, max_seqlen_per_rank=ctx.cfg.max_seqlen_per_rank,
                         static_cp=ctx.cfg.static_cp or ctx.world, scheduler=arm.scheduler, dcp_padding=arm.padding)
@@ -114,8 +114,8 @@ def train_step(ctx: RankContext, arm: Arm, lengths: list[int], local: dict, opt,
     inside the step)."""
     import torch.distributed as dist
 
-    from harness.dist.layouts import plan
-    from harness.dist.reroute import build_microbatches, reroute
+    from harness.parallel.reroute import build_microbatches, reroute
+    from harness.train.layouts import plan
 
     marks = _Marks(ctx.device)
     t = time.perf_counter()
@@ -167,7 +167,7 @@ def profiled_step(ctx: RankContext, arm: Arm, lengths, local, opt, keep_trace: P
 
     # looked up at each call, not at import: a test replaces harness.bench.trace.load_trace in one rank
     from harness.bench.trace import annotations, breakdown, load_trace
-    from harness.dist.layouts import plan
+    from harness.train.layouts import plan
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
     planned = None
@@ -202,7 +202,7 @@ def microbatch_runner(ctx: RankContext, mb, total: float, exchange: str = "gathe
     """A closure running one micro-batch's forward and backward (gradients land in ``ctx.flat``)."""
     import torch
 
-    from harness.dist.cp_attention import CPAttentionPlan, cp_attention
+    from harness.parallel.cp_attention import CPAttentionPlan, cp_attention
 
     aplan = CPAttentionPlan.build(mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, ctx.device, exchange=exchange)
     group = ctx.groups.for_block(mb.block_start, mb.local_cp_size)

@@ -17,7 +17,7 @@ DEVICE_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "H20": 148.0,
 def global_batch_lengths(cfg: StepBenchConfig, world: int, index: int) -> tuple[list[int], int]:
     """(lengths of global batch ``index``, how many were clipped to the domain); its size follows
     ``cfg.global_batch``."""
-    from harness.workloads import sample
+    from harness.data.workloads import sample
 
     cap, budget = world * cfg.max_seqlen_per_rank, cfg.microbatches * world * cfg.max_seqlen_per_rank
     count = cfg.batch_sequences(world)

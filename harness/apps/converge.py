@@ -1,0 +1,452 @@
+"""``dcp-harness converge``: train bshd, thd and dcp side by side and check they agree.
+
+One torchrun world (gloo on CPU, NCCL on GPUs) trains every layout in turn from the same seed on the
+same global batches (``harness.train.trainer``); rank 0 streams a progress line per step and writes
+``metrics.jsonl``. The run folder (``reports/converge-<time>/``, written to a hidden temporary folder
+and renamed when complete, so an interrupted run leaves earlier reports intact) holds the metrics,
+``results.json``, ``index.html`` + ``summary.md`` and, when wandb is installed, offline wandb runs.
+
+Checks (``TOLERANCES``): CPU fp32: every layout within 1e-5 of bshd at every step and, for a config
+with a committed golden (``golden/convergence/<case_id>.cpu.json``), within 1e-5 of the golden's bshd
+curve. GPU bf16: per-step |delta| <= 2e-3 and mean |delta| <= 5e-4 against bshd.
+
+MoE models: hard top-k routing is discontinuous, so last-bit differences between layouts (matmuls
+over different row counts, attention over different key partitions) eventually resolve a near-tie
+differently and the trajectories separate (tiny MoE, 4 CPU ranks, fp32: all layouts within 2e-7 for
+49 steps, then 2e-5 .. 2e-3; final 10-step means within 0.04%). For them the strict rule covers the
+first ``MOE_EXACT_STEPS`` steps, and afterwards the mean loss of the last ``MOE_WINDOW`` steps must
+stay within ``MOE_BAND`` (relative) of bshd's. Exact MoE agreement over long horizons needs the same
+routes in every layout (router replay).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import os
+import re
+import shutil
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from harness import golden as golden_mod
+from harness.apps import reference
+from harness.finite import nonfinite_message, within, worst
+from harness.io import atomic_write_json, atomic_write_text, temporary_folder
+from harness.paths import REPORTS
+from harness.train.layouts import LayoutError, static_cp_for
+from harness.train.trainer import TrainConfig, execution_line, longest_sequence, model_cost
+
+TOLERANCES = {"float32": {"max": 1e-5, "mean": 1e-5}, "bfloat16": {"max": 2e-3, "mean": 5e-4}}
+MOE_EXACT_STEPS, MOE_WINDOW, MOE_BAND = 20, 10, 0.01
+GOLDEN_SUITE = "convergence"
+
+
+DEFAULT_MAX_SEQLEN_PER_RANK = TrainConfig().max_seqlen_per_rank
+DEFAULT_BATCH = TrainConfig().corpus.sequences_per_batch
+DEFAULT_LENGTHS = TrainConfig().corpus.lengths
+DEFAULT_SEED = TrainConfig().corpus.seed
+
+
+def case_id(cfg: TrainConfig, world: int) -> str:
+    """``converge__<model>__w<world>[_pp<P>[_vpp<V>][_afab]][_ep][__m<tokens per rank>][__b<sequences>][__<lengths>][__seed<corpus seed>]__<dtype>``:
+    the pipeline, expert parallelism, a non-default ``max_seqlen_per_rank``, batch, length spec and corpus seed are
+    part of the case. The step count is not: step k's batch and learning rate do not depend on how many steps
+    follow, so a golden of N steps serves every run of the case with at most N steps (its prefix)."""
+    dtype = {"float32": "fp32", "bfloat16": "bf16"}[cfg.dtype]
+    pipe = "" if cfg.pp == 1 else f"_pp{cfg.pp}" + (f"_vpp{cfg.vpp}" if cfg.vpp > 1 else "") + \
+        ("_afab" if cfg.pipeline == "afab" else "")
+    pipe += "_ep" if cfg.expert_parallel else ""
+    m = "" if cfg.max_seqlen_per_rank == DEFAULT_MAX_SEQLEN_PER_RANK else f"__m{cfg.max_seqlen_per_rank}"
+    b = "" if cfg.corpus.sequences_per_batch == DEFAULT_BATCH else f"__b{cfg.corpus.sequences_per_batch}"
+    L = "" if cfg.corpus.lengths == DEFAULT_LENGTHS else "__" + _lengths_tag(cfg.corpus.lengths)
+    L += "" if cfg.corpus.seed == DEFAULT_SEED else f"__seed{cfg.corpus.seed}"
+    return f"converge__{cfg.model.replace('-', '_')}__w{world}{pipe}{m}{b}{L}__{dtype}"
+
+
+def _lengths_tag(spec: str) -> str:
+    """A non-default length spec as a file-name-safe part of the case id:
+    ``lognormal:mean=160,sigma=1.2,min=16,max=512`` -> ``lognormal-mean160-sigma1.2-min16-max512``."""
+    return re.sub(r"[^A-Za-z0-9.-]", "", spec.replace(":", "-").replace(",", "-").replace("=", ""))
+
+
+def reference_case(cfg: TrainConfig, world: int) -> tuple[TrainConfig, int]:
+    """The case a pipelined or expert-parallel run must equal: the same run on one stage's DP x CP domain
+    with every expert on every rank (its golden is the pipeline's and the EP run's golden)."""
+    if cfg.pp == 1 and not cfg.expert_parallel:
+        return cfg, world
+    return replace(cfg, pp=1, vpp=1, pipeline="1f1b", schedule_delivery="broadcast",
+                   expert_parallel=False), world // cfg.pp
+
+
+def hardware(cfg: TrainConfig) -> str:
+    if cfg.device != "cuda":
+        return "cpu"
+    import torch
+
+    name = torch.cuda.get_device_name(0).lower()
+    return next((k for k in ("h200", "h100", "a100", "b200") if k in name), "gpu")
+
+
+@dataclass
+class ConvergeResult:
+    verdict: str
+    run_dir: Path
+    case_id: str
+    rows: dict[str, list[dict]]
+    checks: list[dict]
+    config: dict
+    reference: list[dict] | None = None
+    """The reference run's rows (``harness.apps.reference``), or None when none ran."""
+    schedules: dict | None = None
+    """Step 0's schedule of each layout as the ranks planned it (``step0_schedules``), for the report."""
+    cost: object | None = None
+    """The cost model the schedules were planned with (``harness.train.config.model_cost``)."""
+
+
+def _compare(name: str, losses: list[float], ref: list[float], tol: dict, moe: bool, what: str = "loss") -> list[dict]:
+    """Checks of one loss curve against a reference curve of the same length (see the module doc for the MoE
+    rule). A curve of another length, or a non-finite value in either, is one failing check that says so."""
+    if len(losses) != len(ref):
+        return [{"target": f"{name}: {len(losses)} steps against the reference's {len(ref)}", "value": math.nan,
+                 "limit": tol["max"], "pass": False}]
+    who, against = name.split(" vs ", 1) if " vs " in name else (name, "reference")
+    bad = nonfinite_message(losses, what, who) or nonfinite_message(ref, what, against)
+    if bad:
+        return [{"target": f"{name}: {bad}", "value": math.nan, "limit": tol["max"], "pass": False}]
+    exact = len(ref) if not moe else min(len(ref), MOE_EXACT_STEPS)
+    d = [abs(a - b) for a, b in zip(losses[:exact], ref[:exact])]
+    span = "" if exact == len(ref) else f" (first {exact} steps)"
+    out = [{"target": f"{name}: max |delta {what}|{span} <= {tol['max']:g}", "value": worst(d), "limit": tol["max"],
+            "pass": within(worst(d), tol["max"])}]
+    if tol["mean"] != tol["max"]:
+        m = statistics.fmean(d)
+        out.append({"target": f"{name}: mean |delta {what}|{span} <= {tol['mean']:g}", "value": m,
+                    "limit": tol["mean"], "pass": within(m, tol["mean"])})
+    if exact < len(ref):
+        w = min(MOE_WINDOW, len(ref))
+        rel = abs(statistics.fmean(losses[-w:]) - statistics.fmean(ref[-w:])) / abs(statistics.fmean(ref[-w:]))
+        out.append({"target": f"{name}: last-{w}-step mean {what} within {MOE_BAND:.0%} (MoE routing)", "value": rel,
+                    "limit": MOE_BAND, "pass": within(rel, MOE_BAND)})
+    return out
+
+
+def load_golden(cfg: TrainConfig, world: int, hw: str) -> dict:
+    """The committed golden of the run's reference case (``reference_case``), checked before anything trains:
+    a well-formed rule no looser than ``TOLERANCES`` (a golden may only tighten the harness's tolerance), finite
+    numbers, at least the run's steps (its first ``cfg.steps`` serve), and every curve the run compares (bshd's
+    loss and, with MTP, each depth's). Raises ``GoldenError`` naming the file, the value and the fix."""
+    from harness.runtime.model import MODELS
+
+    cid, hint = case_id(*reference_case(cfg, world)), _update_hint(cfg, world)
+    path = golden_mod.path_for(GOLDEN_SUITE, cid, hw)
+    doc = golden_mod.load(path, hint)
+    policy = {"atol": TOLERANCES[cfg.dtype]["max"], "rtol": 0.0}
+    rule = golden_mod.checked_rule(doc["rule"], policy, path, hint)
+    keys = ["bshd"] + [_mtp_key("bshd", k) for k in range(MODELS[cfg.model].mtp_depth)]
+    series = {k: golden_mod.checked_series(doc, k, path, hint, cfg.steps)[:cfg.steps] for k in keys}
+    atol = rule.get("atol", 0.0)
+    return {"case_id": cid, "path": str(path), "steps": len(doc["data"]["bshd"]), "series": series,
+            "tol": {"max": atol, "mean": atol}}
+
+
+def evaluate(rows: dict[str, list[dict]], cfg: TrainConfig, world: int, hw: str, *, use_golden: bool = False,
+             golden: dict | None = None) -> list[dict]:
+    """Layout-vs-bshd and layout-vs-golden checks (``golden``: from ``load_golden``; ``use_golden`` loads it)."""
+    from harness.runtime.model import MODELS
+
+    tol, moe = TOLERANCES[cfg.dtype], MODELS[cfg.model].experts > 0
+    base = "bshd" if "bshd" in rows else next(iter(rows))
+    ref = [r["loss"] for r in rows[base]]
+    checks = []
+    for layout, rs in rows.items():
+        if layout != base:
+            checks += _compare(f"{layout} vs {base}", [r["loss"] for r in rs], ref, tol, moe)
+            for k in range(len(rs[0].get("mtp_loss") or [])):  # each multi-token-prediction depth's loss too
+                checks += _compare(f"{layout} vs {base} (MTP depth {k + 1})", [r["mtp_loss"][k] for r in rs],
+                                   [r["mtp_loss"][k] for r in rows[base]], tol, moe)
+    if golden is None and use_golden:
+        golden = load_golden(cfg, world, hw)
+    if golden is not None:
+        gref, gtol = golden["series"], golden["tol"]
+        gchecks, t, gname = [], reference.tag(cfg), "golden bshd" + (" of the PP = 1 case" if cfg.pp > 1 else "")
+        for layout, rs in rows.items():
+            gchecks += _compare(f"{layout}{t} vs {gname}", [r["loss"] for r in rs], gref["bshd"], gtol, moe)
+            for k in range(len(rs[0].get("mtp_loss") or [])):
+                gchecks += _compare(f"{layout}{t} vs {gname} (MTP depth {k + 1})", [r["mtp_loss"][k] for r in rs],
+                                    gref[_mtp_key("bshd", k)], gtol, moe)
+        checks += [{**c, "reference": True} for c in gchecks]
+    return checks
+
+
+def _is_moe(cfg: TrainConfig) -> bool:
+    from harness.runtime.model import MODELS
+
+    return MODELS[cfg.model].experts > 0
+
+
+def _probes(res: dict) -> list[dict]:
+    """Every rank's probes of a job's result, their large records read back from the files the ranks wrote."""
+    from harness.train.probes import load
+
+    return [{"probes": {layout: load(p) for layout, p in r["probes"].items()}} for r in res["ranks"]]
+
+
+def _mtp_key(layout: str, k: int) -> str:
+    """A golden's key for the loss curve of MTP depth ``k + 1`` of ``layout``."""
+    return f"{layout}:mtp{k + 1}"
+
+
+def _golden_data(rows) -> dict:
+    data = {layout: [r["loss"] for r in rs] for layout, rs in rows.items()}
+    for layout, rs in rows.items():
+        for k in range(len(rs[0].get("mtp_loss") or [])):
+            data[_mtp_key(layout, k)] = [r["mtp_loss"][k] for r in rs]
+    return data
+
+
+def write_golden(rows, cfg: TrainConfig, world: int, cid: str, hw: str) -> Path:
+    return golden_mod.write(golden_mod.path_for(GOLDEN_SUITE, cid, hw), suite=GOLDEN_SUITE, case_id=cid, hw=hw,
+                            config={**cfg.to_dict(), "world": world},
+                            data=_golden_data(rows),
+                            rule={"kind": "approx", "atol": TOLERANCES[cfg.dtype]["max"], "rtol": 0.0},
+                            command=_update_hint(cfg, world))
+
+
+def preflight(cfg: TrainConfig, world: int) -> None:
+    """Fail before launching anything: bad model / layout / scheduler / world, no CUDA device (or too
+    few) for a CUDA run, sequences too long for the world."""
+    cfg.validate(world)
+    n = cfg.domain(world)
+    if cfg.device == "cuda":
+        import torch
+
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < world:
+            raise LayoutError(f"--device cuda with {world} ranks needs {world} CUDA devices, this machine has "
+                              f"{found}" + ("" if found else " (no CUDA device: use --device cpu)"))
+    C = static_cp_for(longest_sequence(cfg), n, cfg.max_seqlen_per_rank)
+    seqs, dp = cfg.corpus.sequences_per_batch, n // C
+    if "bshd" in cfg.layouts and seqs % (dp * cfg.micro_batch_size):
+        raise LayoutError(f"bshd splits each global batch ({seqs} sequences) over {dp} data-parallel replicas in "
+                          f"micro-batches of {cfg.micro_batch_size}: use a batch size that is a multiple of "
+                          f"{dp * cfg.micro_batch_size}")
+    _plan_every_step(cfg, n, C, cfg.execution_model(world)[0])
+
+
+def _plan_every_step(cfg: TrainConfig, n: int, static_cp: int, execution=None) -> None:
+    """Schedule every step of every layout as the ranks will (pure and fast), so that a batch the
+    configuration cannot run (e.g. a VPP group a micro-batch cannot be split for) fails here, naming
+    the step and the layout, before any process starts."""
+    from harness.data.corpus import batch_lengths
+    from harness.train.config import model_cost
+    from harness.train.layouts import LayoutConfig, plan
+
+    lcfg = LayoutConfig(n_ranks=n, max_seqlen_per_rank=cfg.max_seqlen_per_rank, static_cp=static_cp,
+                        micro_batch_size=cfg.micro_batch_size, scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding,
+                        vpp_group=cfg.pipeline_config().vpp_group, execution=execution)
+    cost = model_cost(cfg)
+    for step in range(cfg.steps):
+        lengths = batch_lengths(cfg.corpus, step)
+        for layout in cfg.layouts:
+            try:
+                plan(layout, lengths, lcfg, cost)
+            except ValueError as e:
+                raise LayoutError(f"step {step + 1}, layout {layout}: {e}") from None
+
+
+def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str = "auto", progress=print,
+        report: bool = True, run_dir: Path | None = None, stall_s: float | None = None,
+        plant: str | None = None, reference_mode: str = "run") -> ConvergeResult:
+    """Train, check, report. ``golden``: ``auto`` (compare if a golden exists for this case),
+    ``require`` (missing golden is an error), ``update`` (write it), ``off``. ``run_dir``: write into
+    this (existing, caller-owned) folder instead of a new ``out_root/converge-<time>``. ``stall_s``: fail
+    when no rank reports progress for this long (``harness.jobs.entry.DEFAULT_STALL_S``); a failed job
+    leaves its whole output in ``out_root/logs/`` and raises ``JobFailure`` naming the rank. ``plant``: a fault of
+    the catalogue (``harness.faults``) active on every rank for the whole job - the verdict must then fail.
+    ``reference_mode``: ``run`` (default) also trains the run's reference (``harness.apps.reference``: one rank, no CP,
+    PP or EP) and judges every layout against it; ``off`` skips it - without a golden the verdict is then
+    ``NO REFERENCE``."""
+    from harness.jobs.entry import launch
+
+    preflight(cfg, world)
+    if reference_mode not in ("run", "off"):
+        raise LayoutError(f"reference must be 'run' or 'off', got {reference_mode!r}")
+    if plant is not None:
+        from harness.faults.catalogue import get
+
+        get(plant)  # an unknown name: one line before anything starts
+        if golden == "update":
+            raise LayoutError(f"--plant {plant} with --update-golden would write a golden of a planted bug: drop one")
+    if golden == "update" and (cfg.pp > 1 or cfg.expert_parallel):
+        raise LayoutError(f"goldens are written by the PP = 1, non-expert-parallel case a pipeline or expert-parallel "
+                          f"run must equal; run: {_update_hint(cfg, world)}")
+    cid, hw = case_id(cfg, world), hardware(cfg)
+    gpath = golden_mod.path_for(GOLDEN_SUITE, case_id(*reference_case(cfg, world)), hw)
+    use = golden == "require" or (golden == "auto" and gpath.exists())
+    gold = load_golden(cfg, world, hw) if use else None  # missing, corrupted, loose or short: fail before training
+    if run_dir is None:
+        out_root.mkdir(parents=True, exist_ok=True)
+        tmp = temporary_folder(".converge-", out_root)
+    else:
+        tmp = Path(run_dir)
+        tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        progress(f"converge {cid}: layouts {', '.join(cfg.layouts)} on {world} {cfg.device} ranks ({hw})")
+        progress(f"  {execution_line(cfg, world)}")
+        if plant:
+            progress(f"  planted fault: {plant} (harness.faults) on every rank: the verdict must be FAIL")
+        if "dcp" in cfg.layouts and cfg.domain(world) == 1:
+            progress("  dcp on a DP x CP domain of one rank never forms a CP group > 1: its verdict is NOT EXERCISED "
+                     "(dynamic CP needs a domain of >= 2 ranks)")
+        stamp = f"{dt.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
+        around = {"around": ["harness.faults.catalogue:planted", plant]} if plant else {}
+        probe_dir = tmp / "probes"
+        probe_dir.mkdir(exist_ok=True)
+        with_probes = reference_mode == "run"
+        job = {**replace(cfg, probes=with_probes).to_dict(), "metrics_path": str(tmp / "metrics.jsonl"),
+               "probe_dir": str(probe_dir), **around}
+        res = launch("converge", world, tmp / "results_raw.json", job,
+                     stream=lambda line: progress("  " + line) if line.startswith("[") else None,
+                     stall_s=stall_s, log=out_root / "logs" / f"{cid}-{stamp}.log")
+        rank0 = res["ranks"][0]
+        rows = rank0["layouts"]
+        if golden == "update":
+            progress(f"wrote golden {write_golden(rows, cfg, world, cid, hw)}")
+        ref_rows, ref_checks = None, []
+        if with_probes:
+            progress(f"  {reference.name()}: the same model, corpus, seed and batches, whole sequences packed (thd)")
+            ref_cfg = reference.config(cfg)
+            ref = launch("converge", 1, tmp / "reference_raw.json",
+                         {**ref_cfg.to_dict(), "metrics_path": str(tmp / "reference.jsonl"), "probe_dir": str(probe_dir / "ref"),
+                          **around},
+                         stream=lambda line: progress("  " + line.replace(f"[{reference.REF_LAYOUT:4s}]", "[ref ]", 1))
+                         if line.startswith("[") else None, stall_s=stall_s,
+                         log=out_root / "logs" / f"{cid}-reference-{stamp}.log")
+            ref_rows = ref["ranks"][0]["layouts"][reference.REF_LAYOUT]
+            ref_checks = reference.checks(rows, _probes(res), ref_rows, _probes(ref), cfg, compare=_compare,
+                                          moe_steps=MOE_EXACT_STEPS if _is_moe(cfg) else None)
+            for c in ref_checks:
+                c["reference"] = True
+            (tmp / "reference_raw.json").unlink()
+        shutil.rmtree(probe_dir, ignore_errors=True)
+        exercise = dcp_exercise(rows, cfg.domain(world))
+        checks = evaluate(rows, cfg, world, hw, golden=gold) + ref_checks + exercise_checks(exercise)
+        verdict = verdict_of(checks)
+        config = {**cfg.to_dict(), "world": world, "static_cp": rank0["static_cp"], "longest": rank0["longest"],
+                  "case_id": cid, "hardware": hw, "golden": str(gpath) if use else None, "dcp_exercise": exercise,
+                  "planted": plant, "reference": reference.name() if with_probes else None}
+        result = ConvergeResult(verdict, tmp, cid, rows, checks, config, ref_rows, step0_schedules(config),
+                                model_cost(cfg))
+        tracking = None
+        if report:
+            from harness.report.tracking import log_runs
+
+            tracking = log_runs(cid, rows, config, tmp)
+        atomic_write_json(tmp / "results.json", {"verdict": verdict, "case_id": cid, "config": config,
+                                                 "checks": checks, "layouts": rows, "reference": ref_rows,
+                                                 "tracking": tracking,
+                                                 "producer": golden_mod.producer("dcp-harness converge")})
+        (tmp / "results_raw.json").unlink()
+        if report:
+            from harness.report.convergence_report import render_standalone
+
+            html, md = render_standalone(result, tracking)
+            atomic_write_text(tmp / "index.html", html)
+            atomic_write_text(tmp / "summary.md", md)
+        if run_dir is None:
+            final = out_root / f"converge-{dt.datetime.now():%Y%m%d-%H%M%S}"
+            if final.exists():
+                final = final.with_name(final.name + f"-{os.getpid()}")
+            os.replace(tmp, final)
+            result.run_dir = final
+        return result
+    except BaseException:
+        if run_dir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def step0_schedules(config: dict) -> dict:
+    """Step 0's schedule of each layout of a run (``config``: its results' config), re-planned (deterministic) on
+    one stage's DP x CP domain with the interleaved pipeline's micro-batch group, as the ranks planned it."""
+    from harness.data.corpus import global_batch
+    from harness.train.layouts import LayoutConfig, plan
+
+    cfg = TrainConfig.from_dict(config)
+    world = config["world"]
+    lengths = [len(x) - 1 for x in global_batch(cfg.corpus, 0)]
+    lcfg = LayoutConfig(n_ranks=cfg.domain(world), max_seqlen_per_rank=cfg.max_seqlen_per_rank,
+                        static_cp=config["static_cp"], micro_batch_size=cfg.micro_batch_size, scheduler=cfg.scheduler,
+                        dcp_padding=cfg.dcp_padding, vpp_group=cfg.pipeline_config().vpp_group,
+                        execution=cfg.execution_model(world)[0])
+    return {layout: plan(layout, lengths, lcfg, model_cost(cfg))[0] for layout in cfg.layouts}
+
+
+NOT_EXERCISED = "NOT EXERCISED"
+"""The verdict of a run whose dcp layout never formed a CP group of more than one rank: its agreement
+says nothing about dynamic CP (one rank, or lengths that never needed CP)."""
+
+
+def dcp_exercise(rows: dict[str, list[dict]], domain: int) -> dict | None:
+    """What dynamic CP did in the run's dcp layout (None without one): CP groups formed per size over
+    all its micro-batches, the number of distinct sizes, the micro-batches with a CP group > 1, and the
+    steps that mixed CP 1 with the largest group of the DP x CP domain (0 on a domain of one rank)."""
+    rs = rows.get("dcp")
+    if not rs:
+        return None
+    hist: dict[str, int] = {}
+    for r in rs:
+        for k, v in r["cp_groups"].items():
+            hist[k] = hist.get(k, 0) + v
+    mixed = sum({"1", str(domain)} <= set(r["cp_groups"]) for r in rs) if domain > 1 else 0
+    return {"cp_groups": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))), "distinct_sizes": len(hist),
+            "microbatches": sum(r["microbatches"] for r in rs),
+            "microbatches_cp_gt1": sum(r["microbatches_cp_gt1"] for r in rs),
+            "largest": domain, "steps": len(rs), "steps_mixed": mixed}
+
+
+def exercise_checks(exercise: dict | None) -> list[dict]:
+    """The check that the dcp layout formed a CP group > 1 (failing it gives ``NOT_EXERCISED``)."""
+    if exercise is None:
+        return []
+    n = exercise["microbatches_cp_gt1"]
+    return [{"target": f"dcp: micro-batches with a CP group > 1 (of {exercise['microbatches']}; CP groups "
+                       f"{exercise['cp_groups']})", "value": n, "pass": n > 0, "exercise": True}]
+
+
+def verdict_of(checks: list[dict]) -> str:
+    """FAIL when a numerical check fails; else NO REFERENCE when nothing outside the run's own layouts judged it
+    (no reference run, no golden); else NOT EXERCISED when dynamic CP never ran; else PASS."""
+    if not all(c["pass"] for c in checks if not c.get("exercise")):
+        return "FAIL"
+    if not any(c.get("reference") for c in checks):
+        return reference.NO_REFERENCE
+    return "PASS" if all(c["pass"] for c in checks) else NOT_EXERCISED
+
+
+def _update_hint(cfg: TrainConfig, world: int) -> str:
+    """The command that writes this case's golden: the PP = 1 case (``reference_case``)."""
+    ref, w = reference_case(cfg, world)
+    m = "" if ref.max_seqlen_per_rank == DEFAULT_MAX_SEQLEN_PER_RANK else f" --max-seqlen-per-rank {ref.max_seqlen_per_rank}"
+    b = "" if ref.corpus.sequences_per_batch == DEFAULT_BATCH else f" --batch-size {ref.corpus.sequences_per_batch}"
+    b += "" if ref.corpus.lengths == DEFAULT_LENGTHS else f" --lengths {ref.corpus.lengths}"
+    b += "" if ref.corpus.seed == DEFAULT_SEED else f" --seed {ref.corpus.seed}"
+    return (f"dcp-harness converge --model {ref.model} --world {w} --steps {ref.steps} --device {ref.device}{m}{b} "
+            f"--update-golden")
+
+
+def config_from_args(a) -> TrainConfig:
+    from harness.data.corpus import CorpusConfig
+
+    corpus = CorpusConfig(**{k: v for k, v in {"lengths": a.lengths, "sequences_per_batch": a.batch_size,
+                                               "seed": a.seed}.items() if v is not None})
+    cfg = TrainConfig(model=a.model, layouts=tuple(x.strip() for x in a.layouts.split(",") if x.strip()),
+                      steps=a.steps, scheduler=a.scheduler, device=a.device, corpus=corpus,
+                      cp_exchange=a.cp_exchange, pp=a.pp, vpp=a.vpp, pipeline=a.pipeline,
+                      schedule_delivery=a.schedule_delivery, expert_parallel=bool(getattr(a, "ep", False)),
+                      dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"))
+    if a.max_seqlen_per_rank:
+        cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank)
+    return cfg

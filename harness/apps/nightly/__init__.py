@@ -1,0 +1,125 @@
+"""``dcp-harness nightly``: the larger convergence configuration, a history across runs and a page.
+
+Which cases run where (``harness.apps.nightly.cases``): every model of ``NIGHTLY_MODELS``, ``steps`` steps
+(default 100), bshd / thd / dcp side by side, on GPUs when the machine has two or more, otherwise on
+4 CPU ranks (fp32, against the committed goldens) plus the single-GPU numerics on a lone GPU; one line
+says which before anything starts. Every case is checked before the first one starts (model, world,
+root, history format, and that dynamic CP mixes CP 1 with the whole domain in every step), so a bad
+input writes nothing.
+
+Each case's run is a ``converge-<time>`` folder under ``<root>/runs/`` (``harness.apps.converge``); one line
+per case is appended to ``<root>/history.jsonl`` (``harness.apps.nightly.history``: locked, so two jobs may
+share a root) and ``<root>/index.html`` is redrawn (``harness.report.nightly_report``). ``--json PATH``
+writes the run's summary. Exit status: 0 when every case passed, 1 when one failed or was not exercised
+(dynamic CP never formed a CP group > 1), 2 for a usage error (``harness.cli``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+from harness.apps.nightly import history
+from harness.apps.nightly.cases import DISTRIBUTED, NIGHTLY_MODELS, NightlyCase, Plan, check_mixing, choose
+from harness.golden import producer
+from harness.paths import ROOT
+
+__all__ = ["NIGHTLY", "NIGHTLY_MODELS", "NightlyCase", "prepare", "run", "run_cases"]
+
+NIGHTLY = ROOT / "reports" / "nightly"
+
+
+def prepare(*, steps: int, models, device: str, world: int | None, root: Path, json_path: Path | None = None,
+            gpus: int | None = None) -> Plan:
+    """Choose the cases and check everything a run needs before it starts (typed errors, nothing written)."""
+    from harness.apps import converge
+    from harness.io import writable
+
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    plan = choose(models=models, steps=steps, device=device, world=world, gpus=gpus)
+    history.check_root(root)
+    if json_path is not None:
+        writable(json_path)
+    for case in plan.cases:  # the cheap checks first: a bad world or too many steps fails in seconds
+        case.cfg.validate(case.world)
+        check_mixing(case)
+        converge.preflight(case.cfg, case.world)
+    return plan
+
+
+def run(*, steps: int = 100, models=NIGHTLY_MODELS, device: str = "auto", world: int | None = None,
+        root: Path = NIGHTLY, stall_s: float | None = None, json_path: Path | None = None) -> int:
+    """The nightly job; returns the exit status (0 every case passed, 1 otherwise)."""
+    plan = prepare(steps=steps, models=tuple(models), device=device, world=world, root=root, json_path=json_path)
+    print(plan.line, flush=True)
+    return run_cases(plan.cases, root=root, stall_s=stall_s, json_path=json_path)
+
+
+def _mixing_checks(result, case: NightlyCase) -> list[dict]:
+    """The nightly promise, read off what ran: every step of the dcp layout mixed CP 1 and the whole domain."""
+    ex = result.config.get("dcp_exercise")
+    if case.role != DISTRIBUTED or ex is None:
+        return []
+    return [{"target": f"dcp: steps that mixed CP 1 and CP {ex['largest']} (of {ex['steps']})",
+             "value": ex["steps_mixed"], "pass": ex["steps_mixed"] == ex["steps"], "exercise": True}]
+
+
+def _one(case: NightlyCase, root: Path, prod: dict, stall_s) -> dict:
+    from harness.apps import converge
+    from harness.jobs.watchdog import JobFailure
+
+    try:
+        res = converge.run(case.cfg, world=case.world, out_root=root / "runs", golden="auto", stall_s=stall_s,
+                           progress=lambda s: print(s, flush=True))
+    except JobFailure as e:
+        print(f"nightly {case.case_id}: the job failed: {e}", flush=True)
+        return history.failure(case, str(e), prod)
+    extra = _mixing_checks(res, case)
+    res.verdict = converge.verdict_of(res.checks + extra)
+    return history.entry(res, role=case.role, root=root, producer=prod, extra_checks=extra)
+
+
+def run_cases(cases: list[NightlyCase], *, root: Path, stall_s: float | None = None,
+              json_path: Path | None = None) -> int:
+    """Run checked cases, append each to the history, redraw the page, write the summary."""
+    from harness.io import atomic_write_json
+    from harness.report.nightly_report import render
+
+    root.mkdir(parents=True, exist_ok=True)
+    prod, started = producer("dcp-harness nightly"), dt.datetime.now().isoformat(timespec="seconds")
+    entries = []
+    for i, case in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {case.case_id} ({case.role})", flush=True)
+        e = _one(case, root, prod, stall_s)
+        history.append(root, e)
+        entries.append(e)
+        m = "-" if e.get("margin") is None else f"{e['margin']:.3g}"
+        print(f"nightly {e['case_id']}: {e['verdict']} (margin {m}; {e.get('report') or 'no report'})", flush=True)
+    with history.locked(root):
+        page = render(history.read(root), root)
+    verdict = overall(entries)
+    summary = {"verdict": verdict, "exit_code": 0 if verdict == "PASS" else 1, "started": started,
+               "finished": dt.datetime.now().isoformat(timespec="seconds"), "root": str(root), "page": str(page),
+               "producer": prod, "cases": entries}
+    if json_path is not None:
+        atomic_write_json(json_path, summary)
+    print(f"page: {page}\nverdict: {verdict} ({sum(e['verdict'] == 'PASS' for e in entries)}/{len(entries)} cases "
+          f"passed)")
+    return summary["exit_code"]
+
+
+def overall(entries: list[dict]) -> str:
+    """FAIL when a case failed, else NO REFERENCE when one had nothing outside its layouts to be judged against,
+    else NOT EXERCISED when one was not exercised, else PASS (never PASS without a case)."""
+    from harness.apps.converge import NOT_EXERCISED
+    from harness.apps.reference import NO_REFERENCE
+
+    verdicts = {e["verdict"] for e in entries}
+    for v in ("FAIL", NO_REFERENCE, NOT_EXERCISED):
+        if v in verdicts:
+            return v
+    return "PASS" if entries else "FAIL"
+

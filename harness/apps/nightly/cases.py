@@ -1,0 +1,176 @@
+"""The nightly cases: which configurations run where, and the proof that each exercises dynamic CP.
+
+Distributed cases (bshd, thd and dcp side by side, ``harness.apps.converge``): every model of
+``NIGHTLY_MODELS`` on one pipeline stage and, on a world of >= 4 ranks, as 2 pipeline stages. They run
+on the GPUs when the machine has two or more (NCCL, bf16, the largest power of two <= min(4, GPUs)
+ranks), otherwise on ``CPU_WORLD`` gloo ranks (fp32, checked against the committed goldens as well).
+On a machine with exactly one GPU, the single-GPU numerics case runs on it too: bshd against THD
+packing in bf16 on one rank (packing, varlen attention and autocast; no CP, so no dcp layout and no
+claim about dynamic CP).
+
+The configuration is chosen so that dynamic CP is exercised in every step: ``LENGTHS`` (a heavier tail
+than the default corpus, capped at 512 tokens) with ``max_seqlen_per_rank`` the longest possible sequence
+over the DP x CP domain (so the longest sequences need the whole domain as one CP group), and ``BATCH``
+sequences per global batch (so every step holds such a sequence and short ones next to it). ``check_mixing`` plans every step as the ranks will and refuses a case
+whose dcp schedule does not form both CP 1 and a CP group of the whole domain in some step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from harness.train.layouts import LayoutError
+
+NIGHTLY_MODELS = ("tiny-gpt", "tiny-moe", "tiny-gpt-mtp", "tiny-hybrid")
+CPU_WORLD = 4
+LENGTHS = "lognormal:mean=160,sigma=1.2,min=16,max=512"
+"""Sequence lengths of the nightly corpus: ~1 in 5 sequences needs the whole 4-rank domain, ~2 in 5 fit
+on one rank, so with ``SEED`` each of the first 172 steps of every CPU case mixes CP 1 with CP 4 (and the
+2-stage cases CP 1 with CP 2) at the cost of the main job's 32-sequence batches (the default corpus,
+capped at 1024 tokens, needs ~96 sequences a step for the same guarantee: 3x the tokens)."""
+SEED = 1
+"""Corpus seed. With it the MoE cases route identically in every layout over the first 20 steps (the
+exact part of the MoE rule); seed 0 of this corpus meets a router near-tie at step 11, where a
+rounding-level difference legitimately flips a top-k choice (the last-10-step band still holds)."""
+BATCH = 32
+"""Sequences per global batch."""
+MOE_GPU_BATCH = 128
+"""bf16 MoE: 128-sequence batches average routing flips the way a real batch does."""
+NUMERICS = "single-GPU numerics"
+NUMERICS_STEPS = 30
+"""bf16 trajectories of bshd and thd separate with the steps (on one H100, tiny GPT on the nightly corpus:
+max |delta loss| 7.4e-3 at 100 steps against the 2e-3 tolerance); 30 steps is what the GPU suites and the
+tolerances were calibrated on."""
+DISTRIBUTED = "distributed"
+
+
+@dataclass(frozen=True)
+class NightlyCase:
+    cfg: object
+    """The ``TrainConfig`` of the run."""
+    world: int
+    role: str
+    """``DISTRIBUTED`` (bshd / thd / dcp on a DP x CP domain) or ``NUMERICS`` (one GPU, no dcp)."""
+
+    @property
+    def case_id(self) -> str:
+        from harness.apps.converge import case_id
+
+        return case_id(self.cfg, self.world)
+
+    @property
+    def domain(self) -> int:
+        return self.cfg.domain(self.world)
+
+
+@dataclass(frozen=True)
+class Plan:
+    cases: list[NightlyCase]
+    line: str
+    """The one line said before anything starts: what runs where."""
+
+
+def _power_of_two_at_most(n: int) -> int:
+    p = 1
+    while p * 2 <= n:
+        p *= 2
+    return p
+
+
+def choose(*, models, steps: int, device: str, world: int | None, gpus: int) -> Plan:
+    """The cases for this machine (``gpus`` CUDA devices) and the user's ``device`` / ``world``."""
+    from harness.runtime.model_config import MODELS
+
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        raise LayoutError(f"unknown model(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
+                          f"choose from {', '.join(MODELS)}")
+    if device == "cuda" and gpus < 2:
+        raise LayoutError(f"nightly --device cuda needs >= 2 GPUs for dynamic CP, this machine has {gpus}; use "
+                          f"--device auto (distributed cases on {CPU_WORLD} CPU ranks"
+                          f"{', numerics on the GPU' if gpus else ''}) or --device cpu")
+    dist_device = "cuda" if device == "cuda" or (device == "auto" and gpus >= 2) else "cpu"
+    if world is None:
+        world = _power_of_two_at_most(min(4, gpus)) if dist_device == "cuda" else CPU_WORLD
+    if world >= 2 and world & (world - 1):
+        raise LayoutError(f"nightly --world {world}: the ranks of the distributed cases form one DP x CP domain (and "
+                          f"2 pipeline stages of half of it), which dynamic CP needs as a power of two: use 2, 4 or 8")
+    if world < 2:
+        raise LayoutError(f"nightly --world {world}: the dcp layout on one rank never forms a CP group > 1, so its "
+                          f"verdict could only be NOT EXERCISED; use --world 2 or more (CPU ranks with --device cpu)")
+    cases = [NightlyCase(_config(model, steps, dist_device, world // pp, pp), world, DISTRIBUTED)
+             for model in models for pp in (1, 2) if pp == 1 or world >= 4]
+    numerics = device == "auto" and gpus == 1
+    if numerics:
+        cases += [NightlyCase(_numerics_config(model, steps), 1, NUMERICS) for model in models]
+    prec = "bf16" if dist_device == "cuda" else "fp32"
+    where = (f"{world} {'GPUs (NCCL' if dist_device == 'cuda' else 'CPU ranks (gloo'}, {prec})"
+             + (f" because this machine has {gpus} GPU{'s' * (gpus != 1)}" if dist_device == "cpu" and device == "auto"
+                else ""))
+    line = (f"nightly: {len(models)} model(s), {steps} steps: the distributed cases on {where}"
+            + (f"; the single-GPU numerics (bshd vs thd, bf16, {min(steps, NUMERICS_STEPS)} steps) on the GPU"
+               if numerics else "")
+            + (f"; goldens: {_goldens(cases)}" if dist_device == "cpu" else ""))
+    return Plan(cases, line)
+
+
+def _config(model: str, steps: int, device: str, domain: int, pp: int):
+    from harness.data.corpus import CorpusConfig
+    from harness.data.workloads import parse_spec
+    from harness.runtime.model_config import MODELS
+    from harness.train.trainer import TrainConfig
+
+    corpus = CorpusConfig(lengths=LENGTHS, seed=SEED)
+    longest = int(parse_spec(corpus.lengths)[1]["max"])
+    batch = MOE_GPU_BATCH if MODELS[model].experts > 0 and device == "cuda" else BATCH
+    return TrainConfig(model=model, steps=steps, device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                       corpus=replace(corpus, sequences_per_batch=batch), pp=pp,
+                       max_seqlen_per_rank=max(1, longest // domain))
+
+
+def _numerics_config(model: str, steps: int):
+    """The single-GPU numerics case: the configuration the GPU suites calibrate the bf16 tolerances on
+    (the default corpus, 1024 tokens per rank, at most ``NUMERICS_STEPS`` steps); bshd against thd."""
+    from harness.train.trainer import TrainConfig
+
+    return TrainConfig(model=model, steps=min(steps, NUMERICS_STEPS), device="cuda", dtype="bfloat16",
+                       max_seqlen_per_rank=1024, layouts=("bshd", "thd"))
+
+
+def _goldens(cases: list[NightlyCase]) -> str:
+    """How many CPU cases have a committed golden (the others are checked against bshd only)."""
+    from harness import golden
+    from harness.apps.converge import GOLDEN_SUITE, reference_case
+
+    dist = [c for c in cases if c.role == DISTRIBUTED]
+    have = [c for c in dist if golden.path_for(GOLDEN_SUITE, _reference_id(c, reference_case), "cpu").exists()]
+    return f"{len(have)} of {len(dist)} cases have a committed golden"
+
+
+def _reference_id(case: NightlyCase, reference_case) -> str:
+    from harness.apps.converge import case_id
+
+    return case_id(*reference_case(case.cfg, case.world))
+
+
+def check_mixing(case: NightlyCase) -> None:
+    """Refuse a distributed case whose dcp schedule, planned for every step as the ranks will, does not
+    form CP groups of 1 and of the whole DP x CP domain in each step."""
+    if case.role != DISTRIBUTED:
+        return
+    from harness.data.corpus import batch_lengths
+    from harness.train.config import model_cost
+    from harness.train.layouts import LayoutConfig, plan
+
+    cfg, n = case.cfg, case.domain
+    lcfg = LayoutConfig(n_ranks=n, max_seqlen_per_rank=cfg.max_seqlen_per_rank, static_cp=1,
+                        scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding, vpp_group=cfg.pipeline_config().vpp_group)
+    cost = model_cost(cfg)
+    for step in range(cfg.steps):
+        sched = plan("dcp", batch_lengths(cfg.corpus, step), lcfg, cost)[0]
+        sizes = sorted({b.size for mb in sched.layout for b in mb if b.gids})
+        if 1 not in sizes or n not in sizes:
+            raise LayoutError(f"nightly case {case.case_id}: step {step + 1}'s dcp schedule forms CP groups of "
+                              f"{sizes} only, not both 1 and {n} (the whole domain): every nightly step must mix "
+                              f"them; use --steps {step} or fewer")
+

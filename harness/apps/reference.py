@@ -1,0 +1,109 @@
+"""The reference a convergence verdict is judged against: a run without the parallelism under test.
+
+bshd, thd and dcp share everything but how they lay the batch out, and bshd and thd share the static CP size,
+so comparing them with each other cannot fail for a bug they share (in the pipeline, expert parallelism, the
+MTP head, the SSM mixer, or anything that depends on the CP size alone). Every ``converge`` run therefore also
+trains a **reference**: the same model, corpus, seed and batches on **one rank** - no CP, no pipeline, no VPP,
+no expert parallelism, no collective at all - with whole sequences packed per micro-batch (thd at CP 1). Each
+layout is compared with it, quantity by quantity (``TOLERANCES``):
+
+- ``loss``: every step's loss (and each MTP depth's), absolute; MoE models under the MoE rule of
+  ``harness.apps.converge`` (strict for the first ``MOE_EXACT_STEPS`` steps, then a band on the late mean);
+- ``grad_norm``: every step's gradient norm before clipping, relative (MoE: the strict span only);
+- ``step1_gradients``: every parameter's reduced step-1 gradient, relative L2, worst parameter over the ranks
+  that hold it (per parameter, so a bug confined to one layer is not averaged away);
+- ``token_loss``: every sequence's step-1 token losses, relative L2, worst sequence.
+
+fp32 (CPU): the layouts stay within ~5e-7 of the reference on every quantity over 50 steps (tiny models), so
+1e-5 leaves ~20x for rounding. bf16 (GPUs, autocast with fp32 master weights): the reference's bf16 rounding
+differs from a layout's (other matmul shapes), so losses are held to 2e-3 per step and 5e-4 on average (the
+layout rule), gradient norms to 2e-2 relative, step-1 gradients to 5e-2 and token losses to 2e-2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from harness.finite import nonfinite_message, within, worst
+from harness.train.trainer import TrainConfig, longest_sequence
+
+REF_LAYOUT = "thd"
+"""The reference's layout: on one rank with ``max_seqlen_per_rank`` >= the longest sequence, thd packs whole
+sequences (CP 1) into micro-batches."""
+
+TOLERANCES = {
+    "float32": {"loss": {"max": 1e-5, "mean": 1e-5}, "grad_norm": 1e-5, "step1_gradients": 1e-5, "token_loss": 1e-5},
+    "bfloat16": {"loss": {"max": 2e-3, "mean": 5e-4}, "grad_norm": 2e-2, "step1_gradients": 5e-2, "token_loss": 2e-2},
+}
+"""Per precision and quantity: what a layout may differ from the reference by (see the module doc)."""
+
+NO_REFERENCE = "NO REFERENCE"
+"""The verdict of a run that had nothing outside its own layouts to be judged against (``--reference off``
+and no golden): never PASS."""
+
+
+def config(cfg: TrainConfig) -> TrainConfig:
+    """The reference run of ``cfg``: one rank, thd of whole sequences, no pipeline, no expert parallelism,
+    probes on (step-1 gradients and token losses)."""
+    return replace(cfg, layouts=(REF_LAYOUT,), pp=1, vpp=1, pipeline="1f1b", schedule_delivery="broadcast",
+                   expert_parallel=False, probes=True,
+                   max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest_sequence(cfg)))
+
+
+def name() -> str:
+    return "reference (1 rank: no CP, PP or EP)"
+
+
+def tag(cfg: TrainConfig) -> str:
+    """What a layout of ``cfg`` runs beyond DP x CP, for its reference lines: `` (pp 2, vpp 2, ep)``."""
+    parts = ([f"pp {cfg.pp}"] if cfg.pp > 1 else []) + ([f"vpp {cfg.vpp}"] if cfg.vpp > 1 else []) + \
+        (["ep"] if cfg.expert_parallel else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _relative(name_: str, vals: list[float], ref: list[float], tol: float, span: int, what: str) -> dict:
+    """The worst relative per-step deviation of a series over its first ``span`` steps."""
+    if len(vals) != len(ref):
+        return {"target": f"{name_}: {len(vals)} steps of {what} against the reference's {len(ref)}",
+                "value": float("nan"), "limit": tol, "pass": False}
+    who, against = name_.split(" vs ", 1)
+    bad = nonfinite_message(vals, what, who) or nonfinite_message(ref, what, against)
+    if bad:
+        return {"target": f"{name_}: {bad}", "value": float("nan"), "limit": tol, "pass": False}
+    d = worst(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(vals[:span], ref[:span]))
+    steps = "" if span >= len(ref) else f" (first {span} steps)"
+    return {"target": f"{name_}: max relative |delta {what}|{steps} <= {tol:g}", "value": d, "limit": tol,
+            "pass": within(d, tol)}
+
+
+def checks(rows: dict[str, list[dict]], ranks: list[dict], ref_rows: list[dict], ref_ranks: list[dict],
+           cfg: TrainConfig, *, compare, moe_steps: int | None) -> list[dict]:
+    """Every layout of a run against its reference, one line per layout and quantity. ``ranks``/``ref_ranks``:
+    each rank's probes (``{"probes": {layout: ...}}``); ``compare``: ``harness.apps.converge._compare`` (the loss rule);
+    ``moe_steps``: the MoE rule's strict span (None for dense models)."""
+    from harness.faults.checks import gradient_deviations, token_loss_deviations
+
+    tol, ref_name, t = TOLERANCES[cfg.dtype], name(), tag(cfg)
+    ref_loss = [r["loss"] for r in ref_rows]
+    ref_norm = [r["grad_norm"] for r in ref_rows]
+    out = []
+    for layout, rs in rows.items():
+        who = f"{layout}{t} vs {ref_name}"
+        out += compare(who, [r["loss"] for r in rs], ref_loss, tol["loss"], moe_steps is not None)
+        for k in range(len(rs[0].get("mtp_loss") or [])):
+            out += compare(f"{layout}{t} vs {ref_name} (MTP depth {k + 1})", [r["mtp_loss"][k] for r in rs],
+                           [r["mtp_loss"][k] for r in ref_rows], tol["loss"], moe_steps is not None)
+        span = len(ref_norm) if moe_steps is None else min(moe_steps, len(ref_norm))
+        out.append(_relative(who, [r["grad_norm"] for r in rs], ref_norm, tol["grad_norm"], span, "grad norm"))
+        grads = gradient_deviations(ref_ranks, ranks, layout, ref_layout=REF_LAYOUT)
+        if grads:
+            p = max(grads, key=lambda n: (grads[n][0] != grads[n][0], grads[n][0]))
+            v = grads[p][0]
+            out.append({"target": f"{who}: step-1 gradients, worst parameter ({p}) relative L2 <= "
+                                  f"{tol['step1_gradients']:g}", "value": v, "limit": tol["step1_gradients"],
+                        "pass": within(v, tol["step1_gradients"]), "parameters": len(grads)})
+        seqs, _ = token_loss_deviations(ref_ranks, ranks, layout, ref_layout=REF_LAYOUT)
+        g = max(seqs, key=lambda k: (seqs[k] != seqs[k], seqs[k]))
+        out.append({"target": f"{who}: step-1 token losses, worst sequence ({g}) relative L2 <= {tol['token_loss']:g}",
+                    "value": seqs[g], "limit": tol["token_loss"], "pass": within(seqs[g], tol["token_loss"])})
+    return out

@@ -1,0 +1,195 @@
+"""Run a torchrun job as a child process and keep it bounded (``harness.jobs.entry.launch`` calls this).
+
+torchrun runs in its own session; a thread copies its output to the log file and to ``stream``; the
+main loop polls every ``POLL_S``: a rank process that vanished (seen through its heartbeat's pid), the
+watchdog (``harness.jobs.watchdog.stalled``), the overall deadline. On a stall or the deadline the whole
+process group is killed. torchrun starts every rank in a session of its own, so killing torchrun's group
+does not reach them: the rank processes (children of torchrun, and every pid a heartbeat named) are
+killed one by one, on every way out of ``run``, so that no stopped or blocked rank outlives the job.
+Any failure raises one ``JobFailure`` naming the rank that failed first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from harness.jobs.watchdog import (
+    JobFailure,
+    Terminated,
+    die_with_parent,
+    first_failure,
+    process_state,
+    read_beats,
+    stalled,
+)
+
+POLL_S = 0.25
+FAILURE_OUTPUT = re.compile(r"^(Traceback \(most recent call last\)|\[rank\d+\]:|\[W\d+|E\d{4} |W\d{4} )|"
+                            r"torch\.distributed\.elastic|ChildFailedError")
+"""Output that starts a failure report (tracebacks, torchrun's summary): from there on the output only
+goes to the log, so the user sees one error line, not pages of every rank's traceback."""
+EXIT_RE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+ROOT_RE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)", re.S)
+
+
+def _command(job: str, nproc: int, out: Path, cfg: dict) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=localhost:0", "-m", "harness.jobs.entry", job, "--out", str(out),
+            "--cfg", json.dumps(cfg)]
+
+
+def _env() -> dict:
+    root = str(Path(__file__).resolve().parents[2])
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+
+def _pump(stdout, lines: queue.Queue, log_file) -> None:
+    for line in stdout:
+        log_file.write(line)
+        log_file.flush()
+        lines.put(line)
+    lines.put(None)
+
+
+def _children(pid: int) -> set[int]:
+    """Pids whose parent is ``pid`` (Linux /proc; empty elsewhere)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields and int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        return b"harness.jobs.entry" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _kill(proc, beats: Path) -> None:
+    """SIGKILL torchrun's group and every rank process (SIGKILL also ends a stopped process)."""
+    ranks = _children(proc.pid) | {b.get("pid") for b in read_beats(beats).values() if b.get("pid")}
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in ranks:
+        if _is_rank(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+
+
+def _reap_ranks(beats: Path) -> None:
+    """After torchrun is gone: kill any rank it left behind (a stopped rank is not reaped by torchrun)."""
+    for b in read_beats(beats).values():
+        pid = b.get("pid")
+        if pid and process_state(pid) != "gone" and _is_rank(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _terminate_raises():
+    """SIGTERM / SIGHUP raise ``Terminated`` while the job runs (Python's default would end the process
+    without the clean-up that kills the ranks); main thread only, the previous handlers restored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated(f"signal {signal.Signals(signum).name}")
+
+    old = {s: signal.signal(s, raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def run(job: str, nproc: int, out: Path, cfg: dict, *, timeout_s: float, stall_s: float, stream, log: Path,
+        target: str | None = None) -> dict:
+    beats = Path(tempfile.mkdtemp(prefix=f".{job}-ranks-", dir=out.parent))
+    cfg = {**cfg, "heartbeat_dir": str(beats), "collective_timeout_s": cfg.get("collective_timeout_s", 2 * stall_s)}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    lines: queue.Queue = queue.Queue()
+    started, gone_at = time.time(), {}
+    try:
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen(_command(target or job, nproc, out, cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, env=_env(), bufsize=1, start_new_session=True,
+                                    preexec_fn=die_with_parent)
+            pump = threading.Thread(target=_pump, args=(proc.stdout, lines, log_file), daemon=True)
+            pump.start()
+            try:
+                with _terminate_raises():
+                    failure = _watch(proc, lines, stream, beats, nproc, started, timeout_s, stall_s, gone_at)
+            except BaseException:
+                _kill(proc, beats)
+                raise
+            pump.join(10)
+        if failure is not None:
+            raise JobFailure(f"torchrun {job} on {nproc} processes: {failure[1]}", failure[0], log)
+        if proc.returncode != 0:
+            text = log.read_text(errors="replace")
+            codes = {int(r): int(c) for r, c in EXIT_RE.findall(text)}
+            root = ROOT_RE.search(text)
+            rank, why = first_failure(beats, nproc, gone_at, codes, int(root.group(1)) if root else None)
+            who = f"rank {rank} failed first: {why}" if rank is not None else why
+            raise JobFailure(f"torchrun {job} on {nproc} processes (exit {proc.returncode}): {who}", rank, log)
+        log.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            log.parent.rmdir()  # only when empty: logs of earlier failures stay
+        return json.loads(out.read_text())
+    finally:
+        _reap_ranks(beats)
+        shutil.rmtree(beats, ignore_errors=True)
+
+
+def _watch(proc, lines, stream, beats, nproc, started, timeout_s, stall_s, gone_at):
+    """Relay output until torchrun exits; returns (rank, message) for a stall or the deadline."""
+    done, next_check, quiet = False, 0.0, False
+    while True:
+        try:
+            line = lines.get(timeout=POLL_S)
+            if line is None:
+                done = True
+            elif stream and not quiet:
+                quiet = FAILURE_OUTPUT.search(line) is not None
+                if not quiet:
+                    stream(line.rstrip("\n"))
+        except queue.Empty:
+            pass
+        now = time.time()
+        if now < next_check and not done:
+            continue
+        next_check = now + POLL_S
+        for r, b in read_beats(beats).items():
+            if r not in gone_at and process_state(b.get("pid")) == "gone":
+                gone_at[r] = now
+        if done and proc.poll() is not None:
+            return None
+        stall = stalled(beats, nproc, started, stall_s, now)
+        if stall is not None or now - started > timeout_s:
+            _kill(proc, beats)
+            return stall or (None, f"still running after the job's limit of {timeout_s:.0f} s")

@@ -1,0 +1,75 @@
+"""The group audit: before a step runs, every rank checks that the process group it will hand to each
+micro-batch's CP-aware calls holds exactly the ranks of that micro-batch's block.
+
+A wrong group is the dynamic-CP bug that hangs or silently mixes data: a group kept from the previous
+micro-batch, the static CP group passed where the micro-batch's dynamic one belongs (Megatron-LM
+PR #6821, issue #5352), a group that was not restored after a forward (PR #2000, ``attention.py``).
+The verdicts are exchanged over the DP x CP ranks (one small all-reduce per step; the details only when
+one failed), so every rank raises the same ``GroupAuditError`` before any collective runs on a wrong
+group: the job fails at once instead of hanging.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class GroupAuditError(RuntimeError):
+    """A micro-batch's CP-aware calls would get a process group other than its block's.
+
+    Attributes: ``rank``, ``microbatch``, ``got`` (the group's ranks), ``want`` (the block's ranks);
+    the training loop adds ``step`` and ``layout``."""
+
+    def __init__(self, rank: int, microbatch: int, got, want: list[int]):
+        self.rank, self.microbatch = rank, microbatch
+        self.got, self.want = got if isinstance(got, str) else list(got), list(want)
+        held = got if isinstance(got, str) else f"holds ranks {list(got)}"
+        held = "is a destroyed group (kept across a re-initialisation)" if isinstance(got, str) else held
+        super().__init__(f"group audit: rank {rank}, micro-batch {microbatch}: the CP group handed to attention "
+                         f"{held}, the micro-batch's block is ranks {list(want)}; a CP group must be looked up per "
+                         f"micro-batch from its block (a group kept from an earlier micro-batch or re-initialisation, "
+                         f"or the static CP group, is wrong)")
+
+
+def block_ranks(groups, mb) -> list[int]:
+    """Global ranks of the block that ``mb`` (this rank's share of a micro-batch) runs on."""
+    lay = groups.layout
+    t = lay.tp_rank(groups.rank)
+    return [lay.rank_of(p, t, lay.stage(groups.rank)) for p in range(mb.block_start, mb.block_start + mb.local_cp_size)]
+
+
+def audit_groups(groups, mbs, chosen, everyone) -> None:
+    """Raise ``GroupAuditError`` on every rank when any rank's ``chosen[m]`` is not the group of
+    ``mbs[m]``'s block (see the module doc)."""
+    mine = None
+    for mb, g in zip(mbs, chosen):
+        want = block_ranks(groups, mb)
+        try:
+            got = dist.get_process_group_ranks(g)
+        except (KeyError, ValueError, RuntimeError):  # not a live group: destroyed, or never one of ours
+            got = "a destroyed group"
+        if got != want:
+            mine = (groups.rank, mb.index, got, want)
+            break
+    dev = mbs[0].data["tokens"].device if mbs else torch.device("cpu")
+    flag = torch.tensor([0.0 if mine is None else 1.0], device=dev)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=everyone)
+    if flag.item() == 0:
+        return
+    verdicts: list = [None] * dist.get_world_size(everyone)
+    dist.all_gather_object(verdicts, mine, group=everyone)
+    rank, m, got, want = min((v for v in verdicts if v), key=lambda v: (v[1], v[0]))
+    raise GroupAuditError(rank, m, got, want)
+
+
+class CallAuditError(GroupAuditError):
+    """A module ran a CP operation (and its group) of another micro-batch than the one being computed:
+    it kept the operations of an earlier call (``harness.train.passes``)."""
+
+    def __init__(self, rank: int, microbatch: int, used: int, got: list[int], want: list[int]):
+        self.used = used
+        RuntimeError.__init__(self, f"group audit: rank {rank}, micro-batch {microbatch}: a CP call ran with micro-batch "
+                                    f"{used}'s operations (its group: ranks {list(got)}; this micro-batch's block: "
+                                    f"ranks {list(want)}); modules must take their CP operations per call, never keep them")
+        self.rank, self.microbatch, self.got, self.want = rank, microbatch, list(got), list(want)

@@ -1,0 +1,128 @@
+"""Gradient all-reduce overlapped with the last backward of a step (DDP / Megatron style buckets).
+
+The gradients of a model's parameters accumulate in place into one flat fp32 buffer (each
+``p.grad`` a view of it, micro-batch after micro-batch). ``BucketedGradReducer`` sums that buffer
+over a process group in *buckets*: contiguous ranges of whole parameters, taken in reverse parameter
+order (the order a backward produces them). During the step's last backward (``arm()`` before it),
+a post-accumulate-grad hook counts each parameter in; when a bucket is complete it is all-reduced
+asynchronously, so the reduction runs while the backward of earlier layers is still computing.
+``finish()`` launches what is left (parameters that got no gradient this time) and waits.
+
+Buckets launch strictly in index order (a complete bucket waits for the ones before it), so every
+rank issues the same collectives in the same order whatever order its hooks fire in: the sums are
+those of one all-reduce of the buffer, bucket by bucket, and no rank can deadlock its peers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_ELEMENTS = 40_000_000
+"""Megatron's default DDP bucket size (elements; 160 MB of fp32)."""
+
+
+class GradReduceError(ValueError):
+    """The parameters' gradients are not views of the flat buffer the reducer sums."""
+
+
+class BucketedGradReducer:
+    """Sum ``flat`` (whose slices are the ``params``' ``.grad``) over ``group``, bucket by bucket.
+
+    ``arm()`` before the last backward of a step; ``finish()`` after it (returns once the whole
+    buffer is summed on this device's stream). Without ``arm()``, ``finish()`` reduces every bucket
+    then (no overlap). ``launched_in_backward`` counts the buckets the last step launched from hooks.
+    """
+
+    def __init__(self, params, flat: torch.Tensor, group=None, *, bucket_elements: int = DEFAULT_BUCKET_ELEMENTS):
+        if not isinstance(bucket_elements, int) or bucket_elements < 1:
+            raise GradReduceError(f"bucket_elements must be an int >= 1, got {bucket_elements!r}")
+        params = list(params)
+        if flat.dim() != 1 or not flat.is_contiguous():
+            raise GradReduceError(f"flat must be one contiguous 1-d buffer, got shape {tuple(flat.shape)}")
+        spans = []
+        base, size = flat.data_ptr(), flat.element_size()
+        for i, p in enumerate(params):
+            g = p.grad
+            if g is None or g.dtype != flat.dtype or g.device != flat.device or not g.is_contiguous():
+                raise GradReduceError(f"parameter {i} ({tuple(p.shape)}): its .grad must be a contiguous "
+                                      f"{flat.dtype} view of the flat buffer on {flat.device}; set "
+                                      f"p.grad = flat[offset:offset + p.numel()].view_as(p) before backward")
+            off, rem = divmod(g.data_ptr() - base, size)
+            if rem or off < 0 or off + g.numel() > flat.numel():
+                raise GradReduceError(f"parameter {i} ({tuple(p.shape)}): its .grad lies outside the flat buffer; "
+                                      f"set p.grad = flat[offset:offset + p.numel()].view_as(p)")
+            spans.append((off, off + g.numel(), i))
+        spans.sort()
+        for (_a0, a1, i), (b0, _, j) in zip(spans, spans[1:]):
+            if b0 < a1:
+                raise GradReduceError(f"the .grad views of parameters {i} and {j} overlap in the flat buffer")
+        self.params, self.flat, self.group = params, flat, group
+        self.buckets: list[tuple[int, int]] = []  # [lo, hi) of flat; bucket 0 = the last parameters
+        self.bucket_of: dict[int, int] = {}
+        members: list[int] = []
+        lo = hi = None
+        for a, b, i in reversed(spans):
+            if members and (hi - lo >= bucket_elements or b != lo):  # full, or a gap: close the bucket
+                self.buckets.append((lo, hi))
+                members = []
+            if not members:
+                hi = b
+            lo = a
+            members.append(i)
+            self.bucket_of[i] = len(self.buckets)
+        if members:
+            self.buckets.append((lo, hi))
+        self._sizes = [0] * len(self.buckets)
+        for b in self.bucket_of.values():
+            self._sizes[b] += 1
+        self._armed = False
+        self._pending: list[int] = []
+        self._seen: set[int] = set()
+        self._next = 0
+        self._works: list = []
+        self.launched_in_backward = 0
+        self.launch_order: list[int] = []  # the last step's buckets, in launch order (always 0, 1, ...)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
+
+    def _active(self) -> bool:
+        return dist.is_initialized() and dist.get_world_size(self.group) > 1
+
+    def _hook(self, i: int):
+        def hook(_param) -> None:
+            if not self._armed or i in self._seen:
+                return
+            self._seen.add(i)
+            b = self.bucket_of[i]
+            self._pending[b] -= 1
+            while self._next < len(self.buckets) and self._pending[self._next] == 0:
+                self._launch()
+                self.launched_in_backward += 1
+        return hook
+
+    def _launch(self) -> None:
+        lo, hi = self.buckets[self._next]
+        self.launch_order.append(self._next)
+        self._next += 1
+        if self._active():
+            self._works.append(dist.all_reduce(self.flat[lo:hi], group=self.group, async_op=True))
+
+    def arm(self) -> None:
+        """Reduce buckets as the next backward completes them."""
+        self._armed, self._pending, self._seen = True, list(self._sizes), set()
+        self._next, self._works, self.launched_in_backward, self.launch_order = 0, [], 0, []
+
+    def finish(self) -> None:
+        """Launch the buckets not yet launched (in order) and wait for all of them."""
+        if not self._armed:
+            self.arm()
+        while self._next < len(self.buckets):
+            self._launch()
+        for w in self._works:
+            w.wait()
+        self._armed, self._works = False, []
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,151 @@
+"""Configuration of a training run (``harness.train.trainer``): model, layouts, optimiser, the DP x CP
+domain's scheduling, the pipeline, precision and the corpus."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from harness.data.corpus import CorpusConfig, batch_lengths
+from harness.plan import CostModel
+from harness.runtime.model import MODELS
+from harness.train.layouts import LAYOUTS, LayoutError
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: str = "tiny-gpt"
+    """A key of ``harness.runtime.model.MODELS``."""
+    layouts: tuple[str, ...] = LAYOUTS
+    steps: int = 50
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    max_seqlen_per_rank: int = 256
+    micro_batch_size: int = 1
+    scheduler: str = "balanced"
+    dcp_padding: str = "local"
+    dtype: str = "float32"
+    """``float32``, or ``bfloat16`` (autocast; fp32 master weights)."""
+    device: str = "cpu"
+    cp_exchange: str = "gather"
+    """How CP blocks exchange K/V (``harness.parallel.cp_attention.EXCHANGES``): ``gather``, ``ring`` or
+    ``auto``; the attention is the same either way, so the goldens apply to all."""
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    probes: bool = False
+    """Record what the fault catalogue's checks read (``harness.train.probes``) on every rank and
+    return it with the rows."""
+    pp: int = 1
+    """Pipeline stages (``harness.train.pipeline``); the world is pp stages of a DP x CP domain each."""
+    vpp: int = 1
+    """Virtual chunks per stage (the interleaved 1F1B schedule when > 1)."""
+    pipeline: str = "1f1b"
+    """``1f1b`` or ``afab`` (with vpp > 1 the interleaved 1F1B runs)."""
+    schedule_delivery: str = "broadcast"
+    """``broadcast`` (the first stage computes each schedule and sends it down the pipelines) or
+    ``compute`` (every stage computes it); the stages are checked to agree either way."""
+    expert_parallel: bool = False
+    """MoE models: shard every MoE layer's experts over the DP x CP domain of each stage
+    (``harness.parallel.expert_parallel``; the experts a multiple of the domain's ranks). Every MoE layer of
+    every micro-batch sends its tokens to the experts' owners and back (all-to-alls over the domain), so
+    the domain's ranks run their micro-batches in lockstep: the dcp schedule is made for the
+    ``synchronous`` execution model."""
+
+    def execution_model(self, world: int):
+        """(the ``harness.plan.Execution`` the thd / dcp schedules are made for, why): ``synchronous``
+        with expert parallelism, ``pipeline`` with stages, else ``independent``."""
+        from harness.plan.execution import INDEPENDENT, SYNCHRONOUS, Execution
+
+        n = self.domain(world)
+        if self.pp > 1:
+            why = f"{self.pp} stages, {self.pipeline_config().kind}"
+            if self.expert_parallel:
+                why += (f"; MoE expert parallelism also joins each stage's {n}-rank DP x CP domain in every pass, "
+                        "which the pipeline model does not price")
+            return Execution.pipeline(self.pp, vpp=self.vpp, schedule=self.pipeline), why
+        if self.expert_parallel:
+            return SYNCHRONOUS, f"MoE with expert parallelism over the {n}-rank DP x CP domain"
+        what = "MoE without expert parallelism" if MODELS[self.model].experts else "dense model"
+        return INDEPENDENT, f"{what}: CP blocks synchronise only their own ranks"
+
+    def pipeline_config(self):
+        from harness.train.pipeline import PipelineConfig
+
+        return PipelineConfig(pp=self.pp, vpp=self.vpp, schedule=self.pipeline, delivery=self.schedule_delivery)
+
+    def domain(self, world: int) -> int:
+        """DP x CP positions of each stage."""
+        return world // self.pp if self.pp >= 1 and world % self.pp == 0 else 0
+
+    def validate(self, world: int) -> None:
+        if self.model not in MODELS:
+            raise LayoutError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
+        bad = [x for x in self.layouts if x not in LAYOUTS]
+        if bad or not self.layouts:
+            raise LayoutError(f"unknown layout(s) {bad or self.layouts!r}; choose from {', '.join(LAYOUTS)}")
+        self.pipeline_config().validate(world, MODELS[self.model].layers)
+        self._check_mixer(world)
+        self._check_experts(world)
+        n = self.domain(world)
+        if n < 1 or n & (n - 1):
+            what = f"world size {world}" if self.pp == 1 else f"the DP x CP domain of each stage ({world} / pp {self.pp} = {n})"
+            raise LayoutError(f"{what} is not a power of two: dynamic CP groups need one (use 1, 2, 4, 8)")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise LayoutError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.steps < 1:
+            raise LayoutError(f"steps must be >= 1, got {self.steps}")
+        from harness.parallel.cp_attention import EXCHANGES
+        from harness.plan import ALGORITHMS
+
+        if self.cp_exchange not in EXCHANGES:
+            raise LayoutError(f"cp_exchange must be one of {', '.join(EXCHANGES)}, got {self.cp_exchange!r}")
+        if self.scheduler not in ALGORITHMS:
+            raise LayoutError(f"unknown scheduler {self.scheduler!r} for the dcp layout; choose from "
+                              f"{', '.join(sorted(ALGORITHMS))}")
+        if self.dcp_padding not in ("local", "domain"):
+            raise LayoutError(f"dcp_padding must be 'local' or 'domain', got {self.dcp_padding!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise LayoutError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.max_seqlen_per_rank < 1 or self.micro_batch_size < 1:
+            raise LayoutError(f"max_seqlen_per_rank and micro_batch_size must be >= 1, got "
+                              f"{self.max_seqlen_per_rank} and {self.micro_batch_size}")
+
+    def _check_mixer(self, world: int) -> None:
+        """SSM mixer layers shard their heads over a CP block's ranks; dynamic CP forms blocks as large as
+        a stage's whole DP x CP domain."""
+        m = MODELS[self.model]
+        n = self.domain(world)
+        if "M" in m.kinds and n and m.ssm_heads % n:
+            raise LayoutError(f"model {self.model!r}: its SSM mixers' {m.ssm_heads} heads cannot be split over a CP "
+                              f"block of {n} ranks (the DP x CP domain, the largest block dynamic CP forms); use a "
+                              f"model with ssm_heads a multiple of {n}, or a domain of ranks dividing {m.ssm_heads}")
+
+    def _check_experts(self, world: int) -> None:
+        if not self.expert_parallel:
+            return
+        m = MODELS[self.model]
+        if not m.experts:
+            raise LayoutError(f"expert parallelism needs an MoE model; {self.model!r} has no experts: use a model "
+                              f"with experts (e.g. tiny-moe) or turn expert parallelism off")
+        from harness.parallel.expert_parallel import check_divisible
+
+        n = self.domain(world)
+        if n:
+            check_divisible(m.experts, n, repr(self.model))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        d = dict(d)
+        d["corpus"] = CorpusConfig(**d.get("corpus", {}))
+        d["layouts"] = tuple(d.get("layouts", LAYOUTS))
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def longest_sequence(cfg: TrainConfig) -> int:
+    return max(max(batch_lengths(cfg.corpus, s)) for s in range(cfg.steps))
+
+
+def model_cost(cfg: TrainConfig) -> CostModel:
+    return MODELS[cfg.model].training_cost(name=cfg.model)

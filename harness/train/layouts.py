@@ -1,0 +1,106 @@
+"""The three training layouts of a global batch, as schedules of CP blocks plus a padding rule.
+
+- ``bshd``: every sequence padded to the batch's longest (rounded to ``2 * C``), static CP of
+  ``C`` ranks, ``N / C`` data-parallel replicas; replica d takes a contiguous share of the batch in
+  micro-batches of ``micro_batch_size`` sequences (Megatron's padded pretraining path).
+- ``thd``: sequences packed by ``dp-balanced`` (static CP ``C``, each sequence padded to ``2 * C``).
+- ``dcp``: dynamic CP with a scheduler by name (default ``balanced``); padding ``local``
+  (``2 * local_cp_size``, knowing the schedule) or ``domain`` (Megatron's ``2 * N``).
+``C`` is the static CP size: the smallest power of two whose ranks hold the run's longest sequence.
+All three run the same THD runtime: a bshd micro-batch is a THD pack whose sequences share one
+padded length, which is a ``[B, S]`` batch with a causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.plan import CostModel, Schedule, cp_min, schedule, validate_schedule
+from harness.plan.errors import LayoutError
+from harness.plan.execution import resolve_execution
+from harness.plan.layout import Block
+from harness.plan.thd import pad_length, padding_divisor
+
+LAYOUTS = ("bshd", "thd", "dcp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutConfig:
+    n_ranks: int
+    """DP x CP positions (the world, without TP/PP)."""
+    max_seqlen_per_rank: int
+    """Tokens one rank may hold in a micro-batch (dynamic CP); also sizes the static CP."""
+    static_cp: int
+    """CP size of bshd and thd."""
+    micro_batch_size: int = 1
+    """Sequences per bshd micro-batch."""
+    scheduler: str = "balanced"
+    """Dynamic-CP scheduler (``harness.plan.ALGORITHMS``)."""
+    dcp_padding: str = "local"
+    """``local`` (2 x local_cp_size) or ``domain`` (2 x N, Megatron)."""
+    vpp_group: int | None = None
+    """Micro-batch counts must be a multiple of this (the interleaved pipeline schedule's group)."""
+    execution: object = None
+    """The execution model the thd and dcp schedules are made for (``harness.plan.Execution`` or its name;
+    None: independent); ``TrainConfig.execution_model`` picks it."""
+    expert_parallel: bool = False
+    """MoE experts sharded over the domain (``harness.parallel.expert_parallel``): their gradients are complete
+    on their owner and are not all-reduced."""
+
+
+def static_cp_for(longest: int, cfg_n_ranks: int, max_seqlen_per_rank: int) -> int:
+    c = cp_min(longest, max_seqlen_per_rank)
+    if c > cfg_n_ranks:
+        raise LayoutError(f"the longest sequence ({longest} tokens) needs a static CP group of {c} ranks at "
+                          f"max_seqlen_per_rank={max_seqlen_per_rank}, but the world has {cfg_n_ranks} (DP x CP "
+                          f"ranks of a pipeline stage); use a world of >= {c} such ranks, raise max_seqlen_per_rank "
+                          f"to >= {-(-longest // cfg_n_ranks)}, or shorten the sequences")
+    return c
+
+
+def plan(layout: str, lengths: list[int], cfg: LayoutConfig, cost: CostModel | None = None) -> tuple[Schedule, str, int]:
+    """(schedule, padding mode, fixed padded length or 0) of one global batch under ``layout``."""
+    if layout not in LAYOUTS:
+        raise LayoutError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+    C, N = cfg.static_cp, cfg.n_ranks
+    if layout == "thd":
+        return schedule(lengths, n_ranks=N, max_seqlen_per_rank=cfg.max_seqlen_per_rank, min_cp_size=C,
+                        vpp_group=cfg.vpp_group, algorithm="dp-balanced", execution=cfg.execution), "local", 0
+    if layout == "dcp":
+        return schedule(lengths, n_ranks=N, max_seqlen_per_rank=cfg.max_seqlen_per_rank, algorithm=cfg.scheduler,
+                        vpp_group=cfg.vpp_group, cost=cost, execution=cfg.execution), cfg.dcp_padding, 0
+    dp, mbs, n = N // C, cfg.micro_batch_size, len(lengths)
+    if n % (dp * mbs):
+        raise LayoutError(f"bshd splits the global batch into {dp} data-parallel replicas x micro-batches of "
+                          f"{mbs}: {n} sequences is not a multiple of {dp * mbs}; use a global batch of a "
+                          f"multiple of {dp * mbs} sequences or another micro_batch_size")
+    share = n // dp
+    if cfg.vpp_group and (share // mbs) % cfg.vpp_group:
+        raise LayoutError(f"bshd gives each data-parallel replica {share // mbs} micro-batches, not a multiple of the "
+                          f"interleaved pipeline's group {cfg.vpp_group}; use a global batch of a multiple of "
+                          f"{dp * mbs * cfg.vpp_group} sequences")
+    mbs_layout = [[Block(d * C, C, tuple(range(d * share + m * mbs, d * share + (m + 1) * mbs))) for d in range(dp)]
+                  for m in range(share // mbs)]
+    longest = pad_length(max(lengths), padding_divisor(cp_size=C))
+    return Schedule.from_blocks(mbs_layout, lengths=lengths, n_ranks=N,
+                                max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest * mbs // C),
+                                vpp_group=cfg.vpp_group, algorithm="bshd",
+                                execution=resolve_execution(cfg.execution)), "fixed", longest
+
+
+def sample_id_groups(sched: Schedule) -> list[list[list[int]]]:
+    """The schedule as Megatron hands it to every rank: micro-batch -> slot -> gids, one fresh list
+    per slot (``sample_id_groups``)."""
+    return [[list(b.gids) for b in mb for _ in range(b.size)] for mb in sched.layout]
+
+
+def deliver(sched: Schedule) -> Schedule:
+    """What every rank runs: the blocks it rebuilds from the ``sample_id_groups`` it was handed
+    (``Schedule.from_microbatches``), validated (``validate_schedule`` raises ``ScheduleError``
+    naming the invariant, micro-batch and ranks before any rank runs a wrong block)."""
+    out = Schedule.from_microbatches(sample_id_groups(sched), lengths=list(sched.lengths.items()), n_ranks=sched.n_ranks,
+                                     max_seqlen_per_rank=sched.max_seqlen_per_rank, min_cp_size=sched.min_cp_size,
+                                     vpp_group=sched.vpp_group, algorithm=sched.algorithm, cost=sched.cost,
+                                     execution=sched.execution)
+    validate_schedule(out)
+    return out
