@@ -25,17 +25,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from harness.finite import nonfinite_message, within, worst
+from harness.stack.checks import REF_LAYOUT, TOLERANCES
 from harness.train.trainer import TrainConfig, longest_sequence
-
-REF_LAYOUT = "thd"
-"""The reference's layout: on one rank with ``max_seqlen_per_rank`` >= the longest sequence, thd packs whole
-sequences (CP 1) into micro-batches."""
-
-TOLERANCES = {
-    "float32": {"loss": {"max": 1e-5, "mean": 1e-5}, "grad_norm": 1e-5, "step1_gradients": 1e-5, "token_loss": 1e-5},
-    "bfloat16": {"loss": {"max": 2e-3, "mean": 5e-4}, "grad_norm": 2e-2, "step1_gradients": 5e-2, "token_loss": 2e-2},
-}
-"""Per precision and quantity: what a layout may differ from the reference by (see the module doc)."""
 
 NO_REFERENCE = "NO REFERENCE"
 """The verdict of a run that had nothing outside its own layouts to be judged against (``--reference off``

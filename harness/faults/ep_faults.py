@@ -1,5 +1,5 @@
 """Re-creations of expert-parallel bugs: the token dispatch (``harness.parallel.expert_parallel``) and the experts'
-gradients (``harness.train.trainer.reduce_gradients``), code every layout runs under expert parallelism and no run
+gradients (``harness.train.step.reduce_gradients``), code every layout runs under expert parallelism and no run
 without it.
 
 Shape legend: ``T`` a rank's local tokens, ``K`` top-k, ``X`` experts.
@@ -46,7 +46,7 @@ def make_expert_grads_all_reduced(original):
     def reduce_gradients(model, groups, lcfg):
         if not lcfg.expert_parallel:
             return original(model, groups, lcfg)
-        from harness.train.trainer import all_reduce_flat
+        from harness.train.step import all_reduce_flat
 
         return all_reduce_flat(model, groups.group(lcfg.n_ranks))
     return reduce_gradients

@@ -50,8 +50,8 @@ def make_adam_eps_underflow(original):
     ~6e-8), so a parameter row whose gradient has been exactly zero so far - the embedding row of a token no batch
     has held yet - is updated by 0 / 0 = NaN (optax issue #1754; apex issue #240). Exact until then; the loss turns
     NaN at the first step whose batch holds such a token, in every layout, and stays NaN."""
-    def make_optimizer(params, cfg):
-        opt = original(params, cfg)
+    def make_optimizer(params, **kw):
+        opt = original(params, **kw)
         for group in opt.param_groups:
             group["eps"] = 0.0
         return opt
@@ -72,7 +72,7 @@ def make_grad_reduce_dp_only(original):
                 g = dist.new_group(ranks)
                 if groups.rank in ranks:
                     state["mine"] = g
-        from harness.train.trainer import all_reduce_flat
+        from harness.train.step import all_reduce_flat
 
         return all_reduce_flat(model, state["mine"])
     return reduce_gradients

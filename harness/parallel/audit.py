@@ -42,6 +42,13 @@ def block_ranks(groups, mb) -> list[int]:
 def audit_groups(groups, mbs, chosen, everyone) -> None:
     """Raise ``GroupAuditError`` on every rank when any rank's ``chosen[m]`` is not the group of
     ``mbs[m]``'s block (see the module doc)."""
+    start_audit(groups, mbs, chosen, everyone)()
+
+
+def start_audit(groups, mbs, chosen, everyone):
+    """``audit_groups`` in two halves: compare this rank's groups and start the all-reduce of the verdicts now;
+    the returned function waits for it and raises ``GroupAuditError`` on every rank (call it before the first
+    collective on a chosen group). In between the host goes on preparing the step."""
     mine = None
     for mb, g in zip(mbs, chosen):
         want = block_ranks(groups, mb)
@@ -54,13 +61,18 @@ def audit_groups(groups, mbs, chosen, everyone) -> None:
             break
     dev = mbs[0].data["tokens"].device if mbs else torch.device("cpu")
     flag = torch.tensor([0.0 if mine is None else 1.0], device=dev)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=everyone)
-    if flag.item() == 0:
-        return
-    verdicts: list = [None] * dist.get_world_size(everyone)
-    dist.all_gather_object(verdicts, mine, group=everyone)
-    rank, m, got, want = min((v for v in verdicts if v), key=lambda v: (v[1], v[0]))
-    raise GroupAuditError(rank, m, got, want)
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=everyone, async_op=True)
+
+    def check() -> None:
+        work.wait()
+        if flag.item() == 0:
+            return
+        verdicts: list = [None] * dist.get_world_size(everyone)
+        dist.all_gather_object(verdicts, mine, group=everyone)
+        rank, m, got, want = min((v for v in verdicts if v), key=lambda v: (v[1], v[0]))
+        raise GroupAuditError(rank, m, got, want)
+
+    return check
 
 
 class CallAuditError(GroupAuditError):

@@ -36,15 +36,10 @@ EXCHANGES = ("gather", "ring", "auto")
 
 RING_MIN_TOKENS_PER_RANK = {2: 8192, 4: 8192}
 """``auto`` picks the ring from this many tokens per rank, by block size; ``RING_MIN_TOKENS_DEFAULT``
-for sizes not listed. Measured on H200s (flash, bf16, 16 x 128 heads; ``reports/recorded/README.md``,
-"bench attention": 2 x H200 at 5c1f2c8, 4 x H200 at 000f1de). At cp 2 the ring won every configuration
-from 8K tokens per rank (8K: one / 4 / 8 sequences 7.98 / 3.48 / 2.69 ms against 8.86 / 4.33 / 3.62;
-16K and 64K as well), was mixed at 4K and lost at 2K (2.03 vs 1.38 ms). At cp 4 the current ring won
-every configuration from 8K per rank (32K tokens in 1 / 8 sequences 15.49 / 6.54 ms against 17.18 /
-6.70; 64K: 53.16 / 12.54 against 55.96 / 15.81; its first version: 128K efficiency 0.929 vs 0.897,
-8 x 16K 0.643 vs 0.571) and was ~2x slower at 2K (the step benchmark's blocks), where a ring shift
-outlasts each part.
-Sizes not listed (8 and more: not measured) keep ``RING_MIN_TOKENS_DEFAULT``."""
+for sizes not listed (8 and more: not measured). From ``bench attention`` on H200s (flash, bf16,
+16 x 128 heads): at cp 2 and 4 the ring wins every configuration from 8K tokens per rank and loses at
+2K (the step benchmark's blocks), where a ring shift outlasts each part. The figures, with their dates
+and commits: ``reports/recorded/README.md``, "bench attention" and "Ring probes"."""
 
 RING_MIN_TOKENS_DEFAULT = 16384
 

@@ -1,6 +1,6 @@
 """Gradient all-reduce overlapped with the last backward of a step (DDP / Megatron style buckets).
 
-The gradients of a model's parameters accumulate in place into one flat fp32 buffer (each
+The gradients of a model's parameters accumulate in place into one flat fp32 buffer (``GradBuffer``: each
 ``p.grad`` a view of it, micro-batch after micro-batch). ``BucketedGradReducer`` sums that buffer
 over a process group in *buckets*: contiguous ranges of whole parameters, taken in reverse parameter
 order (the order a backward produces them). During the step's last backward (``arm()`` before it),
@@ -24,6 +24,28 @@ DEFAULT_BUCKET_ELEMENTS = 40_000_000
 
 class GradReduceError(ValueError):
     """The parameters' gradients are not views of the flat buffer the reducer sums."""
+
+
+class GradBuffer:
+    """The gradients of ``params`` as views of one flat buffer (``p.grad = flat[a:b].view_as(p)``): backward
+    accumulates into it in place, micro-batch after micro-batch; a reduction sums it in place (one collective,
+    or ``BucketedGradReducer``'s buckets); ``zero_()`` clears it for the next step. Parameters ``first`` accepts
+    come first, so that they form one prefix (the replicated parameters under expert parallelism)."""
+
+    def __init__(self, params, device=None, dtype=torch.float32, first=None):
+        params = list(params)
+        if first is not None:
+            params = [p for p in params if first(p)] + [p for p in params if not first(p)]
+        device = device or (params[0].device if params else torch.device("cpu"))
+        self.params = params
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        offset = 0
+        for p in params:
+            p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def zero_(self) -> None:
+        self.flat.zero_()
 
 
 class BucketedGradReducer:

@@ -23,13 +23,12 @@ Communication is the same bytes as the all-gather exchange (P - 1 blocks of K/V 
 dK/dV blocks backward, as the fp32 reduce-scatter), but it runs on NCCL's stream while the attention
 kernels run, instead of in front of them.
 
-When it pays (H200s, bf16, 16 x 128 heads; ``reports/recorded/README.md``, "bench attention"): long
-packs, where each part's attention outlasts a shift (128K tokens at cp 4: per-GPU efficiency 0.929
-against the all-gather's 0.897; 8 x 16K: 0.643 vs 0.571; at cp 2, 8 x 4K: 0.558 vs 0.422). Not for
-short blocks: at 2048 tokens per rank (the step benchmark's CP-4 blocks) a layer's forward +
-backward took 4.3 ms against 2.3 ms at cp 4 (first version; 2.0 vs 1.4 ms at cp 2 now), since a ring
-shift of 16 MB takes ~0.13 ms (all-gather of the three blocks: 0.19 ms) and each part's kernels and
-host work (merges, row selections, a batched send/receive per step) do not cover it. Hence
+When it pays (``bench attention`` on H200s, bf16, 16 x 128 heads; the figures: ``reports/recorded/README.md``,
+"bench attention" and "Ring probes"): long packs, where each part's attention outlasts a shift - there
+the ring's per-GPU efficiency beats the all-gather's, for one long sequence and for packs of 8. Not for
+short blocks: at 2048 tokens per rank (the step benchmark's CP-4 blocks) a layer's forward + backward
+takes about 1.5-2x the all-gather's time, since a ring shift of the block's K/V and each part's host
+work (merges, row selections, a batched send/receive per step) are not covered by its kernels. Hence
 ``exchange="auto"`` in ``harness.parallel.cp_attention``.
 """
 

@@ -266,6 +266,11 @@ class TinyLM(nn.Module):
         """Depth k's hidden states (``harness.runtime.mtp``) from depth k - 1's (``h_TE``)."""
         return self.mtp[k - 1](h_TE, tokens_T, rot, real_T, attention, mixing)
 
+    def fuses_loss(self) -> bool:
+        """Whether ``token_losses`` runs the whole model and its loss head as one compiled chain (compiled,
+        every block dense)."""
+        return self._chained(list(range(self.c.layers)))
+
     def _chained(self, layers: list[int]) -> bool:
         """Whether ``layers`` run as one compiled chain (compiled, dense, at least one)."""
         return bool(self.compiled and layers and all(isinstance(self.blocks[i], Block)

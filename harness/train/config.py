@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from harness.data.corpus import CorpusConfig, batch_lengths
 from harness.plan import CostModel
 from harness.runtime.model import MODELS
-from harness.train.layouts import LAYOUTS, LayoutError
+from harness.train.layouts import LAYOUTS, LayoutConfig, LayoutError, static_cp_for
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +131,16 @@ class TrainConfig:
         n = self.domain(world)
         if n:
             check_divisible(m.experts, n, repr(self.model))
+
+    def layout_config(self, world: int):
+        """The ``LayoutConfig`` every layout of a run on ``world`` ranks plans with."""
+
+        n, pipe = self.domain(world), self.pipeline_config()
+        return LayoutConfig(n_ranks=n, max_seqlen_per_rank=self.max_seqlen_per_rank,
+                            static_cp=static_cp_for(longest_sequence(self), n, self.max_seqlen_per_rank),
+                            micro_batch_size=self.micro_batch_size, scheduler=self.scheduler,
+                            dcp_padding=self.dcp_padding, vpp_group=pipe.vpp_group,
+                            execution=self.execution_model(world)[0], expert_parallel=self.expert_parallel)
 
     def to_dict(self) -> dict:
         return asdict(self)

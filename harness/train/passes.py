@@ -98,18 +98,25 @@ class MicroBatchOps:
                 self._audit(m)
                 return cp_attention(q, k, v, aplan, group)
 
-            seqs = ssm_sequences(mb)
-            ex = None if mb.local_cp_size == 1 else CPChannelExchange(group, mb.local_cp_size, mb.cp_rank,
-                                                                       mb.cu_seqlens_padded, self.device)
+            built: list = []  # the SSM mixing's layout and exchange, built at its first call (SSM models only)
 
-            def mixing(mixer, x, m=m):
+            def mixing(mixer, x, m=m, mb=mb, group=group):
                 self._audit(m)
-                return mixer(x, seqs, ex)
+                if not built:
+                    built.extend((ssm_sequences(mb), None if mb.local_cp_size == 1 else CPChannelExchange(
+                        group, mb.local_cp_size, mb.cp_rank, mb.cu_seqlens_padded, self.device)))
+                return mixer(x, *built)
 
             c = self.model.c
             self._cache[m] = (attention, mixing, Rotary(rope_positions(mb), c.hidden // c.heads, c.rope_base),
                               mb.data["loss_mask"].to(torch.float32))
         return self._cache[m]
+
+    def prepare(self) -> MicroBatchOps:
+        """Build every micro-batch's operations now (their plans' host work and copies before the first pass)."""
+        for m in range(len(self.mbs)):
+            self.of(m)
+        return self
 
     def _audit(self, m: int) -> None:
         if m != self.current:  # every rank runs the same micro-batches in the same order: all raise here
@@ -118,21 +125,28 @@ class MicroBatchOps:
                                  block_ranks(self.groups, mb_now))
 
 
-def model_passes(model, stage: pipeline.Stage, ops: MicroBatchOps, cfg, total: float, sums: dict,
+def model_passes(model, stage: pipeline.Stage, ops: MicroBatchOps, dtype: str, total: float, sums: dict,
                  probe=None, mtp_scales=None) -> pipeline.ChunkPasses:
     """``ChunkPasses`` of a step: embedding on model chunk 0, the rank's layers of each chunk, the LM
     head (and the MTP depths, weighted by ``mtp_scales``: ``mtp_loss_scales``) on the last chunk. ``sums``
-    collects the detached CE, MTP and aux sums."""
-    autocast = torch.autocast(ops.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    collects the detached CE, MTP and aux sums. ``dtype``: ``float32``, or ``bfloat16`` (autocast). A compiled
+    dense model on one chunk runs as one compiled call with the loss head inside (``TinyLM.token_losses``)
+    unless per-token losses are probed."""
+    autocast = torch.autocast(ops.device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
     c = model.c
     if mtp_scales is None:
         mtp_scales = [c.mtp_weight / c.mtp_depth] * c.mtp_depth if c.mtp_depth else []
+    fused = stage.num_chunks == 1 and probe is None and not c.mtp_depth and model.fuses_loss()
 
     def forward(v, m, x):
         ops.current = m
         attention, mixing, rot, real = ops.of(m)
         mb = ops.mbs[m]
         with autocast:
+            if fused:
+                ce, aux = model.token_losses(mb.data["tokens"], labels_for(mb), mb.data["loss_mask"], rot, attention)
+                sums["ce"].add_(ce.detach().double())
+                return ce, aux
             if pipeline.pre_process(stage, v):
                 x = model.embed(mb.data["tokens"])
             h, aux = model.run_layers(x, rot, real, attention, layers=stage.chunks[v], mixing=mixing,

@@ -237,11 +237,17 @@ class P2P:
         self.pending.clear()
 
 
-def run_passes(stage: Stage, actions, passes: ChunkPasses, p2p: P2P | None, on_loss=None) -> Timeline:
+def run_passes(stage: Stage, actions, passes: ChunkPasses, p2p: P2P | None, on_loss=None,
+               before_last=None) -> Timeline:
     """Run this rank's passes in order; returns their timeline. ``on_loss(m, ce, aux)``: called on the
-    last chunk's forward (before its backward). Aux losses of every chunk join the backward."""
+    last chunk's forward (before its backward). Aux losses of every chunk join the backward.
+    ``before_last()``: called once, before the first pass of the last micro-batch."""
     last, live, tl, t0 = stage.num_chunks - 1, {}, Timeline(), time.perf_counter()
+    final = max((a.microbatch for a in actions), default=-1) if before_last is not None else None
     for a in actions:
+        if final is not None and a.microbatch == final:
+            before_last()
+            final = None
         c, start = stage.index(a.chunk), time.perf_counter()
         if a.kind == "F":
             x = None

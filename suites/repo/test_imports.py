@@ -175,11 +175,13 @@ LAYERS = (
     ("runtime", ("harness.runtime",)),
     ("parallel", ("harness.parallel",)),
     ("train", ("harness.train",)),
+    ("stack", ("harness.stack",)),
     ("jobs", ("harness.jobs",)),
     ("faults", ("harness.faults",)),
     ("bench", ("harness.bench",)),
     ("apps", ("harness.apps",)),
-    ("front", ("harness.cli", "harness.cli_types", "harness.__main__", "harness.pytest_plugin", "harness.testing")),
+    ("front", ("harness.cli", "harness.cli_types", "harness.commands", "harness.__main__", "harness.pytest_plugin",
+               "harness.testing")),
 )
 """The rooms of the harness, lowest first: a module may import its own room and the rooms below it, never one
 above (top-level imports, imports inside functions and ``__import__`` alike). The reports read results: they

@@ -5,7 +5,7 @@ this project's runtime: a GPT of 12 layers, hidden 2048, FFN 8192 (GeLU), 16 hea
 (``gpt-12l-h2048``); sequence lengths lognormal(mean 1024, sigma 1.5) clipped to [128, 8192];
 ``max_seqlen_per_rank`` 2048; bf16 autocast with fp32 weights, gradients and AdamW. On CUDA the
 dense blocks' per-token segments and the loss head run through ``torch.compile`` (``compile``):
-eager, the model is launch-bound on an H200.
+eager, the model is launch-bound.
 
 Global batch ``i`` (the same for every arm): lengths drawn with seed ``seed + i`` until the next one
 would pass ``microbatches x N x max_seqlen_per_rank`` tokens (8 full micro-batches of the DP x CP

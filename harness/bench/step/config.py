@@ -99,9 +99,8 @@ class StepBenchConfig:
     seed: int = 1234
     lr: float = 1e-4
     cp_comm_flops_per_byte: float = 2000.0
-    """Cost model of the ``balanced`` scheduler: FLOP-equivalents per byte of K/V exchanged. 2000
-    is calibrated from ``reports/recorded/bench_attention.h200x4.json`` (4.0 ms of K/V exchange
-    per layer for a 32K-token pack at cp 2 and 4, at ~400 TFLOP/s of useful compute)."""
+    """Cost model of the ``balanced`` scheduler: FLOP-equivalents per byte of K/V exchanged, calibrated
+    from ``bench attention`` (the figures: ``reports/recorded/README.md``, "Measurements quoted in code")."""
     per_microbatch_flops: float = 0.0
     """Cost model: fixed FLOP-equivalents per micro-batch a rank runs (launch overhead)."""
     calibrate: bool = True
@@ -115,13 +114,12 @@ class StepBenchConfig:
     """Each calibration sample times this many forward + backward passes of the shape back to back
     between two synchronisations and divides: in a step, micro-batches pipeline (the host enqueues
     the next while the device runs this one), and a lone micro-batch between synchronisations also
-    pays the device's wake-up and the pipeline's fill and drain (on 4 H200s a lone CP-4 micro-batch
-    took 78 ms, one inside a step ~43 ms)."""
+    pays the device's wake-up and the pipeline's fill and drain, nearly doubling its time."""
     runs: int = 3
     """Independent repetitions in one job: each re-calibrates the cost model (unless one is pinned)
     and runs every arm's warm-up and measured steps again from the initial weights. The
-    targets are judged on the median over runs of each ratio: on 4 H200s one run's ratio moves
-    +-4% (the machine's speed drifts ~20% within minutes), so a single run can pass or fail by luck."""
+    targets are judged on the median over runs of each ratio: one run's ratio moves by a few percent
+    with the machine's drift, so a single run can pass or fail by luck."""
     cp_exchange: str = "gather"
     """How CP blocks exchange K/V (``harness.parallel.cp_attention.EXCHANGES``): ``gather`` (all-gather
     before the attention kernels, fp32 reduce-scatter of dK/dV after) or ``ring`` (K/V passed around
@@ -158,12 +156,10 @@ class StepBenchConfig:
     (``TinyLM.compile_blocks``; attention and its collectives stay eager): ``auto`` = ``inductor-chain``
     on CUDA and eager on CPU, ``off`` = eager, a backend name (``inductor``, ``aot_eager``: segments), or
     ``reduce-overhead`` (inductor, each segment replayed as a CUDA graph; set ``token_bucket``). The
-    eager model is launch-bound on an H200 (one micro-batch enqueues ~1000 kernels).
+    eager model is launch-bound (one micro-batch enqueues ~1000 kernels).
     ``inductor-chain`` / ``aot_eager-chain``: the whole model as one compiled call per micro-batch,
-    attentions opaque (``scope="chain"``; measured against the segments, interleaved, on 2 and 4 x H200, 2026-11-22, commit 000f1de:
-    no arm's trimmed mean slower in 6 runs on 2 and 4 H200s, static CP up to 10% and balanced up to 5%
-    faster; the 4-GPU ratio's median was unchanged, 1.337 both ways). An arm's ``+segments`` /
-    ``+chain`` overrides the scope.
+    attentions opaque (``scope="chain"``; no arm slower than with the segments, static CP and balanced
+    faster). An arm's ``+segments`` / ``+chain`` overrides the scope.
     With ``grad_reduce="overlap"`` the last micro-batch of a chain arm's step runs the segments: a
     chain's backward hands over every gradient at its end, leaving the all-reduce nothing to overlap."""
     token_bucket: int = 0

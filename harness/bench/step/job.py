@@ -58,9 +58,11 @@ def _context(cfg: StepBenchConfig, rank: int, world: int) -> RankContext:
     reducer and the global batches' samples it loads."""
     import torch
 
-    from harness.parallel.grad_reduce import BucketedGradReducer
+    from harness.parallel.grad_reduce import BucketedGradReducer, GradBuffer
     from harness.parallel.groups import DynamicGroups, ParallelLayout
     from harness.runtime.model import MODELS, TinyLM
+    from harness.train import pipeline
+    from harness.train.step import Run
 
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -68,16 +70,13 @@ def _context(cfg: StepBenchConfig, rank: int, world: int) -> RankContext:
     mcfg = replace(MODELS[cfg.model], seed=cfg.seed)
     model = TinyLM(mcfg, device=device).compile_blocks(cfg.compile_backend(), cfg.compile_mode(), cfg.compile_scope())
     params = [p for p in model.parameters()]
-    flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
-    offset = 0
-    for p in params:  # gradients accumulate in place into views of one flat buffer (one all-reduce)
-        p.grad = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
+    grads = GradBuffer(params, device)  # gradients accumulate in place into views of one flat buffer
     groups = DynamicGroups(ParallelLayout(dp=world, cp=1), rank)
     everyone = groups.group(world)
-    reducer = BucketedGradReducer(params, flat, everyone) if cfg.grad_reduce == "overlap" else None
-    ctx = RankContext(cfg, rank, world, device, model, params, flat, [p.detach().clone() for p in params], groups,
-                      everyone, model_cost(cfg), reducer)
+    reducer = BucketedGradReducer(params, grads.flat, everyone) if cfg.grad_reduce == "overlap" else None
+    run = Run(groups, pipeline.PipelineConfig(), pipeline.Stage.of(mcfg.layers, 1, 1, 0))
+    ctx = RankContext(cfg, rank, world, device, model, params, grads, [p.detach().clone() for p in params], groups,
+                      everyone, model_cost(cfg), run, reducer)
     for i in range(cfg.warmup + cfg.iters):
         lengths, clipped = global_batch_lengths(cfg, world, i)
         ctx.batches.append((lengths, clipped, local_samples(lengths, i, rank, world, mcfg.vocab, cfg.seed, device)))
@@ -146,15 +145,15 @@ def weights_digest(ws) -> list[float]:
 def _run_arms(ctx: RankContext, arms: list[Arm], run: int = 0) -> dict:
     """Every arm's timed steps, interleaved: step ``i`` runs each arm once, the arm order rotating
     with ``i``, so drift of the machine over the run (clocks, host jitter, profiler residue) hits
-    every arm alike. (Arms run one after the other measured up to 27% slower in third place than
-    in first on 4 H200s.) Each arm keeps its own weights (swapped into the model outside the timed
+    every arm alike (arms run one after the other are slower the later they run). Each arm keeps its own weights (swapped into the model outside the timed
     window) and AdamW state, from the same initial weights. Then each arm's profiled steps."""
     import torch
 
     cfg, dev = ctx.cfg, ctx.device
     weights = {a.label: [p0.clone() for p0 in ctx.initial] for a in arms}
-    opts = {a.label: torch.optim.AdamW(ctx.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0,
-                                       **({"fused": True} if dev.type == "cuda" else {})) for a in arms}
+    from harness.train.step import make_optimizer  # torch: the CLI imports this package without it
+
+    opts = {a.label: make_optimizer(ctx.params, lr=cfg.lr) for a in arms}  # the step's own optimiser, per arm
     rec = _timed_steps(ctx, arms, weights, opts)
     if ctx.rank == 0:
         print("bench step: " + ", ".join(f"{a.label} median {1e3 * statistics.median(rec[a.label]['times']):.1f} ms"
@@ -295,8 +294,7 @@ def _profile(ctx: RankContext, arm: Arm, opt, run: int) -> tuple[list[dict], str
     """The arm's profiled steps' breakdowns and why they are missing (None when none failed).
 
     Only the last run profiles: a torch.profiler session leaves host overhead behind in the
-    process (on 4 H200s static's schedule phase grew 14.9 -> 26.0 ms over three runs that each
-    profiled, and stayed at 21.5-22.7 ms without profiling), so it would slow every later run."""
+    process (the schedule phase grows run after run), so it would slow every later run."""
     import torch
     import torch.distributed as dist
 

@@ -1,9 +1,10 @@
-"""One rank's side of a ``bench step`` job: its context, one micro-batch's forward + backward,
-one timed training step and one profiled step.
+"""One rank's side of a ``bench step`` job: its context, one timed training step and one profiled step.
 
-The building blocks that calibration (``calibrate.calibrate_cost``) and the interleaved arms
-(``job``) both run, so a calibrated micro-batch is exactly a micro-batch of a step. torch and the
-distributed runtime are imported inside the functions: the CLI imports this package without them.
+A timed step is ``harness.train.step.train_step`` - the step ``converge`` and the fault catalogue verify - with
+the benchmark's hooks: the schedule planned ahead, phase marks, the overlapped gradient reducer, the compile
+scope of the last micro-batch. Calibration (``calibrate.calibrate_cost``) times single micro-batches through the
+same passes (``microbatch_runner``). torch and the runtime are imported inside the functions: the CLI imports
+this package without them.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from harness.plan import CostModel
 
 @dataclass
 class RankContext:
-    """What one rank's steps share: the config, this rank's model and flat gradient buffer, the
-    process groups, the scheduler's cost model (replaced by each run's calibration) and the batches."""
+    """What one rank's steps share: the config, this rank's model and its gradient buffer, the process groups
+    and the step's ``Run``, the scheduler's cost model (replaced by each run's calibration) and the batches."""
 
     cfg: StepBenchConfig
     rank: int
@@ -28,14 +29,19 @@ class RankContext:
     device: object
     model: object
     params: list
-    flat: object
+    grads: object  # a harness.parallel.grad_reduce.GradBuffer: every p.grad a view of grads.flat
     initial: list
     groups: object
     everyone: object
     cost: CostModel
+    run: object = None  # the step's harness.train.step.Run (one stage, no expert parallelism)
     reducer: object = None  # a BucketedGradReducer (grad_reduce="overlap"), else None
     batches: list = field(default_factory=list)  # (lengths, clipped, local samples)
     heartbeat: Heartbeat = field(default_factory=lambda: Heartbeat(None, 0))  # progress for the launcher's watchdog
+
+    @property
+    def flat(self):
+        return self.grads.flat
 
 
 def sync(device) -> None:
@@ -108,51 +114,25 @@ def use_scope(ctx: RankContext, arm: Arm | None = None, scope: str | None = None
 
 
 def train_step(ctx: RankContext, arm: Arm, lengths: list[int], local: dict, opt, planned=None) -> dict:
-    """One training step; returns host-side figures (no device synchronisation inside).
-    ``planned``: None = plan inline; else a callable returning ``(plan(...)'s result, seconds it
-    took)`` - the plan computed ahead by a ``PlanAhead`` process (waiting for it, if it is behind, is
-    inside the step)."""
-    import torch.distributed as dist
-
-    from harness.parallel.reroute import build_microbatches, reroute
-    from harness.train.layouts import plan
+    """One training step (``harness.train.step.train_step``); returns host-side figures (no device
+    synchronisation inside). ``planned``: None = plan inline; else a callable returning ``(plan(...)'s result,
+    seconds it took)`` - the plan computed ahead by a ``PlanAhead`` process (waiting for it, if it is behind,
+    is inside the step)."""
+    from harness.train.step import StepHooks
+    from harness.train.step import train_step as step
 
     marks = _Marks(ctx.device)
-    t = time.perf_counter()
-    if planned is None:
-        sched, padding, fixed = plan(arm.layout, lengths, layout_cfg(ctx, arm), ctx.cost)
-        plan_s = wait_s = time.perf_counter() - t
-    else:
-        (sched, padding, fixed), plan_s = planned()
-        wait_s = time.perf_counter() - t
-    me, n = ctx.rank, ctx.world
-    owners = {g: g % n for g in range(len(lengths))}
-    samples = reroute(local, owners, sched, me, group=ctx.everyone)
-    mbs = build_microbatches(samples, sched, me, padding=padding, fixed_length=fixed,
-                             token_multiple=ctx.cfg.token_bucket)
-    total = float(sum(lengths))
-    runners = [microbatch_runner(ctx, mb, total, arm.exchange or ctx.cfg.cp_exchange)
-               for mb in mbs]  # every plan built before the first forward
-    marks.mark()
     chain = use_scope(ctx, arm) == "chain"
-    for k, run in enumerate(runners):
-        if ctx.reducer is not None and k == len(runners) - 1:
-            ctx.reducer.arm()  # the last backward all-reduces each bucket as soon as it is complete
-            if chain:  # a chain's backward hands every gradient over at its very end: nothing to overlap
-                use_scope(ctx, scope="segments")
-        run()
-    local_tokens = sum(mb.data["tokens"].numel() for mb in mbs)
-    marks.mark()
-    if ctx.reducer is not None:
-        ctx.reducer.finish()
-    else:
-        dist.all_reduce(ctx.flat, group=ctx.everyone)
-    ctx.flat.mul_((1.0 / (ctx.flat.norm() + 1e-6)).clamp(max=1.0))  # clip the global norm at 1.0
-    marks.mark()
-    opt.step()
-    ctx.flat.zero_()
-    marks.mark()
-    return {"plan_s": plan_s, "plan_wait_s": wait_s, "schedule": sched, "local_tokens": local_tokens, "marks": marks}
+    # a chain's backward hands every gradient over at its very end: the last micro-batch runs the segments so
+    # that the overlapped reducer has buckets to launch during it
+    last = (lambda: use_scope(ctx, scope="segments")) if chain and ctx.reducer is not None else None
+    hooks = StepHooks(planned=planned, mark=marks.mark, reducer=ctx.reducer, before_last=last,
+                      token_multiple=ctx.cfg.token_bucket)
+    r = step(ctx.model, ctx.run, arm.layout, lengths, local, layout_cfg(ctx, arm), ctx.cost, device=ctx.device,
+             opt=opt, params=ctx.params, grads=ctx.grads, dtype=ctx.cfg.dtype,
+             exchange=arm.exchange or ctx.cfg.cp_exchange, grad_clip=1.0, hooks=hooks)
+    return {"plan_s": r.plan_s, "plan_wait_s": r.wait_s, "schedule": r.schedule, "local_tokens": r.local_tokens,
+            "marks": marks}
 
 
 def profiled_step(ctx: RankContext, arm: Arm, lengths, local, opt, keep_trace: Path | None) -> dict:
@@ -199,19 +179,21 @@ def profiled_step(ctx: RankContext, arm: Arm, lengths, local, opt, keep_trace: P
 
 
 def microbatch_runner(ctx: RankContext, mb, total: float, exchange: str = "gather"):
-    """A closure running one micro-batch's forward and backward (gradients land in ``ctx.flat``)."""
+    """A closure running one micro-batch's forward and backward through the step's passes (gradients land in
+    ``ctx.grads``): what calibration times is a micro-batch of a step."""
     import torch
 
-    from harness.parallel.cp_attention import CPAttentionPlan, cp_attention
+    from harness.train import passes, pipeline
+    from harness.train.step import cp_group_for
 
-    aplan = CPAttentionPlan.build(mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, ctx.device, exchange=exchange)
-    group = ctx.groups.for_block(mb.block_start, mb.local_cp_size)
-    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=ctx.cfg.dtype == "bfloat16")
+    ops = passes.MicroBatchOps(ctx.model, ctx.groups, [mb], [cp_group_for(ctx.groups, mb)], ctx.device,
+                               exchange).prepare()
+    zero = torch.zeros((), device=ctx.device, dtype=torch.float64)
+    sums = {"ce": zero.clone(), "aux": zero.clone(), "mtp": []}
+    chunk = passes.model_passes(ctx.model, ctx.run.stage, ops, ctx.cfg.dtype, total, sums)
+    actions = pipeline.single_stage_passes(1)
 
     def run() -> None:
-        with autocast:
-            ce, _ = ctx.model.token_losses(mb.data["tokens"], mb.data["labels"], mb.data["loss_mask"],
-                                           mb.data["position_ids"], lambda q, k, v: cp_attention(q, k, v, aplan, group))
-        (ce / total).backward()
+        pipeline.run_passes(ctx.run.stage, actions, chunk, None)
 
     return run

@@ -1,0 +1,83 @@
+"""``dcp-harness verify STACK``: check a training stack through the stack protocol (``harness.stack``).
+
+Two torchrun jobs run the stack (``harness.stack.drive``): every layout on ``world`` ranks, then the reference on
+one rank without CP (``harness.stack.checks.REF_LAYOUT``), both on the same corpus batches from the same seed.
+The checks (``harness.stack.checks``) judge token accounting, rank agreement, token coverage and CP groups
+against the batch and the schedule, and loss, gradient norm, step-1 gradients and token losses against the
+reference. The verdict is PASS only when every check passes; ``verify.json`` keeps every line.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from harness.io import atomic_write_json
+from harness.jobs.entry import launch, register
+from harness.jobs.launch import run_on_ranks
+from harness.plan import Schedule
+from harness.stack import checks
+from harness.stack.drive import job
+from harness.train.config import TrainConfig, longest_sequence
+
+JOB = register("verify-stack", "harness.stack.drive:job")
+REF_NAME = "reference (1 rank, no CP)"
+
+
+@dataclass
+class Verified:
+    verdict: str
+    checks: list[dict]
+    stack: str
+    out: Path
+
+
+def _load(paths: list[str]) -> list[dict]:
+    out = []
+    for p in paths:
+        with open(p, "rb") as f:
+            out.append(pickle.load(f))  # noqa: S301 - written by this job's own ranks just now
+    return out
+
+
+def _run(stack: str, options: dict, cfg: TrainConfig, world: int, folder: Path, *, stall_s, stream,
+         spawn: bool) -> list[dict]:
+    folder.mkdir(parents=True, exist_ok=True)
+    job_cfg = {**cfg.to_dict(), "stack": stack, "options": options, "report_dir": str(folder)}
+    if spawn:  # forked CPU ranks (gloo): no torchrun start-up; the suites' way
+        return _load(run_on_ranks(job, world_size=world, tmp_path=folder, args=(job_cfg,),
+                                  timeout_s=float(stall_s or 120)))
+    res = launch(JOB, world, folder / "job.json", job_cfg, stall_s=stall_s, stream=stream)
+    return _load(res["ranks"])
+
+
+def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path, options: dict | None = None, stall_s=None,
+           stream=None, spawn: bool = False) -> Verified:
+    """Run ``stack`` (``harness.stack.drive.load_factory``'s spec) under ``cfg`` (layouts, steps, corpus, dtype,
+    device, scheduler, max_seqlen_per_rank) on ``world`` ranks and its one-rank reference; judge and write
+    ``out/verify.json``. ``spawn``: run the ranks as forked CPU processes (``harness.jobs.launch.run_on_ranks``)
+    instead of under torchrun."""
+    cfg.validate(world)
+    cfg.layout_config(world)  # a batch the layouts cannot lay out fails here, before any rank starts
+    options = options or {}
+    work = out / "verify-work"
+    shutil.rmtree(work, ignore_errors=True)
+    got = _run(stack, options, cfg, world, work / "layouts", stall_s=stall_s, stream=stream, spawn=spawn)
+    ref_cfg = replace(cfg, layouts=(checks.REF_LAYOUT,),
+                      max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest_sequence(cfg)))
+    ref = _run(stack, options, ref_cfg, 1, work / "reference", stall_s=stall_s, stream=stream, spawn=spawn)
+    ref_steps = [[r] for r in ref[0]["layouts"][checks.REF_LAYOUT]["reports"]]
+    lines = []
+    for layout in cfg.layouts:
+        per_rank = [g["layouts"][layout] for g in got]
+        steps = [[pr["reports"][k] for pr in per_rank] for k in range(cfg.steps)]
+        schedules = [Schedule.from_dict(s) for s in per_rank[0]["schedules"]]
+        lines += checks.accounting(layout, steps, per_rank[0]["lengths"], schedules)
+        lines += checks.against_reference(layout, steps, ref_steps, cfg.dtype, REF_NAME)
+    verdict = "PASS" if all(c["pass"] for c in lines) else "FAIL"
+    atomic_write_json(out / "verify.json", {"stack": got[0]["stack"], "spec": stack, "world": world,
+                                             "verdict": verdict, "checks": lines, "config": cfg.to_dict()})
+    shutil.rmtree(work, ignore_errors=True)
+    return Verified(verdict, lines, got[0]["stack"], out)

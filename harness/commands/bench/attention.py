@@ -1,0 +1,35 @@
+"""``dcp-harness bench attention``: CP attention forward + backward throughput on GPUs."""
+
+from __future__ import annotations
+
+from harness import cli_types as T
+from harness.bench.attention import main
+from harness.commands.common import add_out, add_stall
+
+NAME = "attention"
+HELP = "(GPU) CP attention fwd+bwd throughput and per-GPU efficiency"
+DESCRIPTION = None
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--nproc", type=T.WORLD, default=None, help="GPUs to use (default min(4, available))")
+    add_out(p, "bench_attention.json")
+    add_stall(p)
+    p.add_argument("--backend", default="auto",
+                   help="attention backend (auto, sdpa, flash, varlen, flash_attn, te; default auto = flash on CUDA)")
+
+
+def run(a) -> int:
+    _check_gpus(a.nproc)
+    return main(out=a.out, nproc=a.nproc, cfg={"backend": a.backend}, stall_s=a.stall_timeout)
+
+
+def _check_gpus(nproc: int | None) -> None:
+    """``--nproc`` GPU processes need that many visible GPUs (without CUDA the benchmark says so itself)."""
+    if nproc is None:
+        return
+    import torch  # ~1 s to import; only an explicit --nproc needs the GPU count before the launch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found and nproc > found:
+        raise T.UsageError(f"--nproc {nproc} needs {nproc} GPUs but {found} are visible; use --nproc {found} or fewer")

@@ -1,0 +1,77 @@
+"""``dcp-harness bench step``: training step time, dynamic against static CP (GPUs; ``--cpu`` a smoke run).
+
+Every option whose dest is a field of ``StepBenchConfig`` overrides that field when given (``overrides``);
+the others (``--nproc``, ``--cpu``, ``--stall-timeout``, ``--out``, ``--html``) say how the job runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness import cli_types as T
+from harness.bench.step import COMPILE_CHOICES, GRAD_REDUCE_CHOICES, StepBenchConfig, load_cost_model, main
+from harness.commands.common import add_out, add_stall, names, overrides
+
+NAME = "step"
+HELP = "(GPU) training step time: dynamic CP vs static CP (Megatron's benchmark)"
+DESCRIPTION = None
+CONVERT = {"arms": names, "cost_model": load_cost_model}
+"""Fields whose option's text is parsed first: a comma list of arms, a cost model file."""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--nproc", type=T.WORLD, default=None, help="processes (default min(4, GPUs); 2 with --cpu)")
+    p.add_argument("--cpu", action="store_true", help="smoke configuration on gloo (tiny model, no targets)")
+    add_stall(p)
+    p.add_argument("--model", default=None, help="model key (default gpt-12l-h2048; tiny-gpt with --cpu)")
+    p.add_argument("--lengths", default=None, help="length spec (default lognormal:mean=1024,sigma=1.5,min=128,max=8192)")
+    p.add_argument("--max-seqlen-per-rank", type=T.TOKENS, default=None)
+    p.add_argument("--microbatches", type=T.MICROBATCHES, default=None, help="global batch = this x N x max_seqlen_per_rank tokens (8)")
+    p.add_argument("--global-batch", default=None,
+                   help="tokens (default: lengths until --microbatches x N x max_seqlen_per_rank tokens), megatron "
+                        "(--microbatches x dp sequences, as Megatron's benchmark_dcp.sh loads: 8 at 4 GPUs with CP 4) "
+                        "or sequences:K")
+    p.add_argument("--arms", default=None, help="comma list of layout:scheduler[:padding][@exchange][+scope] "
+                                                "(scope: segments or chain; default thd:dp-balanced,dcp:balanced,dcp:megatron-dev)")
+    p.add_argument("--warmup", type=T.REPEATS0, default=None)
+    p.add_argument("--iters", type=T.REPEATS, default=None)
+    p.add_argument("--profile-iters", type=T.REPEATS0, default=None, help="profiled steps per arm for the breakdown (2)")
+    p.add_argument("--runs", type=T.REPEATS, default=None,
+                   help="independent repetitions (each re-calibrates and reruns every arm); targets are judged on "
+                        "the median ratio over runs (default 3 on GPUs, 1 with --cpu)")
+    p.add_argument("--gc", choices=["manual", "auto"], default=None,
+                   help="Python GC: manual (default; collect between steps, outside the timed window) or auto")
+    p.add_argument("--plan", choices=["ahead", "inline"], default=None,
+                   help="schedules computed one step ahead in a planner process (default) or inline, on each "
+                        "step's critical path")
+    p.add_argument("--cp-exchange", choices=["gather", "ring", "auto"], default=None,
+                   help="K/V exchange of CP blocks: gather (default; all-gather before attention), ring "
+                        "(overlapped with attention, TransformerEngine's p2p) or auto (ring on CUDA from 8K tokens "
+                        "per rank at cp 2 and 4, 16K above); an arm may override it with @gather / @ring / @auto")
+    p.add_argument("--grad-reduce", choices=list(GRAD_REDUCE_CHOICES), default=None,
+                   help="gradient all-reduce: overlap (default; buckets reduced during the last backward) or after")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    p.add_argument("--cp-comm-flops-per-byte", type=T.FLOPS_PER_BYTE, default=None,
+                   help="balanced scheduler's price of K/V exchange (default 2000)")
+    p.add_argument("--cost-model", type=Path, default=None,
+                   help="fixed scheduler cost model: a bench_step.json (its results.cost_model) or a JSON dict of "
+                        "CostModel fields; skips calibration so schedules repeat exactly across runs")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false", default=None,
+                   help="use the FLOP cost model instead of calibrating")
+    p.add_argument("--calibration-burst", type=T.REPEATS, default=None,
+                   help="micro-batches timed back to back per calibration sample (default 4; 1 = one at a time)")
+    p.add_argument("--static-cp", type=T.STATIC_CP, default=None, help="CP size of the thd baseline (default: world)")
+    p.add_argument("--compile", default=None, choices=COMPILE_CHOICES,
+                   help="torch.compile the blocks' per-token segments (default auto: inductor-chain on CUDA, eager on CPU; "
+                        "reduce-overhead: + CUDA graphs, with --token-bucket; inductor-chain: the whole model as "
+                        "one compiled call per micro-batch, attentions opaque)")
+    p.add_argument("--token-bucket", type=T.TOKEN_BUCKET, default=None,
+                   help="pad each rank's micro-batch to a multiple of this many tokens (default 0 = off)")
+    add_out(p, "bench_step.json")
+    p.add_argument("--html", type=Path, default=None, help="HTML path (default: the JSON path with .html)")
+
+
+def run(a) -> int:
+    if a.cpu and a.nproc is not None:
+        T.check_cpu_ranks(a.nproc, "--nproc")
+    return main(nproc=a.nproc, out=a.out, html=a.html, cpu=a.cpu, overrides=overrides(a, StepBenchConfig, CONVERT),
+                stall_s=a.stall_timeout)

@@ -1,0 +1,60 @@
+"""What the command modules share: registering command modules as subcommands, the options several of them
+take, and the options that override a configuration dataclass's fields."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Protocol
+
+from harness import cli_types as T
+
+
+class Command(Protocol):
+    """What ``harness.cli`` needs of a command: a command module, or an object with the same names."""
+
+    NAME: str
+    HELP: str
+    DESCRIPTION: str | None
+
+    def add_arguments(self, parser) -> None: ...
+
+    def run(self, args) -> int: ...
+
+
+def register(sub, commands: Iterable[Command]) -> None:
+    """Add each command (its ``NAME``, ``HELP``, ``DESCRIPTION`` and ``add_arguments``) to the subparsers ``sub``."""
+    for c in commands:
+        c.add_arguments(sub.add_parser(c.NAME, help=c.HELP, description=c.DESCRIPTION))
+
+
+def add_stall(p) -> None:
+    p.add_argument("--stall-timeout", type=T.STALL_S, default=None, metavar="SECONDS",
+                   help=f"fail when no rank reports progress for this long, naming the rank ({T.MIN_STALL_S:g} to "
+                        f"{T.MAX_STALL_S:g}; default: 180 on CPU, 900 on CUDA); collectives time out at twice this")
+
+
+def add_out(p, name: str) -> None:
+    """A benchmark's ``--out``: its JSON, ``reports/<name>`` by default."""
+    p.add_argument("--out", type=Path, default=None, help=f"JSON path (default reports/{name})")
+
+
+def names(text: str) -> tuple[str, ...] | None:
+    """A comma-separated option's non-empty items; None (keep the default) when it has none."""
+    return tuple(x.strip() for x in text.split(",") if x.strip()) or None
+
+
+def overrides(args, config: type, convert: Mapping[str, Callable] | None = None) -> dict:
+    """The fields of the dataclass ``config`` that the options set: every option whose dest is a field's name
+    and whose value is not None, passed through ``convert[name]`` where its text needs parsing first (a
+    converter returning None keeps the default too)."""
+    convert = convert or {}
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(args, f.name, None)
+        if value is not None and f.name in convert:
+            value = convert[f.name](value)
+        if value is not None:
+            out[f.name] = value
+    return out

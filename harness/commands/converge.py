@@ -1,0 +1,78 @@
+"""``dcp-harness converge``: train the layouts side by side (torchrun) and judge them against the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness import cli_types as T
+from harness.commands.common import add_stall
+from harness.paths import REPORTS
+from harness.runtime.model_config import MODELS
+
+NAME = "converge"
+HELP = "train bshd / thd / dcp side by side and check they agree"
+DESCRIPTION = "Train the layouts side by side (torchrun: gloo on CPU, NCCL on GPUs) and compare."
+
+
+def add_arguments(c) -> None:
+    c.add_argument("--layouts", default="bshd,thd,dcp", help="comma-separated: bshd, thd, dcp")
+    c.add_argument("--world", type=T.WORLD, default=4, help="ranks (processes or GPUs): pp stages of a power-of-two "
+                                                          "DP x CP domain")
+    c.add_argument("--steps", type=T.STEPS, default=50)
+    c.add_argument("--model", default="tiny-gpt", help=f"one of {', '.join(MODELS)}")
+    c.add_argument("--scheduler", default="balanced", help="dynamic-CP scheduler for the dcp layout")
+    c.add_argument("--cp-exchange", choices=["gather", "ring", "auto"], default="gather",
+                   help="K/V exchange of CP blocks: gather (all-gather; default), ring (overlapped with attention) "
+                        "or auto (ring on CUDA from 8K tokens per rank at cp 2 and 4, 16K above)")
+    c.add_argument("--pp", type=T.STAGES, default=1, help="pipeline stages (the world is pp stages of a DP x CP domain)")
+    c.add_argument("--vpp", type=T.CHUNKS, default=1, help="virtual chunks per stage (interleaved 1F1B when > 1)")
+    c.add_argument("--pipeline", choices=["1f1b", "afab"], default="1f1b",
+                   help="pipeline schedule (1f1b, or afab: all forwards, then all backwards)")
+    c.add_argument("--schedule-delivery", choices=["broadcast", "compute"], default="broadcast",
+                   help="dynamic-CP schedules: computed on the first stage and sent down (broadcast) or computed "
+                        "by every stage (compute); the stages are checked to agree")
+    c.add_argument("--ep", action="store_true",
+                   help="expert parallelism (MoE models): shard the experts over each stage's DP x CP domain, "
+                        "tokens dispatched to them by all-to-all; the dcp schedule is made for the synchronous "
+                        "execution model")
+    c.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
+    c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    c.add_argument("--lengths", default=None, help="length spec of the corpus (harness.data.workloads)")
+    c.add_argument("--batch-size", type=T.BATCH_SIZE, default=None, help="sequences per global batch (default 32)")
+    c.add_argument("--max-seqlen-per-rank", type=T.TOKENS, default=None)
+    c.add_argument("--seed", type=T.SEED, default=None, help=f"corpus seed, 0 to {T.MAX_SEED}")
+    c.add_argument("--golden", choices=["auto", "require", "off"], default="auto",
+                   help="compare with golden/convergence/<case>.<hw>.json: when it exists (auto), always (require)")
+    c.add_argument("--update-golden", action="store_true", help="write the golden of this case from this run")
+    c.add_argument("--out", type=Path, default=None, help="report root (default reports/)")
+    c.add_argument("--reference", choices=["run", "off"], default="run",
+                   help="also train the reference (one rank: no CP, PP or EP; harness.apps.reference) and judge every "
+                        "layout against it: losses, gradient norms, step-1 gradients and token losses (default "
+                        "run); off: without a golden the verdict is NO REFERENCE")
+    c.add_argument("--plant", metavar="FAULT", default=None,
+                   help="run with a fault of the catalogue active on every rank (dcp-harness faults --list): "
+                        "shows what the verdict says of that bug; it must FAIL")
+    add_stall(c)
+
+
+def run(a) -> int:
+    from harness.apps import converge  # imports torch (~1 s): only the training commands pay for it
+
+    if a.device == "auto":
+        import torch  # heavy to import; only --device auto asks it for a GPU
+
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.device == "cpu":
+        T.check_cpu_ranks(a.world, "--world")
+    T.check_run_size(a.steps, a.batch_size or converge.DEFAULT_BATCH)
+    if a.out is not None:
+        T.writable_folder(a.out, "--out")
+    cfg = converge.config_from_args(a)
+    res = converge.run(cfg, world=a.world, out_root=a.out or REPORTS,
+                       golden="update" if a.update_golden else a.golden, stall_s=a.stall_timeout, plant=a.plant,
+                       reference_mode=a.reference)
+    for c in res.checks:
+        mark = "PASS" if c["pass"] else converge.NOT_EXERCISED if c.get("exercise") else "FAIL"
+        print(f"  [{mark}] {c['target']}" + ("" if c["value"] != c["value"] else f": {c['value']:.3g}"))
+    print(f"report: {res.run_dir / 'index.html'}\nverdict: {res.verdict}")
+    return 0 if res.verdict == "PASS" else 1

@@ -1,0 +1,145 @@
+"""The checks ``dcp-harness verify`` applies to any stack's step reports (``harness.stack.protocol``).
+
+Two kinds of check, each a ``{"target", "value", "limit", "pass"}`` line (``harness.finite.target``: a NaN
+fails):
+
+- **accounting**, against the batch and the schedule themselves: every rank divides by the global batch's loss
+  tokens; every rank reports the same loss and gradient norm; at step 1 every loss token of every sequence is
+  computed exactly once over the ranks (a CP rank that trains its neighbour's slice, or drops one, is caught);
+  each micro-batch ran in the CP group of its block's positions, on every rank;
+- **against the reference**: the same stack on one rank, without CP (``REF_LAYOUT``), on the same batches from
+  the same seed - every step's loss (absolute) and gradient norm (relative), the step-1 gradient of every
+  parameter (relative L2, worst parameter over the ranks) and the step-1 token losses of every sequence
+  (relative L2, worst sequence), within ``TOLERANCES`` for the run's precision.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from harness.finite import badness, target, worst
+
+REF_LAYOUT = "thd"
+"""The reference's layout: on one rank with ``max_seqlen_per_rank`` >= the longest sequence, thd packs whole
+sequences (CP 1) into micro-batches."""
+
+TOLERANCES = {
+    "float32": {"loss": {"max": 1e-5, "mean": 1e-5}, "grad_norm": 1e-5, "step1_gradients": 1e-5, "token_loss": 1e-5},
+    "bfloat16": {"loss": {"max": 2e-3, "mean": 5e-4}, "grad_norm": 2e-2, "step1_gradients": 5e-2, "token_loss": 2e-2},
+}
+"""Per precision and quantity: what a layout may differ from the reference by. fp32 (CPU): the harness's layouts
+stay within ~5e-7 of the reference on every quantity over 50 steps (tiny models), so 1e-5 leaves ~20x for
+rounding. bf16 (GPUs, autocast with fp32 master weights): the reference's bf16 rounding differs from a layout's
+(other matmul shapes), so losses are held to 2e-3 per step and 5e-4 on average, gradient norms to 2e-2
+relative, step-1 gradients to 5e-2 and token losses to 2e-2."""
+
+
+def accounting(layout: str, steps: list[list], lengths: list[list[int]], schedules: list) -> list[dict]:
+    """``steps[k][r]``: rank r's report (a ``StepReport``) of step k; ``lengths[k]``: step k's sequence lengths
+    (labels); ``schedules[k]``: the schedule step k ran."""
+    out = []
+    bad_tokens = [(k, r, rep.tokens, sum(lengths[k])) for k, reps in enumerate(steps) for r, rep in enumerate(reps)
+                  if rep.tokens != sum(lengths[k])]
+    where = f" (step {bad_tokens[0][0] + 1}, rank {bad_tokens[0][1]}: {bad_tokens[0][2]} against " \
+            f"{bad_tokens[0][3]})" if bad_tokens else ""
+    out.append(target(f"{layout}: loss divided by the global batch's loss tokens, every step and rank{where}",
+                      len(bad_tokens), 0, unit="mismatches"))
+    spread = worst(abs(getattr(rep, q) - getattr(reps[0], q)) / max(abs(getattr(reps[0], q)), 1e-30)
+                   for reps in steps for rep in reps for q in ("loss", "grad_norm"))
+    out.append(target(f"{layout}: every rank reports the same loss and gradient norm (relative spread)",
+                      spread, 1e-12))
+    if steps and steps[0][0].token_losses is not None:
+        out.append(_coverage(layout, steps[0], lengths[0]))
+    if steps and steps[0][0].cp_groups is not None:
+        out.append(_groups(layout, steps, schedules))
+    return out
+
+
+def _coverage(layout: str, reps: list, lengths: list[int]) -> dict:
+    count: dict[tuple[int, int], int] = defaultdict(int)
+    for rep in reps:
+        for g, p, _ in rep.token_losses:
+            count[(int(g), int(p))] += 1
+    missing = sum(count.get((g, p), 0) == 0 for g, L in enumerate(lengths) for p in range(L))
+    twice = sum(c - 1 for c in count.values() if c > 1)
+    stray = sum(1 for (g, p) in count if not (0 <= g < len(lengths) and 0 <= p < lengths[g]))
+    n = missing + twice + stray
+    detail = f" ({missing} missing, {twice} computed more than once, {stray} outside the batch)" if n else ""
+    return target(f"{layout}: step 1 computes every loss token exactly once over the ranks{detail}", n, 0,
+                  unit="tokens")
+
+
+def _groups(layout: str, steps: list[list], schedules: list) -> dict:
+    wrong, first = 0, ""
+    for k, (reps, sched) in enumerate(zip(steps, schedules)):
+        for r, rep in enumerate(reps):
+            want = {m: tuple(b.ranks) for m, mb in enumerate(sched.layout) for b in mb if b.gids and r in b.ranks}
+            got = {int(m): tuple(v) for m, v in (rep.cp_groups or {}).items()}
+            for m in sorted(set(want) | set(got)):
+                if m in want and got.get(m) != want[m]:
+                    wrong += 1
+                    first = first or (f" (step {k + 1}, rank {r}, micro-batch {m}: ran in {got.get(m)}, its block "
+                                      f"is {want[m]})")
+    return target(f"{layout}: each micro-batch ran in its block's CP group, every step and rank{first}", wrong, 0,
+                  unit="micro-batches")
+
+
+def against_reference(layout: str, steps: list[list], ref: list[list], dtype: str, ref_name: str) -> list[dict]:
+    """``layout``'s reports against the reference's (``ref[k][0]``: the one rank's report of step k)."""
+    tol, who = TOLERANCES[dtype], f"{layout} vs {ref_name}"
+    out = []
+    if len(steps) != len(ref):
+        return [target(f"{who}: {len(steps)} steps against the reference's {len(ref)}", float("nan"), 0)]
+    d = [abs(reps[0].loss - r[0].loss) for reps, r in zip(steps, ref)]
+    out.append(target(f"{who}: max |delta loss| <= {tol['loss']['max']:g}", worst(d), tol["loss"]["max"]))
+    if len(d) > 1:
+        mean = float(np.mean(d)) if all(x == x for x in d) else float("nan")
+        out.append(target(f"{who}: mean |delta loss| <= {tol['loss']['mean']:g}", mean, tol["loss"]["mean"]))
+    rel = worst(abs(reps[0].grad_norm - r[0].grad_norm) / max(abs(r[0].grad_norm), 1e-30) for reps, r in zip(steps, ref))
+    out.append(target(f"{who}: max relative |delta grad norm| <= {tol['grad_norm']:g}", rel, tol["grad_norm"]))
+    if steps and steps[0][0].gradients is not None and ref[0][0].gradients is not None:
+        out.append(_gradients(who, steps[0], ref[0][0].gradients, tol["step1_gradients"]))
+    if steps and steps[0][0].token_losses is not None and ref[0][0].token_losses is not None:
+        out.append(_token_losses(who, steps[0], ref[0][0].token_losses, tol["token_loss"]))
+    return out
+
+
+def _gradients(who: str, reps: list, want: dict, tol: float) -> dict:
+    devs = {}
+    for r, rep in enumerate(reps):
+        for name, g in rep.gradients.items():
+            if name not in want:
+                return target(f"{who}: step-1 gradients: rank {r} reports parameter {name!r} the reference has "
+                              "not", float("nan"), tol)
+            w = np.asarray(want[name], dtype=np.float64)
+            v = float(np.linalg.norm(np.asarray(g, dtype=np.float64) - w) / max(np.linalg.norm(w), 1e-30))
+            if name not in devs or badness(v) > badness(devs[name][0]):
+                devs[name] = (v, r)
+    missing = sorted(set(want) - set(devs))
+    if missing:
+        return target(f"{who}: step-1 gradients: no rank reports {missing[0]!r}", float("nan"), tol)
+    name = max(devs, key=lambda n: badness(devs[n][0]))
+    return target(f"{who}: step-1 gradients, worst parameter ({name}, rank {devs[name][1]}) relative L2 <= {tol:g}",
+                  devs[name][0], tol, parameters=len(devs))
+
+
+def _sequences(token_losses) -> dict[int, dict[int, float]]:
+    out: dict[int, dict[int, float]] = defaultdict(dict)
+    for g, p, ce in token_losses:
+        out[int(g)][int(p)] = out[int(g)].get(int(p), 0.0) + float(ce)
+    return out
+
+
+def _token_losses(who: str, reps: list, want, tol: float) -> dict:
+    got = _sequences([t for rep in reps for t in rep.token_losses])
+    ref = _sequences(want)
+    rel = {}
+    for g, tokens in ref.items():
+        b = np.array([tokens[p] for p in sorted(tokens)])
+        a = np.array([got.get(g, {}).get(p, 0.0) for p in sorted(tokens)])
+        rel[g] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    g = max(rel, key=lambda k: badness(rel[k]))
+    return target(f"{who}: step-1 token losses, worst sequence ({g}) relative L2 <= {tol:g}", rel[g], tol,
+                  sequences=len(rel))

@@ -1,0 +1,358 @@
+"""One training step on one rank: the step ``converge`` and the fault catalogue verify and ``bench step`` times.
+
+``train_step`` runs, in order: schedule the global batch (``harness.train.layouts``; with pipeline stages the
+schedule is delivered to every stage and the stages are checked to agree), reroute every sequence from the
+position that loaded it (DP shards: gid % N) to the ranks of its block, build THD micro-batches, audit each
+micro-batch's process group, count the batch's loss tokens, build every micro-batch's CP operations, run the
+passes of the rank's model chunks in its pipeline schedule (``harness.train.pipeline``; one stage: forward and
+backward per micro-batch) with CP attention in the block's group, sum-reduce the gradients over the stage's
+DP x CP ranks, clip by the norm over all stages, and step the optimiser. In exact arithmetic every layout and
+every pipeline computes the same loss and update.
+
+``StepHooks`` is what a benchmark adds without changing the maths: a schedule planned ahead by another process,
+phase marks for timing, the overlapped bucketed gradient reducer (``harness.parallel.grad_reduce``) in place of
+the all-reduce after the passes, a call before the last micro-batch (a compile-scope switch), a token multiple
+for the micro-batches' lengths. The functions marked as seams are looked up when a step runs, so that
+``harness.faults`` can replace one for the length of a run to re-create a real integration bug.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from harness.parallel import expert_parallel
+from harness.parallel.audit import start_audit
+from harness.parallel.groups import DynamicGroups
+from harness.parallel.reroute import SAMPLE_KEYS, ThdMicroBatch, build_microbatches, mtp_keys, reroute
+from harness.plan import Schedule, ScheduleError
+from harness.train import layouts, passes, pipeline
+from harness.train.layouts import LayoutConfig
+
+
+# ---------------------------------------------------------------------------------------- seams
+def stage_cost(cost, stage: int):
+    """The cost model a stage plans with: the run's one model, the same on every stage (a seam:
+    ``harness.faults`` re-creates stages that plan with costs of their own)."""
+    return cost
+
+
+def cp_group_for(groups: DynamicGroups, mb: ThdMicroBatch):
+    """The process group of the micro-batch's own CP block (looked up per micro-batch, never kept)."""
+    return groups.for_block(mb.block_start, mb.local_cp_size)
+
+
+def make_optimizer(params, *, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """The optimiser of a run: AdamW with fp32 state, betas (0.9, 0.95); fused on CUDA (one kernel per step)
+    (a seam)."""
+    fused = {"fused": True} if params and params[0].device.type == "cuda" else {}
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), **fused)
+
+
+def loss_denominator(mbs: list[ThdMicroBatch], group):
+    """Tokens of the global batch: every rank counts the real tokens of *its slices* (CP ranks hold
+    disjoint parts of a sequence) and the counts are summed over the DP x CP ranks (a 0-d fp64 tensor on the
+    device: nothing waits for it)."""
+    dev = mbs[0].data["loss_mask"].device if mbs else torch.device("cpu")
+    count = torch.zeros(1, dtype=torch.float64, device=dev)
+    for mb in mbs:
+        count += mb.data["loss_mask"].sum().double()
+    dist.all_reduce(count, group=group)
+    return count[0]
+
+
+def all_reduce_flat(model, group, replicated=None) -> torch.Tensor:
+    """SUM-all-reduce every gradient of ``model`` (of the parameters whose name ``replicated`` accepts,
+    default all) over ``group`` as one buffer - in place when the gradients are consecutive views of one
+    (``harness.parallel.grad_reduce.GradBuffer``), else through a copy; returns the reduced gradient norm
+    (a 0-d tensor on the device: nothing waits for it)."""
+    grads = [p.grad for n, p in model.named_parameters() if p.grad is not None and (replicated is None or replicated(n))]
+    span = _consecutive(grads)
+    if span is not None:
+        dist.all_reduce(span, group=group)
+        return torch.linalg.vector_norm(span, dtype=torch.float64)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return torch.linalg.vector_norm(flat, dtype=torch.float64)
+
+
+def _consecutive(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one flat tensor that ``grads`` (contiguous views of one storage, each right after the one before)
+    tile exactly, or None."""
+    if not grads or any(not g.is_contiguous() for g in grads):
+        return None
+    base, size = grads[0], grads[0].element_size()
+    end = base.data_ptr()
+    for g in grads:
+        if g.data_ptr() != end or g.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+            return None
+        end += g.numel() * size
+    start = (base.data_ptr() - base.untyped_storage().data_ptr()) // size
+    whole = torch.empty(0, dtype=base.dtype, device=base.device).set_(base.untyped_storage())
+    return whole[start:start + sum(g.numel() for g in grads)]
+
+
+def reduce_gradients(model, groups: DynamicGroups, lcfg: LayoutConfig):
+    """SUM-all-reduce every gradient over the DP x CP ranks (the loss is already divided by the global
+    token count); returns the reduced gradient norm. Expert parallelism: an expert's gradient is already
+    whole on its owner (``harness.parallel.expert_parallel``) and stays as it is; the norm adds the shards'
+    squares summed over the domain."""
+    group = groups.group(lcfg.n_ranks)
+    if not lcfg.expert_parallel:
+        return all_reduce_flat(model, group)
+    norm = all_reduce_flat(model, group, replicated=lambda n: not expert_parallel.is_expert_param(n))
+    shards = [p for n, p in model.named_parameters() if expert_parallel.is_expert_param(n)]
+    return (norm ** 2 + expert_parallel.shard_square_norm(shards, group).to(norm)) ** 0.5
+
+
+def clip_gradients(params, max_norm: float, pipeline_group, shards=None) -> None:
+    """Clip by the gradient norm of the whole model: with pipeline stages, the stages' squared norms
+    are summed over the rank's pipeline (every stage holds different parameters). ``shards``: (the
+    expert-parallel parameters among ``params``, the DP x CP group they are sharded over) - their
+    squared norms are summed over that group first."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if pipeline_group is None and shards is None:
+        torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return
+    sharded = {id(p) for p in shards[0]} if shards is not None else set()
+    mine = [p.grad for p in params if p.grad is not None and id(p) not in sharded]
+    sq = torch.stack([g.detach().double().norm() ** 2 for g in mine]).sum() if mine else torch.zeros((), dtype=torch.float64)
+    if shards is not None:
+        sq = sq + expert_parallel.shard_square_norm(shards[0], shards[1])
+    if pipeline_group is not None:
+        dist.all_reduce(sq, group=pipeline_group)
+    coef = min(1.0, max_norm / (float(sq.sqrt()) + 1e-6))
+    for g in grads:
+        g.mul_(coef)
+
+
+def _global_norm(grad_norm, pipeline_group, device):
+    """The whole model's gradient norm (what a run reports) from this stage's: the stages' squares summed over
+    the rank's pipeline (a seam: ``harness.faults`` re-creates a pipeline that reports each stage's own norm)."""
+    if pipeline_group is None:
+        return grad_norm
+    t = torch.as_tensor(grad_norm, dtype=torch.float64, device=device).reshape(1) ** 2
+    dist.all_reduce(t, group=pipeline_group)
+    return t.sqrt()[0]
+
+
+def new_groups(groups: DynamicGroups) -> DynamicGroups:
+    """The groups a layout's run uses: the ones just created (a seam: ``harness.faults`` re-creates a
+    registry that kept the groups of an earlier, destroyed generation)."""
+    return groups
+
+
+# ------------------------------------------------------------------------------------- schedule
+def _schedule(layout, lengths, lcfg, cost, run) -> tuple:
+    """(schedule every stage runs, padding mode, fixed length): planned and delivered on one stage
+    (``broadcast``) or every stage (``compute``), then checked to agree across the pipeline."""
+    pipe, stage = run.pipe, run.stage.stage
+    if pipe.pp == 1 or pipe.delivery == "compute":
+        sched, padding, fixed = layouts.plan(layout, lengths, lcfg, stage_cost(cost, stage))
+        sched = layouts.deliver(sched)
+        if pipe.pp == 1:
+            return sched, padding, fixed
+        sched = pipeline.stage_view(sched, stage)
+    else:
+        sched, padding, fixed = _planned_on_first_stage(layout, lengths, lcfg, cost, run)
+    pipeline.agree_schedule(sched, stage, run.groups.pipeline, pipe.pp)
+    return sched, padding, fixed
+
+
+def _planned_on_first_stage(layout, lengths, lcfg, cost, run) -> tuple:
+    """``broadcast`` delivery: the first stage plans and validates; the plan - or the error that
+    stopped it, so that no later stage waits for a schedule that never comes - goes down each pipeline."""
+    stage, group = run.stage.stage, run.groups.pipeline
+    src = run.groups.layout.pipeline_ranks(run.groups.rank)[0]
+    box: list = [None]
+    if stage == 0:
+        try:
+            sched, padding, fixed = layouts.plan(layout, lengths, lcfg, stage_cost(cost, stage))
+            box = [("ok", layouts.deliver(sched), padding, fixed)]
+        except Exception as e:  # noqa: BLE001 - re-raised on every stage below
+            box = [("error", e)]
+    box = [None if box[0] is None else (box[0][0], _portable(box[0]))]
+    dist.broadcast_object_list(box, src=src, group=group)
+    kind, payload = box[0]
+    if kind == "error":
+        raise _restored(payload)
+    sched, padding, fixed = payload
+    return pipeline.stage_view(Schedule.from_dict(sched), stage), padding, fixed
+
+
+def _portable(item) -> tuple:
+    """A picklable form of the first stage's outcome (exceptions with custom constructors do not
+    survive pickling as themselves)."""
+    if item[0] == "ok":
+        return item[1].to_dict(), item[2], item[3]
+    e = item[1]
+    if isinstance(e, ScheduleError):
+        return ("ScheduleError", (e.invariant, e.microbatch, e.ranks, e.detail))
+    return (type(e).__name__, str(e))
+
+
+def _restored(payload) -> Exception:
+    name, args = payload
+    if name == "ScheduleError":
+        return ScheduleError(*args)
+    return RuntimeError(f"the first pipeline stage could not plan this global batch: {name}: {args}")
+
+
+def cp_usage(sched: Schedule) -> dict:
+    """What CP did in one step, read off the schedule the ranks ran: ``cp_histogram`` (sequences per
+    CP size), ``cp_groups`` (CP groups formed per size over the micro-batches: every block that holds
+    a sequence counts once) and ``microbatches_cp_gt1`` (micro-batches with a CP group of > 1 rank)."""
+    seqs: dict[int, int] = {}
+    for s in sched.cp_size_of().values():
+        seqs[s] = seqs.get(s, 0) + 1
+    blocks = [[b.size for b in mb if b.gids] for mb in sched.layout]
+    groups: dict[int, int] = {}
+    for s in (s for mb in blocks for s in mb):
+        groups[s] = groups.get(s, 0) + 1
+    return {"cp_histogram": {str(k): v for k, v in sorted(seqs.items())},
+            "cp_groups": {str(k): v for k, v in sorted(groups.items())},
+            "microbatches_cp_gt1": sum(any(s > 1 for s in mb) for mb in blocks)}
+
+
+# ----------------------------------------------------------------------------------------- step
+@dataclass
+class Run:
+    """What every step of a rank shares: groups, pipeline config, its stage and point-to-point links."""
+
+    groups: DynamicGroups
+    pipe: object
+    stage: pipeline.Stage
+    p2p: pipeline.P2P | None = None
+    experts: expert_parallel.ExpertShard | None = None
+    """The experts this rank owns under expert parallelism (None: every expert, replicated)."""
+
+    def actions(self, num_microbatches: int):
+        if self.pipe.pp == 1:
+            return pipeline.single_stage_passes(num_microbatches)
+        return pipeline.actions_for(self.pipe, self.stage.stage, num_microbatches)
+
+
+@dataclass
+class StepHooks:
+    """What a benchmark adds to the step without changing its maths (every field optional)."""
+
+    planned: Callable[[], tuple] | None = None
+    """Returns ``((schedule, padding, fixed length), seconds it took)``: the schedule planned ahead (PP = 1)."""
+    mark: Callable[[], None] | None = None
+    """Called at each phase boundary (``harness.bench.step.config.PHASES``): after scheduling, rerouting and
+    building the micro-batches and their CP operations; after their forwards and backwards; after the gradient
+    reduction left after the last backward plus clipping; after the optimiser."""
+    reducer: object | None = None
+    """A ``BucketedGradReducer``: armed before the last micro-batch, finished in place of ``reduce_gradients``."""
+    before_last: Callable[[], None] | None = None
+    """Called before the last micro-batch's passes (after arming the reducer)."""
+    token_multiple: int = 0
+    """Pad each micro-batch to a multiple of this many tokens (``build_microbatches``; 0: no padding)."""
+
+
+@dataclass
+class StepResult:
+    sums: dict
+    """Detached sums on this rank: ``ce`` (LM cross-entropy, last stage), ``aux``, ``mtp`` (per depth)."""
+    processed: int
+    """Tokens (padding included) this rank's first stage processed."""
+    local_tokens: int
+    """Tokens (padding included) of this rank's micro-batches."""
+    num_microbatches: int
+    usage: dict
+    """``cp_usage`` of the schedule."""
+    denominator: object
+    """The global batch's loss tokens (a 0-d tensor, or a float)."""
+    timeline: pipeline.Timeline
+    grad_norm: object
+    """The whole model's reduced gradient norm before clipping (a 0-d tensor or a float); None with a reducer
+    hook (the bucketed reduction reports none)."""
+    schedule: Schedule
+    plan_s: float
+    wait_s: float
+    """Seconds the plan took, and seconds the step waited for it (the same when planned inline)."""
+    extra: dict = field(default_factory=dict)
+    """``cp_groups``: (micro-batch index, the process group it ran in) of each of this rank's micro-batches."""
+
+
+def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lcfg: LayoutConfig, cost, *,
+               device, opt, params, grads, dtype: str = "float32", exchange: str = "gather", grad_clip: float = 1.0,
+               shards=None, probe=None, probes=None, step_index: int = 0, hooks: StepHooks | None = None) -> StepResult:
+    """One training step of ``layout`` on this rank (see the module doc). ``local``: the samples this position
+    loaded (gid -> tensors, ``SAMPLE_KEYS``); ``params``: the parameters this rank steps (its stage's), whose
+    gradients ``grads`` (a ``GradBuffer``) holds; ``shards``: expert-parallel (params, group) for clipping;
+    ``probe`` / ``probes``: what the fault catalogue's checks record (``harness.train.probes``)."""
+    hooks = hooks or StepHooks()
+    groups = run.groups
+    t = time.perf_counter()
+    if hooks.planned is None:
+        sched, padding, fixed = _schedule(layout, lengths, lcfg, cost, run)
+        plan_s = wait_s = time.perf_counter() - t
+    else:
+        (sched, padding, fixed), plan_s = hooks.planned()
+        sched = layouts.deliver(sched)  # what every rank runs, validated, as when planned inline
+        wait_s = time.perf_counter() - t
+    N, me = lcfg.n_ranks, groups.layout.position(groups.rank)
+    everyone = groups.group(N)
+    owners = {g: g % N for g in range(len(lengths))}
+    depth = model.c.mtp_depth
+    samples = reroute(local, owners, sched, me, group=everyone, keys=SAMPLE_KEYS + mtp_keys(depth))
+    mbs = build_microbatches(samples, sched, me, padding=padding, fixed_length=fixed,
+                             token_multiple=hooks.token_multiple)
+    cp_groups = [cp_group_for(groups, mb) for mb in mbs]
+    audited = start_audit(groups, mbs, cp_groups, everyone)  # checked before the first CP collective, below
+    total = loss_denominator(mbs, everyone)
+    scale = torch.as_tensor(total, device=device).float()  # the loss divisor, as a Python float divides: in fp32
+    zero = lambda: torch.zeros((), device=device, dtype=torch.float64)  # noqa: E731
+    sums = {"ce": zero(), "aux": zero(), "mtp": [zero() for _ in range(depth)]}
+    if run.experts is not None:  # every rank joins every micro-batch's all-to-alls: the same count everywhere
+        expert_parallel.check_lockstep(len(mbs), everyone, device)
+    ops = passes.MicroBatchOps(model, groups, mbs, cp_groups, device, exchange, experts=run.experts).prepare()
+    mtp_scales = passes.mtp_loss_scales(model.c, mbs, everyone, lcfg.static_cp)
+    chunk_passes = passes.model_passes(model, run.stage, ops, dtype, scale, sums, probe, mtp_scales)
+    audited()
+    _mark(hooks)
+    before_last = None
+    if hooks.reducer is not None or hooks.before_last is not None:
+        def before_last():
+            if hooks.reducer is not None:
+                hooks.reducer.arm()  # the last backward all-reduces each bucket as soon as it is complete
+            if hooks.before_last is not None:
+                hooks.before_last()
+    timeline = pipeline.run_passes(run.stage, run.actions(len(mbs)), chunk_passes, run.p2p, before_last=before_last)
+    timeline.cp_sizes = [mb.local_cp_size for mb in mbs]
+    _mark(hooks)
+    if hooks.reducer is not None:
+        hooks.reducer.finish()
+        grad_norm = None
+    else:
+        grad_norm = _global_norm(reduce_gradients(model, groups, lcfg), groups.pipeline, device)
+    if probes is not None:
+        probes.after_reduce(step_index, model, float(grad_norm))
+    if grad_clip:
+        clip_gradients(params, grad_clip, groups.pipeline, **({"shards": shards} if shards else {}))
+    if probes is not None:
+        probes.after_clip(step_index, model)
+    _mark(hooks)
+    opt.step()
+    grads.zero_()
+    _mark(hooks)
+    if probes is not None:
+        probes.after_update(step_index, model)
+    local_tokens = sum(mb.data["tokens"].numel() for mb in mbs)
+    return StepResult(sums, local_tokens if run.stage.first else 0, local_tokens, sched.num_microbatches,
+                      cp_usage(sched), total, timeline, grad_norm, sched, plan_s, wait_s,
+                      {"cp_groups": [(mb.index, g) for mb, g in zip(mbs, cp_groups)]})
+
+
+def _mark(hooks: StepHooks) -> None:
+    if hooks.mark is not None:
+        hooks.mark()

@@ -1,0 +1,65 @@
+"""The command modules behind ``harness.cli``: each has the same small interface, a benchmark's options
+override its configuration's fields by name, and the commands that plan do not import torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness import cli, cli_types
+from harness.bench.microbatch import MicrobatchConfig
+from harness.bench.step import StepBenchConfig
+from harness.commands.bench import SUBCOMMANDS
+from harness.commands.bench import microbatch as microbatch_command
+from harness.commands.bench import step as step_command
+from harness.commands.common import overrides
+
+
+def _parsed(module, argv: list[str]):
+    p = cli_types.Parser(prog="t")
+    module.add_arguments(p)
+    return p, p.parse_args(argv)
+
+
+def test_every_command_module_has_the_interface():
+    for c in [*cli.COMMANDS.values(), *SUBCOMMANDS.values()]:
+        assert isinstance(c.NAME, str) and isinstance(c.HELP, str), c.NAME
+        assert c.DESCRIPTION is None or isinstance(c.DESCRIPTION, str), c.NAME
+        assert callable(c.add_arguments) and callable(c.run), c.NAME
+
+
+@pytest.mark.parametrize("module, config, job", [
+    (step_command, StepBenchConfig, {"nproc", "cpu", "stall_timeout", "out", "html"}),
+    (microbatch_command, MicrobatchConfig, {"cpu", "out"}),
+], ids=["bench step", "bench microbatch"])
+def test_a_benchmarks_options_are_its_config_fields_or_say_how_the_job_runs(module, config, job):
+    """An option whose dest is not a field name would override nothing: each is a field or a job option."""
+    p, _ = _parsed(module, [])
+    dests = {a.dest for a in p._actions if a.dest != "help"}
+    assert dests - {f.name for f in dataclasses.fields(config)} == job
+
+
+def test_bench_step_overrides_exactly_the_fields_given(tmp_path):
+    cost = tmp_path / "cost.json"
+    cost.write_text(json.dumps({"quadratic": 1e-12, "linear": 3e-6, "name": "mine"}))
+    _, a = _parsed(step_command, ["--cpu", "--iters", "2", "--warmup", "0", "--no-calibrate", "--arms",
+                                  " thd:dp-balanced,dcp:balanced,", "--cost-model", str(cost), "--nproc", "2"])
+    assert overrides(a, StepBenchConfig, step_command.CONVERT) == {
+        "iters": 2, "warmup": 0, "calibrate": False, "arms": ("thd:dp-balanced", "dcp:balanced"),
+        "cost_model": {"quadratic": 1e-12, "linear": 3e-6, "name": "mine"}}
+    _, a = _parsed(step_command, ["--arms", " , "])
+    assert overrides(a, StepBenchConfig, step_command.CONVERT) == {}  # an empty list keeps the default arms
+
+
+def test_help_and_schedule_do_not_import_torch():
+    code = ("import sys\nfrom harness.cli import main\n"
+            "assert main(['schedule', '--dist', 'const:value=100', '-n', '4', '--ranks', '4', "
+            "'--max-seqlen-per-rank', '128']) == 0\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "[]", r.stdout[-500:] + r.stderr[-2000:]
