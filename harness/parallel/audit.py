@@ -4,8 +4,8 @@ micro-batch's CP-aware calls holds exactly the ranks of that micro-batch's block
 A wrong group is the dynamic-CP bug that hangs or silently mixes data: a group kept from the previous
 micro-batch, the static CP group passed where the micro-batch's dynamic one belongs (Megatron-LM
 PR #6821, issue #5352), a group that was not restored after a forward (PR #2000, ``attention.py``).
-The verdicts are exchanged over the DP x CP ranks (one small all-reduce per step; the details only when
-one failed), so every rank raises the same ``GroupAuditError`` before any collective runs on a wrong
+The verdicts are exchanged over the DP x CP ranks (one small all-reduce per step, between the hosts - over
+gloo where the device backend is NCCL, so the host never waits for the device; the details only when one failed), so every rank raises the same ``GroupAuditError`` before any collective runs on a wrong
 group: the job fails at once instead of hanging.
 """
 
@@ -59,16 +59,17 @@ def start_audit(groups, mbs, chosen, everyone):
         if got != want:
             mine = (groups.rank, mb.index, got, want)
             break
-    dev = mbs[0].data["tokens"].device if mbs else torch.device("cpu")
+    host = getattr(groups, "host", None)  # NCCL: the verdicts go over gloo, so waiting syncs no device stream
+    dev = torch.device("cpu") if host is not None or not mbs else mbs[0].data["tokens"].device
     flag = torch.tensor([0.0 if mine is None else 1.0], device=dev)
-    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=everyone, async_op=True)
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=everyone if host is None else host, async_op=True)
 
     def check() -> None:
         work.wait()
         if flag.item() == 0:
             return
         verdicts: list = [None] * dist.get_world_size(everyone)
-        dist.all_gather_object(verdicts, mine, group=everyone)
+        dist.all_gather_object(verdicts, mine, group=everyone if host is None else host)
         rank, m, got, want = min((v for v in verdicts if v), key=lambda v: (v[1], v[0]))
         raise GroupAuditError(rank, m, got, want)
 

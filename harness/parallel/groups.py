@@ -137,6 +137,17 @@ class DynamicGroups:
                         self._created.append(group)
                         if rank in ranks:
                             self._mine[size] = (group, ranks)
+        self.host = None
+        """This rank's DP x CP domain as a gloo group when the default backend is not gloo (NCCL): the group
+        audit's verdicts travel between the hosts there, so the host never waits for the device."""
+        if dist.get_backend() != "gloo":
+            for stage in range(layout.pp):
+                for t in range(layout.tp):
+                    ranks = [layout.rank_of(p, t, stage) for p in range(n)]
+                    group = dist.new_group(ranks, backend="gloo")
+                    self._created.append(group)
+                    if rank in ranks:
+                        self.host = group
         self.pipeline = None  # this rank's pipeline group (all stages at its position), when pp > 1
         if layout.pp > 1:
             for t in range(layout.tp):
