@@ -14,15 +14,18 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from harness.faults.catalogue import get, planted
 from harness.io import atomic_write_json
 from harness.jobs.entry import launch, register
 from harness.jobs.launch import run_on_ranks
 from harness.plan import Schedule
 from harness.stack import checks
-from harness.stack.drive import job
+from harness.stack.drive import BUILTIN, job
+from harness.stack.protocol import StackError
 from harness.train.config import TrainConfig, longest_sequence
 
 JOB = register("verify-stack", "harness.stack.drive:job")
+PLANTED = "harness.faults.catalogue:planted"
 REF_NAME = "reference (1 rank, no CP)"
 
 
@@ -42,32 +45,47 @@ def _load(paths: list[str]) -> list[dict]:
     return out
 
 
+def spawned_rank(rank: int, world: int, cfg: dict) -> str:
+    """``harness.stack.drive.job`` in a forked rank, inside ``cfg["around"]`` as torchrun's entry runs it."""
+    if not cfg.get("around"):
+        return job(rank, world, cfg)
+    with planted(*cfg["around"][1:]):
+        return job(rank, world, cfg)
+
+
 def _run(stack: str, options: dict, cfg: TrainConfig, world: int, folder: Path, *, stall_s, stream,
-         spawn: bool) -> list[dict]:
+         spawn: bool, plant: str | None) -> list[dict]:
     folder.mkdir(parents=True, exist_ok=True)
-    job_cfg = {**cfg.to_dict(), "stack": stack, "options": options, "report_dir": str(folder)}
+    job_cfg = {**cfg.to_dict(), "stack": stack, "options": options, "report_dir": str(folder),
+               **({"around": [PLANTED, plant]} if plant else {})}
     if spawn:  # forked CPU ranks (gloo): no torchrun start-up; the suites' way
-        return _load(run_on_ranks(job, world_size=world, tmp_path=folder, args=(job_cfg,),
+        return _load(run_on_ranks(spawned_rank, world_size=world, tmp_path=folder, args=(job_cfg,),
                                   timeout_s=float(stall_s or 120)))
     res = launch(JOB, world, folder / "job.json", job_cfg, stall_s=stall_s, stream=stream)
     return _load(res["ranks"])
 
 
 def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path, options: dict | None = None, stall_s=None,
-           stream=None, spawn: bool = False) -> Verified:
+           stream=None, spawn: bool = False, plant: str | None = None) -> Verified:
     """Run ``stack`` (``harness.stack.drive.load_factory``'s spec) under ``cfg`` (layouts, steps, corpus, dtype,
     device, scheduler, max_seqlen_per_rank) on ``world`` ranks and its one-rank reference; judge and write
     ``out/verify.json``. ``spawn``: run the ranks as forked CPU processes (``harness.jobs.launch.run_on_ranks``)
-    instead of under torchrun."""
+    instead of under torchrun. ``plant``: a fault of the catalogue (``harness.faults``) active on every rank of
+    both runs - the harness's runtime only (the faults replace its functions); the verdict must be FAIL."""
     cfg.validate(world)
+    if plant is not None:
+        get(plant)  # an unknown name: one line before anything starts
+        if BUILTIN.get(stack, stack) != BUILTIN["harness"]:
+            raise StackError(f"--plant {plant} replaces functions of the harness's runtime; it applies to the stack "
+                             f"'harness' only, not {stack!r}")
     cfg.layout_config(world)  # a batch the layouts cannot lay out fails here, before any rank starts
     options = options or {}
     work = out / "verify-work"
     shutil.rmtree(work, ignore_errors=True)
-    got = _run(stack, options, cfg, world, work / "layouts", stall_s=stall_s, stream=stream, spawn=spawn)
+    got = _run(stack, options, cfg, world, work / "layouts", stall_s=stall_s, stream=stream, spawn=spawn, plant=plant)
     ref_cfg = replace(cfg, layouts=(checks.REF_LAYOUT,),
                       max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest_sequence(cfg)))
-    ref = _run(stack, options, ref_cfg, 1, work / "reference", stall_s=stall_s, stream=stream, spawn=spawn)
+    ref = _run(stack, options, ref_cfg, 1, work / "reference", stall_s=stall_s, stream=stream, spawn=spawn, plant=plant)
     ref_steps = [[r] for r in ref[0]["layouts"][checks.REF_LAYOUT]["reports"]]
     lines = []
     for layout in cfg.layouts:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from harness import cli_types as T
 from harness.commands.common import add_stall
+from harness.data.corpus import CorpusConfig
 from harness.paths import REPORTS
 
 NAME = "verify"
@@ -35,6 +36,9 @@ def add_arguments(c) -> None:
     c.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to the stack's factory as make(ctx, KEY=VALUE) (VALUE read as JSON when it parses, "
                         "else as text); repeatable")
+    c.add_argument("--plant", metavar="FAULT", default=None,
+                   help="the stack 'harness' only: run with a fault of the catalogue active on every rank "
+                        "(dcp-harness faults --list); the verdict must be FAIL")
     c.add_argument("--out", type=Path, default=None, help="folder for verify.json (default reports/verify)")
     add_stall(c)
 
@@ -55,6 +59,7 @@ def options(pairs: list[str]) -> dict:
 def default_max_seqlen(cfg, world: int) -> int:
     """Without ``--max-seqlen-per-rank``: the training default, or the least even value at which the static
     layouts fit the run's longest sequence on ``world`` ranks."""
+    # lazy: imports torch; only the training commands pay for it
     from harness.train.config import longest_sequence
 
     need = -(-longest_sequence(cfg) // world)
@@ -63,9 +68,8 @@ def default_max_seqlen(cfg, world: int) -> int:
 
 def run(a) -> int:
     from harness.apps import verify  # imports torch (~1 s): only the training commands pay for it
-    from harness.data.corpus import CorpusConfig
-    from harness.stack.drive import load_factory
-    from harness.train.config import TrainConfig
+    from harness.stack.drive import load_factory  # lazy: torch, as above
+    from harness.train.config import TrainConfig  # lazy: torch, as above
 
     opts = options(a.option)
     load_factory(a.stack)  # a stack that cannot be found fails here, before any rank starts
@@ -80,7 +84,7 @@ def run(a) -> int:
                       dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
                       **({"model": opts["model"]} if isinstance(opts.get("model"), str) else {}))
     cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank or default_max_seqlen(cfg, a.world))
-    res = verify.verify(a.stack, cfg, world=a.world, out=out, options=opts, stall_s=a.stall_timeout)
+    res = verify.verify(a.stack, cfg, world=a.world, out=out, options=opts, stall_s=a.stall_timeout, plant=a.plant)
     print(f"stack: {res.stack} ({a.stack}), {a.world} ranks, {a.steps} steps, {cfg.dtype}")
     for c in res.checks:
         print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['value']:.3g}")

@@ -96,3 +96,23 @@ def test_a_report_of_the_wrong_form_ends_the_job_naming_the_rank_and_the_field(t
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 3, r.stderr
     assert re.search(r"rank [01] failed first", r.stderr) and "StepReport.loss must be a Python float" in r.stderr, r.stderr
+
+
+HARNESS_FAULTS = {
+    "rope-positions-per-rank": "step-1 gradients",
+    "loss-tokens-per-cp-rank": "step-1 gradients",
+    "zigzag-r-plus-cp": "step-1 gradients",
+}
+"""Faults of the catalogue in the harness's runtime: verify catches them through the protocol alone."""
+
+
+@pytest.mark.parametrize("fault", sorted(HARNESS_FAULTS))
+def test_a_catalogue_fault_planted_in_the_harness_runtime_fails_verify(fault, tmp_path):
+    res = verify("harness", SMALL, world=2, out=tmp_path, spawn=True, plant=fault)
+    assert res.verdict == "FAIL"
+    assert any(HARNESS_FAULTS[fault] in t for t in _failed(res)), _failed(res)
+
+
+def test_plant_is_refused_for_a_stack_other_than_the_harness(tmp_path):
+    with pytest.raises(StackError, match="applies to the stack 'harness' only"):
+        verify(EXAMPLE, SMALL, world=2, out=tmp_path, spawn=True, plant="rope-positions-per-rank")
