@@ -12,7 +12,8 @@ sequence, see ``harness.plan.thd``). ``cp_attention``:
 Zig-zag slicing gives every rank the same causal work (chunk r is cheap where chunk 2cp-1-r is
 expensive), so no rank waits for another inside the block.
 
-``exchange`` (``EXCHANGES``) picks how K/V move: ``gather`` (above; the exchange runs before the
+``exchange`` (``EXCHANGES``, or ``te:p2p`` / ``te:all_gather`` / ``te:a2a``: TransformerEngine's CP attention,
+``harness.parallel.te_cp``) picks how K/V move: ``gather`` (above; the exchange runs before the
 attention kernels) or ``ring`` (``harness.parallel.ring``: K/V passed around the block's ring while each
 received block's part of the attention runs, as TransformerEngine's ``p2p`` CP and Megatron's
 static-CP baseline do; needs a backend of ``harness.runtime.attention.LSE_BACKENDS``) or ``auto``:
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harness.parallel import te_cp
 from harness.parallel.collectives import gather_chunk_keys
 from harness.parallel.ring import RingPlan, ring_attention
 from harness.plan.thd import whole_chunks, zigzag_chunks, zigzag_permutation
@@ -48,8 +50,11 @@ def choose_exchange(exchange: str, tokens_per_rank: int, device, cp_size: int = 
     """The exchange a block runs: ``gather`` / ``ring`` as asked; ``auto`` = ring on CUDA (with the
     flash kernels) from ``RING_MIN_TOKENS_PER_RANK`` tokens per rank for a block of ``cp_size``, else
     gather."""
+    if te_cp.comm_type(exchange):
+        return exchange
     if exchange not in EXCHANGES:
-        raise ValueError(f"unknown CP exchange {exchange!r}; choose one of {', '.join(EXCHANGES)}")
+        raise ValueError(f"unknown CP exchange {exchange!r}; choose one of {', '.join(EXCHANGES)} or te:<"
+                         f"{'|'.join(te_cp.COMM_TYPES)}> (TransformerEngine's CP)")
     if exchange != "auto":
         return exchange
     dev = torch.device(device)
@@ -71,6 +76,8 @@ class CPAttentionPlan:
     @classmethod
     def build(cls, cu_seqlens_padded, cp_size: int, cp_rank: int, device, exchange: str = "gather") -> CPAttentionPlan:
         exchange = choose_exchange(exchange, int(cu_seqlens_padded[-1]) // max(int(cp_size), 1), device, cp_size)
+        if te_cp.comm_type(exchange):  # TransformerEngine slices nothing more and runs the exchange itself
+            return cls(cp_size, cp_rank, tuple(int(x) for x in cu_seqlens_padded), None, exchange)
         if cp_size == 1:  # nothing to exchange: both exchanges run the plain THD attention
             return cls(1, 0, tuple(int(x) for x in cu_seqlens_padded),
                        DeviceChunks.build(whole_chunks(cu_seqlens_padded), device), exchange)
@@ -89,6 +96,9 @@ class CPAttentionPlan:
 def cp_attention(q_TH, k_TH, v_TH, plan: CPAttentionPlan, group, *, backend: str = "auto", scale=None):
     """This rank's attention output for its zig-zag slice; ``group`` is the CP block's process group
     (ignored when ``plan.cp_size == 1``)."""
+    kind = te_cp.comm_type(plan.exchange)
+    if kind:
+        return te_cp.te_cp_attention(q_TH, k_TH, v_TH, plan.cu_seqlens_padded, plan.cp_size, group, kind, scale=scale)
     if plan.cp_size == 1:
         return chunk_attention(q_TH, k_TH, v_TH, plan.chunks, backend=backend, scale=scale)
     if plan.exchange == "ring":

@@ -51,7 +51,9 @@ def test_cp_attention_equals_full_attention(world):
             seen.add((a["size"], a["exchange"]))
             assert max(a["rel"].values()) <= 1e-5, (r["rank"], a)
             assert a["group_rank_sum"] == a["expected_rank_sum"], "the block's collective ran in another group"
+            assert a["padding_grad_max"] == 0.0, (r["rank"], a)  # only padding attends padding; its do is 0
     assert seen == {(s, x) for s in (1, 2, 4) if s <= n for x in ("gather", "ring")}
+    assert sum(a["padding_tokens"] for r in results for a in r["attention"]) > 0  # the zero check saw padding
     layouts = {tuple(a["layout"]) for a in results[0]["attention"]}
     if n == 4:
         assert (2, 1, 1) in layouts and (1, 1, 2) in layouts  # mixed block sizes in one micro-batch
