@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from harness import __version__
 from harness.finite import is_finite_number, nonfinite_message
 from harness.io import atomic_write_json
 from harness.paths import ROOT
@@ -49,8 +50,6 @@ def source_revision() -> str:
     """The revision of the harness code that runs, never of the repository around the current folder:
     ``<HEAD, short>`` (``+dirty`` when tracked code differs from it - ``CODE_PATHS``, not the goldens and
     reports that runs write) when ``SOURCE`` is the top of a git checkout, else ``installed <version>``."""
-    from harness import __version__
-
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=SOURCE, capture_output=True, text=True, timeout=10).stdout.strip()
 
@@ -66,8 +65,6 @@ def source_revision() -> str:
 
 def producer(command: str = "") -> dict[str, Any]:
     """Who wrote a file: ``git_rev`` (``source_revision``), versions, the command."""
-    from harness import __version__
-
     versions = {"dcp-harness": __version__, "python": platform.python_version()}
     for mod in ("numpy", "torch"):
         if mod in sys.modules:

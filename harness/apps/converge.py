@@ -32,10 +32,15 @@ from pathlib import Path
 
 from harness import golden as golden_mod
 from harness.apps import reference
+from harness.data.corpus import CorpusConfig, batch_lengths, global_batch
+from harness.faults.catalogue import get
 from harness.finite import nonfinite_message, within, worst
 from harness.io import atomic_write_json, atomic_write_text, temporary_folder
 from harness.paths import REPORTS
-from harness.train.layouts import LayoutError, static_cp_for
+from harness.report.tracking import log_runs
+from harness.runtime.model import MODELS
+from harness.train.layouts import LayoutConfig, LayoutError, plan, static_cp_for
+from harness.train.probes import load
 from harness.train.trainer import TrainConfig, execution_line, longest_sequence, model_cost
 
 TOLERANCES = {"float32": {"max": 1e-5, "mean": 1e-5}, "bfloat16": {"max": 2e-3, "mean": 5e-4}}
@@ -137,8 +142,6 @@ def load_golden(cfg: TrainConfig, world: int, hw: str) -> dict:
     a well-formed rule no looser than ``TOLERANCES`` (a golden may only tighten the harness's tolerance), finite
     numbers, at least the run's steps (its first ``cfg.steps`` serve), and every curve the run compares (bshd's
     loss and, with MTP, each depth's). Raises ``GoldenError`` naming the file, the value and the fix."""
-    from harness.runtime.model import MODELS
-
     cid, hint = case_id(*reference_case(cfg, world)), _update_hint(cfg, world)
     path = golden_mod.path_for(GOLDEN_SUITE, cid, hw)
     doc = golden_mod.load(path, hint)
@@ -154,8 +157,6 @@ def load_golden(cfg: TrainConfig, world: int, hw: str) -> dict:
 def evaluate(rows: dict[str, list[dict]], cfg: TrainConfig, world: int, hw: str, *, use_golden: bool = False,
              golden: dict | None = None) -> list[dict]:
     """Layout-vs-bshd and layout-vs-golden checks (``golden``: from ``load_golden``; ``use_golden`` loads it)."""
-    from harness.runtime.model import MODELS
-
     tol, moe = TOLERANCES[cfg.dtype], MODELS[cfg.model].experts > 0
     base = "bshd" if "bshd" in rows else next(iter(rows))
     ref = [r["loss"] for r in rows[base]]
@@ -181,15 +182,11 @@ def evaluate(rows: dict[str, list[dict]], cfg: TrainConfig, world: int, hw: str,
 
 
 def _is_moe(cfg: TrainConfig) -> bool:
-    from harness.runtime.model import MODELS
-
     return MODELS[cfg.model].experts > 0
 
 
 def _probes(res: dict) -> list[dict]:
     """Every rank's probes of a job's result, their large records read back from the files the ranks wrote."""
-    from harness.train.probes import load
-
     return [{"probes": {layout: load(p) for layout, p in r["probes"].items()}} for r in res["ranks"]]
 
 
@@ -239,10 +236,6 @@ def _plan_every_step(cfg: TrainConfig, n: int, static_cp: int, execution=None) -
     """Schedule every step of every layout as the ranks will (pure and fast), so that a batch the
     configuration cannot run (e.g. a VPP group a micro-batch cannot be split for) fails here, naming
     the step and the layout, before any process starts."""
-    from harness.data.corpus import batch_lengths
-    from harness.train.config import model_cost
-    from harness.train.layouts import LayoutConfig, plan
-
     lcfg = LayoutConfig(n_ranks=n, max_seqlen_per_rank=cfg.max_seqlen_per_rank, static_cp=static_cp,
                         micro_batch_size=cfg.micro_batch_size, scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding,
                         vpp_group=cfg.pipeline_config().vpp_group, execution=execution)
@@ -268,14 +261,13 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
     ``reference_mode``: ``run`` (default) also trains the run's reference (``harness.apps.reference``: one rank, no CP,
     PP or EP) and judges every layout against it; ``off`` skips it - without a golden the verdict is then
     ``NO REFERENCE``."""
+    # lazy: looked up at each call; tests replace harness.jobs.entry.launch
     from harness.jobs.entry import launch
 
     preflight(cfg, world)
     if reference_mode not in ("run", "off"):
         raise LayoutError(f"reference must be 'run' or 'off', got {reference_mode!r}")
     if plant is not None:
-        from harness.faults.catalogue import get
-
         get(plant)  # an unknown name: one line before anything starts
         if golden == "update":
             raise LayoutError(f"--plant {plant} with --update-golden would write a golden of a planted bug: drop one")
@@ -341,8 +333,6 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
                                 model_cost(cfg))
         tracking = None
         if report:
-            from harness.report.tracking import log_runs
-
             tracking = log_runs(cid, rows, config, tmp)
         atomic_write_json(tmp / "results.json", {"verdict": verdict, "case_id": cid, "config": config,
                                                  "checks": checks, "layouts": rows, "reference": ref_rows,
@@ -350,6 +340,7 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
                                                  "producer": golden_mod.producer("dcp-harness converge")})
         (tmp / "results_raw.json").unlink()
         if report:
+            # lazy: imports matplotlib; only the report needs it
             from harness.report.convergence_report import render_standalone
 
             html, md = render_standalone(result, tracking)
@@ -371,9 +362,6 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
 def step0_schedules(config: dict) -> dict:
     """Step 0's schedule of each layout of a run (``config``: its results' config), re-planned (deterministic) on
     one stage's DP x CP domain with the interleaved pipeline's micro-batch group, as the ranks planned it."""
-    from harness.data.corpus import global_batch
-    from harness.train.layouts import LayoutConfig, plan
-
     cfg = TrainConfig.from_dict(config)
     world = config["world"]
     lengths = [len(x) - 1 for x in global_batch(cfg.corpus, 0)]
@@ -438,8 +426,6 @@ def _update_hint(cfg: TrainConfig, world: int) -> str:
 
 
 def config_from_args(a) -> TrainConfig:
-    from harness.data.corpus import CorpusConfig
-
     corpus = CorpusConfig(**{k: v for k, v in {"lengths": a.lengths, "sequences_per_batch": a.batch_size,
                                                "seed": a.seed}.items() if v is not None})
     cfg = TrainConfig(model=a.model, layouts=tuple(x.strip() for x in a.layouts.split(",") if x.strip()),

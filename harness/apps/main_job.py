@@ -22,6 +22,7 @@ import shutil
 import time
 from pathlib import Path
 
+from harness.apps import converge
 from harness.bench import schedule as bench_schedule
 from harness.data.edge_cases import run_all
 from harness.data.workloads import sample
@@ -31,13 +32,15 @@ from harness.golden import producer
 from harness.io import atomic_write_json, atomic_write_text, temporary_folder
 from harness.paths import REPORTS
 from harness.plan import gpt_benchmark_cost, schedule, simulate
+from harness.report.html import figure_png
+from harness.train.trainer import TrainConfig
 
 TIMELINE = ("wikipedia", 32, 256, 0)  # distribution, ranks, sequences, seed
 
 
 def _timeline() -> dict:
+    # lazy: imports matplotlib; only the report needs it
     from harness.report import plots
-    from harness.report.html import figure_png
 
     dist, n, num, seed = TIMELINE
     spec, mslpr = bench_schedule.DISTRIBUTIONS[dist]
@@ -63,9 +66,6 @@ CASES = (("convergence", "convergence", ""), ("pipeline", "convergence under pip
 
 
 def _converge(spec: dict, default: dict, run_dir: Path, out_root: Path, stall_s, what: str):
-    from harness.apps import converge
-    from harness.train.trainer import TrainConfig
-
     c = dict(spec)
     world = c.pop("world")
     pipe = f", {c['pp']} pipeline stages" if c.get("pp", 1) > 1 else ""
@@ -146,6 +146,7 @@ def _rest(t0, quick_batches, tmp, out_root, runs, with_faults=True):
 
 
 def _write(result: dict, tmp: Path, out_root: Path) -> Path:
+    # lazy: imports matplotlib; only the report needs it
     from harness.report.schedule_report import render
 
     html, md = render(result)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from harness.faults.checks import gradient_deviations, token_loss_deviations
 from harness.finite import nonfinite_message, within, worst
 from harness.stack.checks import REF_LAYOUT, TOLERANCES
 from harness.train.trainer import TrainConfig, longest_sequence
@@ -72,8 +73,6 @@ def checks(rows: dict[str, list[dict]], ranks: list[dict], ref_rows: list[dict],
     """Every layout of a run against its reference, one line per layout and quantity. ``ranks``/``ref_ranks``:
     each rank's probes (``{"probes": {layout: ...}}``); ``compare``: ``harness.apps.converge._compare`` (the loss rule);
     ``moe_steps``: the MoE rule's strict span (None for dense models)."""
-    from harness.faults.checks import gradient_deviations, token_loss_deviations
-
     tol, ref_name, t = TOLERANCES[cfg.dtype], name(), tag(cfg)
     ref_loss = [r["loss"] for r in ref_rows]
     ref_norm = [r["grad_norm"] for r in ref_rows]

@@ -19,7 +19,10 @@ from pathlib import Path
 
 from harness.bench.common import REPORTS, table, write_report
 from harness.finite import within
-from harness.jobs.entry import register
+from harness.heartbeat import Heartbeat
+from harness.jobs.entry import launch, register
+from harness.parallel.groups import DynamicGroups, ParallelLayout
+from harness.plan.thd import pack, padding_divisor, zigzag_index_array
 
 JOB = register("bench-attention", "harness.bench.attention:measure")
 
@@ -38,12 +41,10 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from harness.heartbeat import Heartbeat
+    # lazy: imports torch; the CLI imports this module without it
     from harness.parallel.collectives import gather_chunk_keys
-    from harness.parallel.cp_attention import CPAttentionPlan, cp_attention
-    from harness.parallel.groups import DynamicGroups, ParallelLayout
-    from harness.plan.thd import pack, padding_divisor, zigzag_index_array
-    from harness.runtime.attention import LSE_BACKENDS, chunk_attention
+    from harness.parallel.cp_attention import CPAttentionPlan, cp_attention  # lazy: torch, as above
+    from harness.runtime.attention import LSE_BACKENDS, chunk_attention  # lazy: torch, as above
 
     cfg = {**DEFAULT, **cfg}
     device = torch.device("cuda", torch.cuda.current_device())
@@ -153,7 +154,7 @@ def main(*, out: Path | None = None, nproc: int | None = None, cfg: dict | None 
 
     import torch
 
-    from harness.jobs.entry import launch
+    # lazy: imports torch; the CLI imports this module without it
     from harness.runtime.attention import BACKENDS
 
     backend = (cfg or {}).get("backend", DEFAULT["backend"])

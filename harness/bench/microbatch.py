@@ -30,6 +30,8 @@ from pathlib import Path
 
 from harness.bench.common import table, write_report
 from harness.plan.errors import PlanInputError
+from harness.plan.thd import whole_chunks
+from harness.runtime.model_config import MODELS
 
 COMPILES = ("off", "inductor", "aot_eager", "inductor-chain", "aot_eager-chain")
 """``-chain``: the whole model as one compiled call, attentions opaque (``TinyLM.compile_blocks(scope="chain")``)."""
@@ -66,8 +68,6 @@ class MicrobatchConfig:
                                 warmup=self.warmup, seed=self.seed)
 
     def validate(self) -> None:
-        from harness.runtime.model import MODELS
-
         if self.device not in ("cpu", "cuda"):
             raise MicrobatchConfigError(f"device must be cpu or cuda, got {self.device!r}")
         c = self.resolved()
@@ -100,6 +100,7 @@ def parse_shape(text: str) -> list[int]:
 
 def parse_variant(text: str, device: str) -> tuple[str, str]:
     """``"inductor/flash"`` -> ``("inductor", "flash")``, checked on ``device``."""
+    # lazy: imports torch; the CLI imports this module without it
     from harness.runtime.attention import BACKENDS, resolve_backend
 
     parts = str(text).split("/")
@@ -120,9 +121,9 @@ def measure(cfg: MicrobatchConfig) -> dict:
 
     import torch
 
-    from harness.plan.thd import whole_chunks
+    # lazy: imports torch; the CLI imports this module without it
     from harness.runtime.attention import DeviceChunks, chunk_attention, resolve_backend
-    from harness.runtime.model import MODELS, TinyLM
+    from harness.runtime.model import MODELS, TinyLM  # lazy: torch, as above
 
     cfg.validate()
     cfg = cfg.resolved()
@@ -291,6 +292,7 @@ def opaque_overhead(variants: dict | None = None, *, reps: int = 300, layers: in
 
     import torch
 
+    # lazy: imports torch; the CLI imports this module without it
     from harness.runtime import opaque
 
     mods = {}
@@ -419,6 +421,7 @@ def opaque_main(*, against: Path | None = None, device: str = "cpu", reps: int =
 
     import torch
 
+    # lazy: imports torch; the CLI imports this module without it
     from harness.runtime import opaque
 
     if device == "cuda" and not torch.cuda.is_available():

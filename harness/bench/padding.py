@@ -32,6 +32,7 @@ PATHS = ("numpy", "torch")
 def _builders() -> dict:
     """The timed functions by path. torch is imported here, not at the top, so that ``stepwise_batch``
     stays importable without it (the plan suites use it)."""
+    # lazy: imports torch; the CLI and the plan suites import this module without it
     from harness.runtime.stepwise import batch_tensors
 
     return {"numpy": build_batch, "torch": batch_tensors}

@@ -19,11 +19,14 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from harness.bench import schedule_targets
 from harness.bench.common import table, time_call, write_report
+from harness.bench.schedule_family import family
 from harness.data.workloads import sample
 from harness.finite import within, worst
 from harness.plan import CostModel, check_schedule, gpt_benchmark_cost, schedule, stats
 from harness.plan.layout import Schedule
+from harness.upstream import megatron
 
 DISTRIBUTIONS = {
     "lognormal-1024": ("lognormal:mean=1024,sigma=1.5,min=128,max=8192", 2048),
@@ -50,8 +53,6 @@ def schedulers(gpt: CostModel, with_upstream: bool = True) -> list[Scheduler]:
            Scheduler("megatron-dev", ours("megatron-dev", None)),
            Scheduler("megatron-pr2000", ours("megatron-pr2000", None)),
            Scheduler("dp-balanced", ours("dp-balanced", None))]
-    from harness.upstream import megatron
-
     if with_upstream and megatron.available():
         out.append(Scheduler("megatron-core", lambda L, n, m: megatron.schedule(L, n_ranks=n, max_seqlen_per_rank=m)))
     return out
@@ -122,9 +123,6 @@ COLUMNS = [("distribution", "distribution", "s"), ("ranks", "ranks", "d"), ("seq
 def main(*, quick: bool = False, batches: int = 5, out=None, execution: str = "all", seed: int = 0) -> int:
     """The grid (independent model), then the family's targets under each execution model of ``execution``
     (``independent``, ``synchronous`` or ``all``; ``harness.bench.schedule_targets``)."""
-    from harness.bench import schedule_targets
-    from harness.bench.schedule_family import family
-
     executions = schedule_targets.EXECUTIONS if execution == "all" else (execution,)
     print(f"bench schedule: {'quick' if quick else 'full'} grid, {batches} global batches per configuration")
     result = run(quick=quick, batches=batches)

@@ -25,7 +25,7 @@ def add_arguments(f) -> None:
 def run(a) -> int:
     # the catalogue's seams live in the torch runtime (~1 s to import): only this command pays for it
     from harness.faults import FAULTS, select
-    from harness.faults.run import run_catalogue, verdict, write
+    from harness.faults.run import run_catalogue, verdict, write  # lazy: torch, as above
 
     if a.list:
         for f in FAULTS:

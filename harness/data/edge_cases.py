@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from harness.plan import ALGORITHMS, PlanInputError, check_schedule, schedule
+from harness.upstream import megatron
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,6 @@ def run_ours(case: Case) -> dict[str, dict]:
 
 
 def run_upstream(case: Case) -> dict | None:
-    from harness.upstream import megatron
-
     if not megatron.available():
         return None
     if case.kwargs.get("vpp_group") or case.kwargs.get("min_cp_size", 1) != 1:

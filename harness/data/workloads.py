@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from harness.io import atomic_write_bytes
 from harness.paths import ROOT
 from harness.plan.errors import PlanInputError, SizeLimitError
 from harness.plan.limits import MAX_LENGTH, MAX_SEQUENCES, WHY_LENGTH, WHY_SEQUENCES
@@ -190,8 +191,6 @@ def _check_seed(seed) -> None:
 
 def make_wikipedia_sample(source: str | Path, n: int, seed: int, out: Path = WIKIPEDIA_SAMPLE) -> Path:
     """Write a seeded sample (without replacement) of ``source`` to ``out`` (atomically)."""
-    from harness.io import atomic_write_bytes
-
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SEQUENCES:
         raise PlanInputError(f"sample size {n!r} must be an int from 1 to {MAX_SEQUENCES} ({WHY_SEQUENCES})")
     _check_seed(seed)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from harness.parallel.expert_parallel import is_expert_param, shard_square_norm
+from harness.train.step import all_reduce_flat
+
 
 def make_dispatch_other_chunk(original):
     """The dispatch reads the routes of the other zig-zag chunk of the rank's CP slice: under CP a rank
@@ -46,7 +49,6 @@ def make_expert_grads_all_reduced(original):
     def reduce_gradients(model, groups, lcfg):
         if not lcfg.expert_parallel:
             return original(model, groups, lcfg)
-        from harness.train.step import all_reduce_flat
 
         return all_reduce_flat(model, groups.group(lcfg.n_ranks))
     return reduce_gradients
@@ -61,7 +63,6 @@ def make_expert_grads_times_ep(original):
         norm = original(model, groups, lcfg)
         if not lcfg.expert_parallel:
             return norm
-        from harness.parallel.expert_parallel import is_expert_param, shard_square_norm
 
         shards = [p for n, p in model.named_parameters() if is_expert_param(n) and p.grad is not None]
         sq = float(shard_square_norm(shards, groups.group(lcfg.n_ranks)))

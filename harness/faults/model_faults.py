@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from harness.runtime.ssm import SequenceLayout
+
 
 # --------------------------------------------------------------------------------------- MTP
 def make_mtp_loss_scale_per_cp(original):
@@ -73,7 +75,6 @@ def make_ssm_reset_at_cp_shards(original):
         cp = mb.local_cp_size
         if cp == 1:
             return original(mb)
-        from harness.runtime.ssm import SequenceLayout
 
         cu, bounds = mb.cu_seqlens_padded, [0]
         for a, b in zip(cu[:-1], cu[1:]):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from harness.plan.generator_output import GeneratorOutputError, as_flag
+
 
 def make_stage_offset_off_by_one(original):
     """Routes of a later PP stage read one layer too early: the stage's layer offset is off by one
@@ -37,8 +39,6 @@ def make_no_contiguity_rule(original):
     """Step-wise validation without the rules that trajectories are contiguous and closed by
     ``is_last_step`` (SkyRL before PR #1281): the cumsum advantage broadcast then hands steps of an
     interleaved batch (A0, B0, A1*, B1*) another trajectory's advantage, silently."""
-    from harness.plan.generator_output import GeneratorOutputError, as_flag
-
     def check_step_wise_fields(out, n):
         for field in ("is_last_step", "trajectory_ids"):
             if out.get(field) is None:

@@ -15,6 +15,9 @@ from pathlib import Path
 from harness.faults import scenarios as sc
 from harness.faults.catalogue import Fault, select
 from harness.faults.checks import CHECKS, Alarm
+from harness.golden import producer
+from harness.io import atomic_write_json, atomic_write_text
+from harness.report.faults_report import page
 
 ORDER = {name: i for i, name in enumerate(CHECKS)}
 
@@ -56,8 +59,6 @@ def _judge(f: Fault, alarms: list[Alarm], seconds: float, error: str | None) -> 
 
 def run_catalogue(names=None, *, progress=print) -> dict:
     """Clean scenarios first, then the selected faults (all by default), in catalogue order."""
-    from harness.golden import producer
-
     faults = select(names)
     t0 = time.perf_counter()
     work = Path(sc.workdir())
@@ -95,9 +96,6 @@ def verdict(result: dict) -> bool:
 
 
 def write(result: dict, json_path: Path, html_path: Path | None) -> None:
-    from harness.io import atomic_write_json, atomic_write_text
-    from harness.report.faults_report import page
-
     atomic_write_json(json_path, result)
     if html_path is not None:
         atomic_write_text(html_path, page(result))

@@ -21,7 +21,22 @@ import io
 import tempfile
 from contextlib import nullcontext
 
-from harness.faults.checks import TRAIN_CHECKS, Alarm
+from harness.faults.catalogue import get
+from harness.faults.checks import TOLERANCES, TRAIN_CHECKS, Alarm
+from harness.faults.seam import replaced
+from harness.jobs.launch import RankFailure, run_on_ranks
+from harness.parallel.audit import GroupAuditError
+from harness.parallel.expert_parallel import DispatchAuditError
+from harness.plan import CostModel, ScheduleError, gpt_benchmark_cost, schedule, schedule_lower_bound, simulate
+from harness.plan.generator_output import GeneratorOutputError, validate_generator_output
+from harness.plan.layout import Schedule, layout_from_sizes
+from harness.plan.megatron_pr2000 import schedule_pr2000
+from harness.plan.pipeline_schedule import PipelineScheduleError
+from harness.plan.stepwise import broadcast_step_advantages
+from harness.plan.validate import check_schedule
+from harness.train.pipeline import ScheduleAgreementError
+from harness.train.replay import replay_check
+from harness.train.trainer import train
 
 WORLD = 4
 TRAIN = {"model": "tiny-gpt", "steps": 2, "max_seqlen_per_rank": 128, "scheduler": "megatron-dev", "probes": True,
@@ -49,20 +64,11 @@ WORLD_TIMEOUT_S = 60.0
 
 
 def _fault(name):
-    from harness.faults.catalogue import get
-
     return get(name).applied() if name else nullcontext()
 
 
 def _train_run(rank: int, world: int, cfg: dict, fault: str | None) -> dict:
     """One train run on one rank: its rows and probes, or the in-run alarm every rank raised."""
-    from harness.parallel.audit import GroupAuditError
-    from harness.parallel.expert_parallel import DispatchAuditError
-    from harness.plan import ScheduleError
-    from harness.plan.pipeline_schedule import PipelineScheduleError
-    from harness.train.pipeline import ScheduleAgreementError
-    from harness.train.trainer import train
-
     try:
         with _fault(fault), contextlib.redirect_stdout(io.StringIO()):  # no per-step lines
             out = train(rank, world, cfg)
@@ -89,8 +95,6 @@ def _train_run(rank: int, world: int, cfg: dict, fault: str | None) -> dict:
 
 
 def _replay_run(rank: int, world: int, cfg: dict, fault: str | None) -> dict:
-    from harness.train.replay import replay_check
-
     with _fault(fault):
         return replay_check(rank, world, cfg)
 
@@ -114,8 +118,6 @@ def batch_world(rank: int, world: int, spec: dict) -> list[dict]:
 
 
 def _world(fn, spec, workdir):
-    from harness.jobs.launch import run_on_ranks
-
     return run_on_ranks(fn, world_size=WORLD, tmp_path=workdir, args=(spec,), timeout_s=WORLD_TIMEOUT_S)
 
 
@@ -135,8 +137,6 @@ def judge_train(ref: list[dict], ranks: list[dict], layout: str = "dcp") -> list
 
 
 def judge_replay(ranks: list[dict]) -> list[Alarm]:
-    from harness.faults.checks import TOLERANCES
-
     alarms = []
     bad = [(r["rank"], r["replay_mismatches"]) for r in ranks if r["replay_mismatches"]]
     if bad:
@@ -165,8 +165,6 @@ def run_batch(scenario: str, faults: list[str], workdir) -> dict:
     ``replay``), in one world (one start-up). If that world dies (a fault
     that breaks it in a way no check anticipates), every run goes again in a world of its own.
     Returns ``{None: clean outcome, name: outcome}``, an outcome being ``{"alarms", "seconds", "error"}``."""
-    from harness.jobs.launch import RankFailure
-
     runs = [None, *faults]
     try:
         per_rank = _world(batch_world, {"scenario": scenario, "runs": runs}, workdir)
@@ -216,11 +214,6 @@ def run_plan(fault: str | None, workdir=None) -> list[Alarm]:
     """PR #2000's driver on its trigger input (a refusal, an error before any schedule exists, is the correct
     outcome there), then ``balanced`` under the synchronous model on ``LEVELS_TRIGGER``, ``TALL_TRIGGER`` and
     ``TALLEST_TRIGGER``; an invalid schedule, or one faster than its batch's lower bound, is an alarm."""
-    from harness.plan import CostModel, gpt_benchmark_cost, schedule, schedule_lower_bound, simulate
-    from harness.plan.layout import Schedule, layout_from_sizes
-    from harness.plan.megatron_pr2000 import schedule_pr2000
-    from harness.plan.validate import check_schedule
-
     t = PLAN_TRIGGER
     pairs = list(enumerate(t["lengths"]))
     scheds = []
@@ -272,9 +265,6 @@ def run_stepwise(fault: str | None, workdir=None) -> list[Alarm]:
     order) to its steps; every row must carry its own trajectory's value or the batch be refused."""
     import numpy as np
 
-    from harness.plan.generator_output import GeneratorOutputError, validate_generator_output
-    from harness.plan.stepwise import broadcast_step_advantages
-
     values, alarms = STEPWISE["values"], []
     with _fault(fault):
         for kind in ("contiguous", "interleaved"):
@@ -301,8 +291,6 @@ def passthrough_world(rank: int, world: int, spec: dict) -> dict:
     counts its calls, then a ``train`` (``spec["cfg"]``) or ``replay`` run. A seam that is never
     called is dead (its faults would change nothing); a pass-through must not change the result. With
     ``spec["clean"]`` the same run goes first without pass-throughs (returned as ``clean``)."""
-    from harness.faults.seam import replaced
-
     counts: dict[str, int] = {}
     run = _replay_run if spec["kind"] == "replay" else _train_run
     clean = run(rank, world, spec["cfg"], None) if spec.get("clean") else None

@@ -11,6 +11,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from harness.parallel.cp_attention import CPAttentionPlan
+from harness.plan import CostModel
+from harness.plan.layout import Block, Schedule
+from harness.runtime.ssm import SequenceLayout
+from harness.train.step import all_reduce_flat
+
 
 def make_rope_per_rank(original):
     """RoPE positions numbered along the rank's own slice: each sequence's local part counts from 0 on
@@ -72,7 +78,6 @@ def make_grad_reduce_dp_only(original):
                 g = dist.new_group(ranks)
                 if groups.rank in ranks:
                     state["mine"] = g
-        from harness.train.step import all_reduce_flat
 
         return all_reduce_flat(model, state["mine"])
     return reduce_gradients
@@ -114,8 +119,6 @@ def make_pack_without_cu_seqlens(original):
     """The attention told the pack is one sequence: the rerouted batch lost ``cu_seqlens`` /
     ``max_seqlen`` (Megatron-LM PR #6816, bug 1), so tokens attend across sequence boundaries."""
     def attention_plan(mb, device, exchange):
-        from harness.parallel.cp_attention import CPAttentionPlan
-
         return CPAttentionPlan.build([0, mb.cu_seqlens_padded[-1]], mb.local_cp_size, mb.cp_rank, device,
                                      exchange=exchange)
     return attention_plan
@@ -155,8 +158,6 @@ def make_cp_inactive_for_small_batches(original):
     runs the whole batch with CP off (verl PR #5869: ``dynamic_cp_split_batch`` returned early).
     No loss or gradient changes (the token count grows with the duplicates); the work is done N times."""
     def deliver(sched):
-        from harness.plan.layout import Block, Schedule
-
         if len(sched.lengths) >= sched.n_ranks:
             return original(sched)
         gids = tuple(sorted(sched.lengths))
@@ -173,8 +174,6 @@ def make_local_cp_size_not_propagated(original):
     blocks of their own (PR #2000 had to add it to ``broadcast_to_pp_group`` and ``create_data_iterator``
     for PP / VPP stages)."""
     def stage_view(sched, stage):
-        from harness.plan.layout import Block, Schedule
-
         sched = original(sched, stage)
         if stage == 0:
             return sched
@@ -189,8 +188,6 @@ def make_stage_own_cost(original):
     """Every stage plans the batch itself with a cost model of its own (a per-stage calibration, or
     upstream's default estimator on the later stages): the stages' schedules differ."""
     def stage_cost(cost, stage):
-        from harness.plan import CostModel
-
         return original(cost, stage) if stage == 0 else CostModel.megatron()
     return stage_cost
 
@@ -230,8 +227,6 @@ def make_scan_across_sequences(original):
     """The SSM scan fed the pack without its sequence boundaries: the state of one sequence runs on into
     the next (a Mamba kernel called without ``seq_idx`` / ``cu_seqlens`` on a THD pack)."""
     def scan_layout(seqs):
-        from harness.runtime.ssm import SequenceLayout
-
         return SequenceLayout((0, seqs.total))
     return scan_layout
 

@@ -22,6 +22,11 @@ import re
 import sys
 from pathlib import Path
 
+from harness.heartbeat import Heartbeat
+from harness.io import atomic_write_json
+from harness.jobs import launcher
+from harness.jobs.watchdog import die_with_parent
+
 JOBS = {"checks": "harness.parallel.checks:all_checks", "converge": "harness.train.trainer:train",
         "replay": "harness.train.replay:replay_check", "selftest": "harness.jobs.selftest:job"}
 """Registered jobs: name -> ``"module:function"``. The runtime's own are here; a caller above it registers its
@@ -76,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--cfg", default="{}", help="JSON config for the job")
     a = p.parse_args(argv)
-    from harness.heartbeat import Heartbeat
-    from harness.jobs.watchdog import die_with_parent
 
     parent = os.getppid()
     die_with_parent()
@@ -104,8 +107,6 @@ def main(argv: list[str] | None = None) -> int:
         gathered = [None] * world
         dist.all_gather_object(gathered, result)
         if rank == 0:
-            from harness.io import atomic_write_json
-
             atomic_write_json(a.out, {"job": a.job, "world": world, "cfg": cfg, "ranks": gathered})
         dist.barrier()
     except BaseException:
@@ -125,8 +126,6 @@ def launch(job: str, nproc: int, out: Path, cfg: dict | None = None, timeout_s: 
     output is kept in ``log`` (default: next to ``out``; deleted after a success). An interrupted job
     (Ctrl-C, or ``Terminated`` by SIGTERM / SIGHUP) keeps its output so far there too: the
     ``KeyboardInterrupt`` carries the path as ``log`` for the message that reports it."""
-    from harness.jobs import launcher
-
     cfg = dict(cfg or {})
     stall = float(stall_s or DEFAULT_STALL_S["cuda" if cfg.get("device", "cuda") == "cuda" and _has_cuda() else "cpu"])
     log = Path(log) if log else Path(out).with_name(f"torchrun-{job}.log")

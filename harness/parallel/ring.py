@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from harness.plan.thd import _check
 from harness.runtime.attention import Segments, attention_backward_lse, attention_forward_lse
 
 _GROUP_PEER = "group_peer" in inspect.signature(dist.P2POp.__init__).parameters
@@ -60,8 +61,6 @@ class RingPlan:
 
     @classmethod
     def build(cls, cu_seqlens_padded, cp_size: int, cp_rank: int, device) -> RingPlan:
-        from harness.plan.thd import _check
-
         cu = _check(cu_seqlens_padded, cp_size, cp_rank)
         c = np.diff(cu) // (2 * cp_size)  # chunk length per sequence
         base = 2 * (np.cumsum(c) - c)  # local row of each sequence's first chunk

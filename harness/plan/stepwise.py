@@ -31,6 +31,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from harness.plan.errors import PlanInputError
+from harness.plan.replay import align_routes
 
 log = logging.getLogger("harness.stepwise")
 
@@ -228,8 +229,6 @@ def build_batch(prompts, responses, *, rewards=None, loss_masks=None, rollout_lo
     lp = None if rollout_logprobs is None or not len(rollout_logprobs) else \
         _right_aligned(rollout_logprobs, r_lens, R, "rollout logprob")
     if routes is not None and len(routes):
-        from harness.plan.replay import align_routes
-
         routes = align_routes(routes, p_lens, r_lens)
     else:
         routes = None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from harness.plan.bounds import simulate
 from harness.plan.cost import CostModel
 from harness.plan.execution import Execution
 from harness.plan.layout import Schedule
@@ -150,8 +151,6 @@ def simulated_bubble(schedule: Schedule | None, timeline: list[dict], config: Ma
     schedule's), or None without a schedule or when it is not the one the timeline ran."""
     if schedule is None or not matches(schedule, timeline):
         return None
-    from harness.plan.bounds import simulate
-
     return simulate(schedule, cost, execution_of(config)).bubble_fraction
 
 

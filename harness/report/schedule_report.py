@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 from harness.report import faults_report, md, plots, units
+from harness.report.convergence_report import markdown, section
 from harness.report.html import Raw, esc, figure_png, page, table, versions_line
 
 TABLE_KEYS = [("scheduler", "scheduler"), ("latency_ms", "latency ms"), ("quality", "quality (GPT cost)"),
@@ -60,8 +61,6 @@ def render(result: dict) -> tuple[str, str]:
     cases = [result[k] for k in CONVERGENCE_KEYS if result.get(k) is not None]
     conv_html = ""
     if cases:
-        from harness.report.convergence_report import section
-
         conv_html = "".join(section(c, None) for c in cases)
     body = [
         "<h1>dcp-harness: convergence, scheduler comparison, edge cases, fault catalogue</h1>",
@@ -95,8 +94,6 @@ def render(result: dict) -> tuple[str, str]:
 
 
 def _markdown(result: dict, cases: list, stamp: str) -> str:
-    from harness.report.convergence_report import markdown
-
     bench = result["bench"]
     lines = [f"# dcp-harness run: {result['verdict']}", "", f"{stamp}, git {result['producer'].get('git_rev')}", ""]
     lines += md.table(units.HEADER, units.rows(result["checks"]))

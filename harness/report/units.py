@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from harness.report.html import Raw, esc, table
+
 QUALITY = "simulated step time / its lower bound; lower is better, 1.0 = the lower bound"
 RULES: tuple[tuple[str, str], ...] = (
     (r"quality < megatron-dev", "balanced / megatron-dev quality = ratio of their simulated step times on the "
@@ -62,8 +64,6 @@ def rows(checks: list[dict], fmt: str = ".4g") -> list[list[str]]:
 
 def html_table(checks: list[dict], fmt: str = ".4g") -> str:
     """The checks as an HTML table, the units in small print."""
-    from harness.report.html import Raw, esc, table
-
     cells = [[t, v, Raw(f'<div class="small note">{esc(u)}</div>'), m] for t, v, u, m in rows(checks, fmt)]
     header = [Raw(f'<div class="note">{esc(h)}</div>') if i == 2 else h for i, h in enumerate(HEADER)]
     return table(cells, header, left=1)

@@ -110,6 +110,7 @@ def _chain_body(x_TE, layers, head):
     """Blocks ``layers`` (``(attention inputs, MLP kind, tail weights)`` each) with the attention as
     ``harness.runtime.opaque.opaque_attention``, as one function for ``torch.compile``
     (``scope="chain"``): the segments' maths, in the same order, between the same attentions."""
+    # lazy: as in compiled_chain (opaque records the dispatch state at its first import)
     from harness.runtime.opaque import opaque_attention
 
     q, k, v = _attn_inputs(x_TE, *layers[0][0])
@@ -191,6 +192,7 @@ def compiled_chain(blocks: list[Block], x_TE, rot: Rotary, attention: Attention,
         return (b.norm1.weight, b.qkv.weight, rot.cos, rot.sin, b.norm1.eps, c.heads, c.kv_heads)
 
     if scope == "chain":
+        # lazy: opaque records the dispatch state at its first import (autocast's, in a bf16 step)
         from harness.runtime.opaque import attending
 
         layers = [(inputs(b), *b.tail_weights()) for b in blocks]

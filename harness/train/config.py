@@ -6,9 +6,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from harness.data.corpus import CorpusConfig, batch_lengths
-from harness.plan import CostModel
+from harness.parallel.cp_attention import EXCHANGES
+from harness.parallel.expert_parallel import check_divisible
+from harness.plan import ALGORITHMS, CostModel
+from harness.plan.execution import INDEPENDENT, SYNCHRONOUS, Execution
 from harness.runtime.model import MODELS
 from harness.train.layouts import LAYOUTS, LayoutConfig, LayoutError, static_cp_for
+from harness.train.pipeline import PipelineConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,8 +57,6 @@ class TrainConfig:
     def execution_model(self, world: int):
         """(the ``harness.plan.Execution`` the thd / dcp schedules are made for, why): ``synchronous``
         with expert parallelism, ``pipeline`` with stages, else ``independent``."""
-        from harness.plan.execution import INDEPENDENT, SYNCHRONOUS, Execution
-
         n = self.domain(world)
         if self.pp > 1:
             why = f"{self.pp} stages, {self.pipeline_config().kind}"
@@ -68,8 +70,6 @@ class TrainConfig:
         return INDEPENDENT, f"{what}: CP blocks synchronise only their own ranks"
 
     def pipeline_config(self):
-        from harness.train.pipeline import PipelineConfig
-
         return PipelineConfig(pp=self.pp, vpp=self.vpp, schedule=self.pipeline, delivery=self.schedule_delivery)
 
     def domain(self, world: int) -> int:
@@ -93,8 +93,6 @@ class TrainConfig:
             raise LayoutError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.steps < 1:
             raise LayoutError(f"steps must be >= 1, got {self.steps}")
-        from harness.parallel.cp_attention import EXCHANGES
-        from harness.plan import ALGORITHMS
 
         if self.cp_exchange not in EXCHANGES:
             raise LayoutError(f"cp_exchange must be one of {', '.join(EXCHANGES)}, got {self.cp_exchange!r}")
@@ -126,7 +124,6 @@ class TrainConfig:
         if not m.experts:
             raise LayoutError(f"expert parallelism needs an MoE model; {self.model!r} has no experts: use a model "
                               f"with experts (e.g. tiny-moe) or turn expert parallelism off")
-        from harness.parallel.expert_parallel import check_divisible
 
         n = self.domain(world)
         if n:

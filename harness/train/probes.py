@@ -13,6 +13,8 @@ import hashlib
 
 import torch
 
+from harness.parallel.expert_parallel import is_expert_param
+
 
 class StepProbe:
     """Every real token's (gid, position in its sequence, cross-entropy) of one step on one rank."""
@@ -76,8 +78,6 @@ class Probes:
 
     def after_update(self, step: int, model) -> None:
         if self.sharded:
-            from harness.parallel.expert_parallel import is_expert_param
-
             self.digests.append(param_digest(model, skip=is_expert_param))
         else:
             self.digests.append(param_digest(model))

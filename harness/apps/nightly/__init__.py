@@ -22,7 +22,10 @@ from pathlib import Path
 from harness.apps.nightly import history
 from harness.apps.nightly.cases import DISTRIBUTED, NIGHTLY_MODELS, NightlyCase, Plan, check_mixing, choose
 from harness.golden import producer
+from harness.io import atomic_write_json, writable
+from harness.jobs.watchdog import JobFailure
 from harness.paths import ROOT
+from harness.report.nightly_report import render
 
 __all__ = ["NIGHTLY", "NIGHTLY_MODELS", "NightlyCase", "prepare", "run", "run_cases"]
 
@@ -32,8 +35,8 @@ NIGHTLY = ROOT / "reports" / "nightly"
 def prepare(*, steps: int, models, device: str, world: int | None, root: Path, json_path: Path | None = None,
             gpus: int | None = None) -> Plan:
     """Choose the cases and check everything a run needs before it starts (typed errors, nothing written)."""
+    # lazy: imports torch; the CLI imports this module without it
     from harness.apps import converge
-    from harness.io import writable
 
     if gpus is None:
         import torch
@@ -68,8 +71,8 @@ def _mixing_checks(result, case: NightlyCase) -> list[dict]:
 
 
 def _one(case: NightlyCase, root: Path, prod: dict, stall_s) -> dict:
+    # lazy: imports torch; the CLI imports this module without it
     from harness.apps import converge
-    from harness.jobs.watchdog import JobFailure
 
     try:
         res = converge.run(case.cfg, world=case.world, out_root=root / "runs", golden="auto", stall_s=stall_s,
@@ -85,9 +88,6 @@ def _one(case: NightlyCase, root: Path, prod: dict, stall_s) -> dict:
 def run_cases(cases: list[NightlyCase], *, root: Path, stall_s: float | None = None,
               json_path: Path | None = None) -> int:
     """Run checked cases, append each to the history, redraw the page, write the summary."""
-    from harness.io import atomic_write_json
-    from harness.report.nightly_report import render
-
     root.mkdir(parents=True, exist_ok=True)
     prod, started = producer("dcp-harness nightly"), dt.datetime.now().isoformat(timespec="seconds")
     entries = []
@@ -114,8 +114,9 @@ def run_cases(cases: list[NightlyCase], *, root: Path, stall_s: float | None = N
 def overall(entries: list[dict]) -> str:
     """FAIL when a case failed, else NO REFERENCE when one had nothing outside its layouts to be judged against,
     else NOT EXERCISED when one was not exercised, else PASS (never PASS without a case)."""
+    # lazy: imports torch; the CLI imports this module without it
     from harness.apps.converge import NOT_EXERCISED
-    from harness.apps.reference import NO_REFERENCE
+    from harness.apps.reference import NO_REFERENCE  # lazy: torch, as above
 
     verdicts = {e["verdict"] for e in entries}
     for v in ("FAIL", NO_REFERENCE, NOT_EXERCISED):

@@ -19,7 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from harness.train.layouts import LayoutError
+from harness import golden
+from harness.data.corpus import CorpusConfig, batch_lengths
+from harness.data.workloads import parse_spec
+from harness.runtime.model_config import MODELS
+from harness.train.layouts import LayoutConfig, LayoutError, plan
 
 NIGHTLY_MODELS = ("tiny-gpt", "tiny-moe", "tiny-gpt-mtp", "tiny-hybrid")
 CPU_WORLD = 4
@@ -54,6 +58,7 @@ class NightlyCase:
 
     @property
     def case_id(self) -> str:
+        # lazy: imports torch; the CLI imports this module without it
         from harness.apps.converge import case_id
 
         return case_id(self.cfg, self.world)
@@ -79,8 +84,6 @@ def _power_of_two_at_most(n: int) -> int:
 
 def choose(*, models, steps: int, device: str, world: int | None, gpus: int) -> Plan:
     """The cases for this machine (``gpus`` CUDA devices) and the user's ``device`` / ``world``."""
-    from harness.runtime.model_config import MODELS
-
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
         raise LayoutError(f"unknown model(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
@@ -115,9 +118,7 @@ def choose(*, models, steps: int, device: str, world: int | None, gpus: int) -> 
 
 
 def _config(model: str, steps: int, device: str, domain: int, pp: int):
-    from harness.data.corpus import CorpusConfig
-    from harness.data.workloads import parse_spec
-    from harness.runtime.model_config import MODELS
+    # lazy: imports torch; the CLI imports this module without it
     from harness.train.trainer import TrainConfig
 
     corpus = CorpusConfig(lengths=LENGTHS, seed=SEED)
@@ -131,6 +132,7 @@ def _config(model: str, steps: int, device: str, domain: int, pp: int):
 def _numerics_config(model: str, steps: int):
     """The single-GPU numerics case: the configuration the GPU suites calibrate the bf16 tolerances on
     (the default corpus, 1024 tokens per rank, at most ``NUMERICS_STEPS`` steps); bshd against thd."""
+    # lazy: imports torch; the CLI imports this module without it
     from harness.train.trainer import TrainConfig
 
     return TrainConfig(model=model, steps=min(steps, NUMERICS_STEPS), device="cuda", dtype="bfloat16",
@@ -139,7 +141,7 @@ def _numerics_config(model: str, steps: int):
 
 def _goldens(cases: list[NightlyCase]) -> str:
     """How many CPU cases have a committed golden (the others are checked against bshd only)."""
-    from harness import golden
+    # lazy: imports torch; the CLI imports this module without it
     from harness.apps.converge import GOLDEN_SUITE, reference_case
 
     dist = [c for c in cases if c.role == DISTRIBUTED]
@@ -148,6 +150,7 @@ def _goldens(cases: list[NightlyCase]) -> str:
 
 
 def _reference_id(case: NightlyCase, reference_case) -> str:
+    # lazy: imports torch; the CLI imports this module without it
     from harness.apps.converge import case_id
 
     return case_id(*reference_case(case.cfg, case.world))
@@ -158,9 +161,8 @@ def check_mixing(case: NightlyCase) -> None:
     form CP groups of 1 and of the whole DP x CP domain in each step."""
     if case.role != DISTRIBUTED:
         return
-    from harness.data.corpus import batch_lengths
+    # lazy: imports torch; the CLI imports this module without it
     from harness.train.config import model_cost
-    from harness.train.layouts import LayoutConfig, plan
 
     cfg, n = case.cfg, case.domain
     lcfg = LayoutConfig(n_ranks=n, max_seqlen_per_rank=cfg.max_seqlen_per_rank, static_cp=1,

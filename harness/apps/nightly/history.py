@@ -105,6 +105,7 @@ def deltas(checks: list[dict], reference: str) -> dict[str, float]:
 
 def entry(result, *, role: str, root: Path, producer: dict, extra_checks: list[dict]) -> dict:
     """The history line of one case's run (``result``: a ``harness.apps.converge.ConvergeResult``)."""
+    # lazy: imports torch; the CLI imports this module without it
     from harness.apps.converge import TOLERANCES
 
     rows, cfg = result.rows, result.config
@@ -128,6 +129,7 @@ def entry(result, *, role: str, root: Path, producer: dict, extra_checks: list[d
 
 def failure(case, error: str, producer: dict) -> dict:
     """The history line of a case whose job failed (no run folder; the error names the log)."""
+    # lazy: imports torch; the CLI imports this module without it
     from harness.apps.converge import TOLERANCES, hardware
 
     return {"format": FORMAT, "date": dt.datetime.now().isoformat(timespec="seconds"), "case_id": case.case_id,

@@ -14,6 +14,7 @@ import time
 
 from harness.bench.step.rank import RankContext, microbatch_runner, sync
 from harness.plan import CostModel
+from harness.plan.layout import Block, Schedule
 
 CALIBRATION_TERMS = ("quadratic", "linear", "constant", "cp_comm", "per_microbatch", "cp_block")
 
@@ -108,8 +109,8 @@ def _time_shape(ctx: RankContext, size: int, lengths: list[int]) -> float:
     block of ``size`` ranks (every block of the world runs one), timed in bursts after one untimed burst."""
     import torch.distributed as dist
 
+    # lazy: imports torch; the CLI imports this module without it
     from harness.parallel.reroute import build_microbatches, sample_for
-    from harness.plan.layout import Block, Schedule
 
     cfg, dev, n, me = ctx.cfg, ctx.device, ctx.world, ctx.rank
     k = len(lengths)

@@ -17,7 +17,7 @@ from harness.bench.common import REPORTS, table, write_report
 from harness.bench.step.config import BenchConfigError, StepBenchConfig
 from harness.bench.step.summarise import TARGETS, checks, summarize
 from harness.io import atomic_write_text
-from harness.jobs.entry import register
+from harness.jobs.entry import launch, register
 from harness.report.step_report import render
 from harness.report.step_tables import (
     BREAKDOWN_COLUMNS,
@@ -47,8 +47,6 @@ def _progress(line: str) -> None:
 def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None = None, cpu: bool = False,
          overrides: dict | None = None, stall_s: float | None = None) -> int:
     import torch
-
-    from harness.jobs.entry import launch
 
     cuda = torch.cuda.is_available() and not cpu
     if not cuda and not cpu:

@@ -11,8 +11,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from harness.data.workloads import parse_spec
 from harness.plan import ALGORITHMS, CostModel
 from harness.plan.errors import PlanInputError
+from harness.runtime.model_config import MODELS
 
 
 class BenchConfigError(PlanInputError):
@@ -37,8 +39,9 @@ class Arm:
 
 
 def parse_arm(text: str) -> Arm:
+    # lazy: imports torch; the CLI imports this module without it
     from harness.parallel.cp_attention import EXCHANGES
-    from harness.runtime.model import COMPILE_SCOPES
+    from harness.runtime.model import COMPILE_SCOPES  # lazy: torch, as above
 
     text = str(text)
     rest, plus, scope = text.partition("+")
@@ -175,9 +178,6 @@ class StepBenchConfig:
         return arms
 
     def validate(self, world: int) -> None:
-        from harness.data.workloads import parse_spec
-        from harness.runtime.model import MODELS
-
         if self.model not in MODELS:
             raise BenchConfigError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
         parse_spec(self.lengths)
@@ -206,6 +206,7 @@ class StepBenchConfig:
             raise BenchConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.plan not in ("ahead", "inline"):
             raise BenchConfigError(f"plan must be 'ahead' or 'inline', got {self.plan!r}")
+        # lazy: imports torch; the CLI imports this module without it
         from harness.parallel.cp_attention import EXCHANGES
 
         if self.cp_exchange not in EXCHANGES:

@@ -26,14 +26,16 @@ from harness.bench.step.rank import (
     use_scope,
 )
 from harness.bench.step.workload import global_batch_lengths, model_cost
+from harness.heartbeat import Heartbeat
+from harness.parallel.groups import DynamicGroups, ParallelLayout
 from harness.plan import CostModel
+from harness.plan.ahead import PlanAhead
+from harness.plan.bounds import lower_bound, simulate
 
 
 def measure(rank: int, world: int, cfg_dict: dict) -> dict:
     """The ``bench-step`` torchrun job: every arm on every rank (see the package doc)."""
     import torch
-
-    from harness.heartbeat import Heartbeat
 
     cfg = StepBenchConfig.from_dict(cfg_dict)
     cfg.validate(world)
@@ -58,11 +60,11 @@ def _context(cfg: StepBenchConfig, rank: int, world: int) -> RankContext:
     reducer and the global batches' samples it loads."""
     import torch
 
+    # lazy: imports torch; the CLI imports this module without it
     from harness.parallel.grad_reduce import BucketedGradReducer, GradBuffer
-    from harness.parallel.groups import DynamicGroups, ParallelLayout
-    from harness.runtime.model import MODELS, TinyLM
-    from harness.train import pipeline
-    from harness.train.step import Run
+    from harness.runtime.model import MODELS, TinyLM  # lazy: torch, as above
+    from harness.train import pipeline  # lazy: torch, as above
+    from harness.train.step import Run  # lazy: torch, as above
 
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -192,8 +194,6 @@ class _Ahead:
     """``plan="ahead"``: a ``PlanAhead`` process plans timed step ``j + 1`` while step ``j`` runs."""
 
     def __init__(self, ctx: RankContext, order: list):
-        from harness.plan.ahead import PlanAhead
-
         self.ctx, self.order = ctx, order
         self.planner = PlanAhead("harness.train.layouts:plan")
 
@@ -320,8 +320,6 @@ def _profile(ctx: RankContext, arm: Arm, opt, run: int) -> tuple[list[dict], str
 
 
 def _schedule_figures(sched, cost: CostModel) -> dict:
-    from harness.plan.bounds import lower_bound, simulate
-
     hist: dict[str, int] = {}
     for s in sched.cp_size_of().values():
         hist[str(s)] = hist.get(str(s), 0) + 1

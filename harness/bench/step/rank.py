@@ -15,7 +15,9 @@ from pathlib import Path
 
 from harness.bench.step.config import Arm, StepBenchConfig
 from harness.heartbeat import Heartbeat
+from harness.io import atomic_write_bytes
 from harness.plan import CostModel
+from harness.train.layouts import LayoutConfig, plan
 
 
 @dataclass
@@ -96,8 +98,6 @@ def local_samples(lengths: list[int], index: int, me: int, n: int, vocab: int, s
 
 def layout_cfg(ctx: RankContext, arm: Arm):
     """The scheduler's view of ``arm`` on this world (``harness.train.layouts.plan``)."""
-    from harness.train.layouts import LayoutConfig
-
     return LayoutConfig(n_ranks=ctx.world, max_seqlen_per_rank=ctx.cfg.max_seqlen_per_rank,
                         static_cp=ctx.cfg.static_cp or ctx.world, scheduler=arm.scheduler, dcp_padding=arm.padding)
 
@@ -118,8 +118,9 @@ def train_step(ctx: RankContext, arm: Arm, lengths: list[int], local: dict, opt,
     synchronisation inside). ``planned``: None = plan inline; else a callable returning ``(plan(...)'s result,
     seconds it took)`` - the plan computed ahead by a ``PlanAhead`` process (waiting for it, if it is behind,
     is inside the step)."""
+    # lazy: imports torch; the CLI imports this module without it
     from harness.train.step import StepHooks
-    from harness.train.step import train_step as step
+    from harness.train.step import train_step as step  # lazy: torch, as above
 
     marks = _Marks(ctx.device)
     chain = use_scope(ctx, arm) == "chain"
@@ -147,7 +148,6 @@ def profiled_step(ctx: RankContext, arm: Arm, lengths, local, opt, keep_trace: P
 
     # looked up at each call, not at import: a test replaces harness.bench.trace.load_trace in one rank
     from harness.bench.trace import annotations, breakdown, load_trace
-    from harness.train.layouts import plan
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
     planned = None
@@ -167,8 +167,6 @@ def profiled_step(ctx: RankContext, arm: Arm, lengths, local, opt, keep_trace: P
         prof.export_chrome_trace(path)
         trace = load_trace(path)
         if keep_trace is not None:
-            from harness.io import atomic_write_bytes
-
             atomic_write_bytes(keep_trace, gzip.compress(Path(path).read_bytes(), mtime=0))
     finally:
         os.unlink(path)
@@ -183,8 +181,9 @@ def microbatch_runner(ctx: RankContext, mb, total: float, exchange: str = "gathe
     ``ctx.grads``): what calibration times is a micro-batch of a step."""
     import torch
 
+    # lazy: imports torch; the CLI imports this module without it
     from harness.train import passes, pipeline
-    from harness.train.step import cp_group_for
+    from harness.train.step import cp_group_for  # lazy: torch, as above
 
     ops = passes.MicroBatchOps(ctx.model, ctx.groups, [mb], [cp_group_for(ctx.groups, mb)], ctx.device,
                                exchange).prepare()

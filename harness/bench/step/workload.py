@@ -8,7 +8,9 @@ see the same numbers from the config alone.
 from __future__ import annotations
 
 from harness.bench.step.config import BenchConfigError, StepBenchConfig
+from harness.data.workloads import sample
 from harness.plan import CostModel
+from harness.runtime.model_config import MODELS
 
 DEVICE_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "H20": 148.0, "A100": 312.0, "B200": 2250.0}
 """Dense bf16 peak TFLOP/s by device-name substring (vendor data sheets), for MFU."""
@@ -17,8 +19,6 @@ DEVICE_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "H20": 148.0,
 def global_batch_lengths(cfg: StepBenchConfig, world: int, index: int) -> tuple[list[int], int]:
     """(lengths of global batch ``index``, how many were clipped to the domain); its size follows
     ``cfg.global_batch``."""
-    from harness.data.workloads import sample
-
     cap, budget = world * cfg.max_seqlen_per_rank, cfg.microbatches * world * cfg.max_seqlen_per_rank
     count = cfg.batch_sequences(world)
     out, total, clipped, chunk = [], 0, 0, 0
@@ -39,8 +39,6 @@ def global_batch_lengths(cfg: StepBenchConfig, world: int, index: int) -> tuple[
 
 def model_cost(cfg: StepBenchConfig, *, comm: bool = True) -> CostModel:
     """Training FLOPs per sequence of the benchmark model (``comm``: with the K/V exchange term)."""
-    from harness.runtime.model import MODELS
-
     return MODELS[cfg.model].training_cost(cp_comm_flops_per_byte=cfg.cp_comm_flops_per_byte if comm else 0.0,
                                            per_microbatch_flops=cfg.per_microbatch_flops if comm else 0.0,
                                            name=cfg.model)
