@@ -30,9 +30,13 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert '"$rc" -eq 5' in ci
 
 
-def test_cpu_extra_pins_torch():
-    text = (ROOT / "pyproject.toml").read_text()
-    assert 'cpu = ["torch==2.13.0"]' in text and '"megatron-core==0.16.1"' in text
+def test_the_extras_pin_torch_and_the_upstream_stack():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["cpu"] == ["torch==2.13.0"]
+    assert "megatron-core==0.16.1; python_version < '3.12'" in extras["test"]  # the differential suites' upstream
+    assert extras["gpu"] == ["transformer-engine[pytorch]==2.20.2", "megatron-core==0.19.2; python_version >= '3.12'"]
 
 
 def test_the_code_passes_the_project_lint_rules():
