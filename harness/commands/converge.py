@@ -21,9 +21,14 @@ def add_arguments(c) -> None:
     c.add_argument("--steps", type=T.STEPS, default=50)
     c.add_argument("--model", default="tiny-gpt", help=f"one of {', '.join(MODELS)}")
     c.add_argument("--scheduler", default="balanced", help="dynamic-CP scheduler for the dcp layout")
-    c.add_argument("--cp-exchange", choices=["gather", "ring", "auto"], default="gather",
-                   help="K/V exchange of CP blocks: gather (all-gather; default), ring (overlapped with attention) "
-                        "or auto (ring on CUDA from 8K tokens per rank at cp 2 and 4, 16K above)")
+    c.add_argument("--cp-exchange", choices=["gather", "ring", "auto", "te:p2p", "te:all_gather", "te:a2a"],
+                   default=None,
+                   help="K/V exchange of CP blocks: gather (all-gather; default), ring (overlapped with attention), "
+                        "auto (ring on CUDA from 8K tokens per rank at cp 2 and 4, 16K above), or TransformerEngine's "
+                        "CP attention with its communication type (te:...; CUDA, the gpu extra)")
+    c.add_argument("--attention", choices=["harness", "te"], default="harness",
+                   help="attention with CP: the harness's own (default) or TransformerEngine's DotProductAttention in "
+                        "THD, handed each micro-batch's CP group (te: --cp-exchange te:p2p unless another te: type)")
     c.add_argument("--pp", type=T.STAGES, default=1, help="pipeline stages (the world is pp stages of a DP x CP domain)")
     c.add_argument("--vpp", type=T.CHUNKS, default=1, help="virtual chunks per stage (interleaved 1F1B when > 1)")
     c.add_argument("--pipeline", choices=["1f1b", "afab"], default="1f1b",
@@ -67,6 +72,12 @@ def run(a) -> int:
     T.check_run_size(a.steps, a.batch_size or converge.DEFAULT_BATCH)
     if a.out is not None:
         T.writable_folder(a.out, "--out")
+    if a.attention == "te" and not (a.cp_exchange or "").startswith("te:"):
+        if a.cp_exchange:
+            raise T.UsageError(f"--attention te runs TransformerEngine's CP exchange; --cp-exchange {a.cp_exchange} is the "
+                               "harness's: drop it, or give te:p2p, te:all_gather or te:a2a")
+        a.cp_exchange = "te:p2p"
+    a.cp_exchange = a.cp_exchange or "gather"
     cfg = converge.config_from_args(a)
     res = converge.run(cfg, world=a.world, out_root=a.out or REPORTS,
                        golden="update" if a.update_golden else a.golden, stall_s=a.stall_timeout, plant=a.plant,

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from harness.parallel.audit import GroupAuditError
-from harness.plan.errors import PlanInputError
+from harness.plan.errors import LayoutError, PlanInputError
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
 """TE's CP communication types the harness drives in THD (``te:<type>`` exchanges)."""
@@ -50,7 +50,7 @@ def comm_type(exchange: str) -> str | None:
         return None
     kind = exchange[3:]
     if kind not in COMM_TYPES:
-        raise PlanInputError(f"unknown TransformerEngine CP communication type {kind!r}; choose te:"
+        raise LayoutError(f"unknown TransformerEngine CP communication type {kind!r}; choose te:"
                              f"{', te:'.join(COMM_TYPES)}")
     return kind
 

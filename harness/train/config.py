@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from harness.data.corpus import CorpusConfig, batch_lengths
+from harness.parallel import te_cp
 from harness.parallel.cp_attention import EXCHANGES
 from harness.parallel.expert_parallel import check_divisible
 from harness.plan import ALGORITHMS, CostModel
@@ -32,7 +33,8 @@ class TrainConfig:
     """``float32``, or ``bfloat16`` (autocast; fp32 master weights)."""
     device: str = "cpu"
     cp_exchange: str = "gather"
-    """How CP blocks exchange K/V (``harness.parallel.cp_attention.EXCHANGES``): ``gather``, ``ring`` or
+    """How CP blocks exchange K/V (``harness.parallel.cp_attention.EXCHANGES``; ``te:p2p``, ``te:all_gather``,
+    ``te:a2a``: TransformerEngine's CP attention, ``harness.parallel.te_cp``): ``gather``, ``ring`` or
     ``auto``; the attention is the same either way, so the goldens apply to all."""
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
     probes: bool = False
@@ -93,9 +95,11 @@ class TrainConfig:
             raise LayoutError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.steps < 1:
             raise LayoutError(f"steps must be >= 1, got {self.steps}")
-
-        if self.cp_exchange not in EXCHANGES:
-            raise LayoutError(f"cp_exchange must be one of {', '.join(EXCHANGES)}, got {self.cp_exchange!r}")
+        if te_cp.comm_type(self.cp_exchange):  # TransformerEngine's CP attention: TE and a CUDA device, or one line
+            te_cp.require_te(self.device)
+        elif self.cp_exchange not in EXCHANGES:
+            raise LayoutError(f"cp_exchange must be one of {', '.join(EXCHANGES)} or te:<"
+                              f"{'|'.join(te_cp.COMM_TYPES)}>, got {self.cp_exchange!r}")
         if self.scheduler not in ALGORITHMS:
             raise LayoutError(f"unknown scheduler {self.scheduler!r} for the dcp layout; choose from "
                               f"{', '.join(sorted(ALGORITHMS))}")

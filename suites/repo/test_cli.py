@@ -119,7 +119,15 @@ def test_bad_inputs_are_refused_before_anything_runs(tmp_path):
         (["schedule", "--dist", "const:value=100", "--json", str(tmp_path / "file" / "x.json")], "cannot create"),
         (["converge", "--scheduler", "nosuch", "--steps", "1"], "unknown scheduler 'nosuch'"),
         (["nightly", "--models", "tiny-gpt,nope", "--steps", "1", "--device", "cpu"], "unknown model(s) 'nope'"),
+        (["converge", "--attention", "te", "--cp-exchange", "ring", "--steps", "1"], "--cp-exchange ring is the harness's"),
     ]
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        cases.append((["converge", "--attention", "te", "--steps", "1"],
+                      'needs TransformerEngine: pip install "transformer-engine[pytorch]==2.20.2"'))
+    else:
+        cases.append((["converge", "--attention", "te", "--steps", "1"], "runs on CUDA devices only"))
     import torch
 
     if not torch.cuda.is_available():
