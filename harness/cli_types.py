@@ -104,6 +104,8 @@ BATCHES = integer(1, MAX_BATCHES, "a benchmark needs a batch", "each batch sched
 BATCH_SIZE = integer(1, MAX_BATCH_SEQUENCES, "a global batch needs a sequence",
                      "every step draws each sequence's tokens on every rank")
 WORLD = integer(1, MAX_WORLD, "a job needs a process", "torchrun starts every rank on this machine")
+NODES = integer(1, 4096, "a job runs on at least one machine", "the node ranks of a job are counted in thousands at most")
+NODE_RANK = integer(0, 4095, "node ranks start at 0", "the node ranks of a job are counted in thousands at most")
 STAGES = integer(1, MAX_WORLD, "1 means no pipeline", f"stages divide the world of at most {MAX_WORLD} ranks")
 CHUNKS = integer(1, MAX_VPP, "1 means no interleaving", "virtual chunks split the model's layers: a few per stage")
 STATIC_CP = integer(0, MAX_WORLD, "0 means the world size", f"a CP group of at most {MAX_WORLD} ranks")

@@ -33,6 +33,12 @@ class Heartbeat:
         self._last = now
         self._write(f"rank{self.rank}.json", json.dumps({"rank": self.rank, "pid": os.getpid(), "time": now, **where}))
 
+    def note(self, kind: str, **fields) -> None:
+        """Write ``rank<r>.<kind>`` (JSON; not a progress report): e.g. ``peer`` when this rank saw a rank of
+        another node stop (``harness.jobs.peers``)."""
+        if self.folder is not None:
+            self._write(f"rank{self.rank}.{kind}", json.dumps({"rank": self.rank, "time": time.time(), **fields}))
+
     def failed(self) -> None:
         """Record the exception being handled (call from an ``except`` block)."""
         if self.folder is not None:

@@ -36,6 +36,7 @@ from harness.data.corpus import CorpusConfig, batch_lengths, global_batch
 from harness.faults.catalogue import get
 from harness.finite import nonfinite_message, within, worst
 from harness.io import atomic_write_json, atomic_write_text, temporary_folder
+from harness.jobs.nodes import Nodes
 from harness.paths import REPORTS
 from harness.report.tracking import log_runs
 from harness.runtime.model import MODELS
@@ -211,18 +212,20 @@ def write_golden(rows, cfg: TrainConfig, world: int, cid: str, hw: str) -> Path:
                             command=_update_hint(cfg, world))
 
 
-def preflight(cfg: TrainConfig, world: int) -> None:
+def preflight(cfg: TrainConfig, world: int, local: int | None = None) -> None:
     """Fail before launching anything: bad model / layout / scheduler / world, no CUDA device (or too
-    few) for a CUDA run, sequences too long for the world."""
+    few) for a CUDA run (``local``: the ranks this machine runs, default the world), sequences too long for
+    the world."""
     cfg.validate(world)
     n = cfg.domain(world)
+    local = world if local is None else local
     if cfg.device == "cuda":
         import torch
 
         found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if found < world:
-            raise LayoutError(f"--device cuda with {world} ranks needs {world} CUDA devices, this machine has "
-                              f"{found}" + ("" if found else " (no CUDA device: use --device cpu)"))
+        if found < local:
+            raise LayoutError(f"--device cuda needs {local} CUDA devices for this machine's {local} ranks, this machine "
+                              f"has {found}" + ("" if found else " (no CUDA device: use --device cpu)"))
     C = static_cp_for(longest_sequence(cfg), n, cfg.max_seqlen_per_rank)
     seqs, dp = cfg.corpus.sequences_per_batch, n // C
     if "bshd" in cfg.layouts and seqs % (dp * cfg.micro_batch_size):
@@ -251,7 +254,7 @@ def _plan_every_step(cfg: TrainConfig, n: int, static_cp: int, execution=None) -
 
 def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str = "auto", progress=print,
         report: bool = True, run_dir: Path | None = None, stall_s: float | None = None,
-        plant: str | None = None, reference_mode: str = "run") -> ConvergeResult:
+        plant: str | None = None, reference_mode: str = "run", nodes: Nodes | None = None) -> ConvergeResult | None:
     """Train, check, report. ``golden``: ``auto`` (compare if a golden exists for this case),
     ``require`` (missing golden is an error), ``update`` (write it), ``off``. ``run_dir``: write into
     this (existing, caller-owned) folder instead of a new ``out_root/converge-<time>``. ``stall_s``: fail
@@ -260,11 +263,14 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
     the catalogue (``harness.faults``) active on every rank for the whole job - the verdict must then fail.
     ``reference_mode``: ``run`` (default) also trains the run's reference (``harness.apps.reference``: one rank, no CP,
     PP or EP) and judges every layout against it; ``off`` skips it - without a golden the verdict is then
-    ``NO REFERENCE``."""
+    ``NO REFERENCE``. ``nodes``: this machine of a multi-node job (``harness.jobs.nodes``; every node calls ``run``
+    with the same arguments and ``world``, the job's whole world): every node trains its share of the ranks, node 0
+    also trains the reference and writes the report; the other nodes return None."""
     # lazy: looked up at each call; tests replace harness.jobs.entry.launch
     from harness.jobs.entry import launch
 
-    preflight(cfg, world)
+    nodes = nodes or Nodes()
+    preflight(cfg, world, world // nodes.nnodes)
     if reference_mode not in ("run", "off"):
         raise LayoutError(f"reference must be 'run' or 'off', got {reference_mode!r}")
     if plant is not None:
@@ -297,11 +303,16 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
         probe_dir = tmp / "probes"
         probe_dir.mkdir(exist_ok=True)
         with_probes = reference_mode == "run"
+        # several machines: the probes travel with the results to node 0 (no folder all nodes share is assumed)
         job = {**replace(cfg, probes=with_probes).to_dict(), "metrics_path": str(tmp / "metrics.jsonl"),
-               "probe_dir": str(probe_dir), **around}
-        res = launch("converge", world, tmp / "results_raw.json", job,
+               **({} if nodes.multi else {"probe_dir": str(probe_dir)}), **around}
+        res = launch("converge", world // nodes.nnodes, tmp / "results_raw.json", job,
                      stream=lambda line: progress("  " + line) if line.startswith("[") else None,
-                     stall_s=stall_s, log=out_root / "logs" / f"{cid}-{stamp}.log")
+                     stall_s=stall_s, log=out_root / "logs" / f"{cid}-{stamp}.log", nodes=nodes)
+        if res is None:  # a node other than node 0: its ranks are done; node 0 writes the report
+            shutil.rmtree(tmp, ignore_errors=True)
+            progress(f"{nodes.describe()}: its {world // nodes.nnodes} ranks finished; node 0 writes the report")
+            return None
         rank0 = res["ranks"][0]
         rows = rank0["layouts"]
         if golden == "update":

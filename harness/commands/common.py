@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Protocol
 
 from harness import cli_types as T
+from harness.jobs.nodes import DEFAULT_RDZV_TIMEOUT_S, Nodes, NodesError
 
 
 class Command(Protocol):
@@ -33,6 +34,27 @@ def add_stall(p) -> None:
     p.add_argument("--stall-timeout", type=T.STALL_S, default=None, metavar="SECONDS",
                    help=f"fail when no rank reports progress for this long, naming the rank ({T.MIN_STALL_S:g} to "
                         f"{T.MAX_STALL_S:g}; default: 180 on CPU, 900 on CUDA); collectives time out at twice this")
+
+
+def add_nodes(p) -> None:
+    """The multi-node options (``harness.jobs.nodes``): give every node the same command with its own --node-rank."""
+    g = p.add_argument_group("several machines (every node runs this command; node 0 writes the reports)")
+    g.add_argument("--nnodes", type=T.NODES, default=1, help="machines in the job (default 1)")
+    g.add_argument("--node-rank", type=T.NODE_RANK, default=0, help="this machine's rank, 0 .. nnodes - 1")
+    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="where the nodes meet: node 0's address and a free port there, the same on every node")
+    g.add_argument("--rdzv-timeout", type=T.STALL_S, default=None, metavar="SECONDS",
+                   help="fail, naming the endpoint, when the nodes have not all started within this long (300)")
+
+
+def nodes_from(a, world: int):
+    """The ``Nodes`` of the options, checked, and the processes this node runs (``world`` / nnodes)."""
+    nodes = Nodes(a.nnodes, a.node_rank, a.rdzv_endpoint, a.rdzv_timeout or DEFAULT_RDZV_TIMEOUT_S)
+    nodes.check()
+    if world % nodes.nnodes:
+        raise NodesError(f"--world {world} cannot be split evenly over --nnodes {nodes.nnodes}: give a world that is "
+                         f"a multiple of the node count (each node runs world / nnodes processes)")
+    return nodes, world // nodes.nnodes
 
 
 def add_out(p, name: str) -> None:

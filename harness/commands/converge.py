@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness import cli_types as T
-from harness.commands.common import add_stall
+from harness.commands.common import add_nodes, add_stall, nodes_from
 from harness.paths import REPORTS
 from harness.runtime.model_config import MODELS
 
@@ -58,6 +58,7 @@ def add_arguments(c) -> None:
                    help="run with a fault of the catalogue active on every rank (dcp-harness faults --list): "
                         "shows what the verdict says of that bug; it must FAIL")
     add_stall(c)
+    add_nodes(c)
 
 
 def run(a) -> int:
@@ -67,8 +68,9 @@ def run(a) -> int:
         import torch  # heavy to import; only --device auto asks it for a GPU
 
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    nodes, local = nodes_from(a, a.world)
     if a.device == "cpu":
-        T.check_cpu_ranks(a.world, "--world")
+        T.check_cpu_ranks(local, "--world" if not nodes.multi else "--world / --nnodes")
     T.check_run_size(a.steps, a.batch_size or converge.DEFAULT_BATCH)
     if a.out is not None:
         T.writable_folder(a.out, "--out")
@@ -81,7 +83,9 @@ def run(a) -> int:
     cfg = converge.config_from_args(a)
     res = converge.run(cfg, world=a.world, out_root=a.out or REPORTS,
                        golden="update" if a.update_golden else a.golden, stall_s=a.stall_timeout, plant=a.plant,
-                       reference_mode=a.reference)
+                       reference_mode=a.reference, nodes=nodes)
+    if res is None:  # a node other than node 0 of a multi-node job
+        return 0
     for c in res.checks:
         mark = "PASS" if c["pass"] else converge.NOT_EXERCISED if c.get("exercise") else "FAIL"
         print(f"  [{mark}] {c['target']}" + ("" if c["value"] != c["value"] else f": {c['value']:.3g}"))

@@ -24,8 +24,9 @@ from pathlib import Path
 
 from harness.heartbeat import Heartbeat
 from harness.io import atomic_write_json
-from harness.jobs import launcher
-from harness.jobs.watchdog import die_with_parent
+from harness.jobs import launcher, peers
+from harness.jobs.nodes import Nodes
+from harness.jobs.watchdog import PEER_ERRORS, die_with_parent
 
 JOBS = {"checks": "harness.parallel.checks:all_checks", "converge": "harness.train.trainer:train",
         "replay": "harness.train.replay:replay_check", "selftest": "harness.jobs.selftest:job"}
@@ -93,12 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     job_cfg = json.loads(a.cfg)
     heartbeat = Heartbeat.from_cfg(job_cfg, rank)
     heartbeat.beat(force=True, phase="starting")
+    watch = None
     try:
         # a job config may pin the device ("cpu": gloo even where GPUs are present)
         cuda = torch.cuda.is_available() and job_cfg.get("device", "cuda") == "cuda"
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         timeout = dt.timedelta(seconds=float(job_cfg.get("collective_timeout_s", 600)))
+        if job_cfg.get("nnodes", 1) > 1:  # every node runs as many processes, and each watches the others
+            peers.check_nodes_agree(job_cfg["nnodes"], float(job_cfg.get("rdzv_timeout_s", 300)))
+            watch = peers.PeerWatch(rank, world, int(os.environ["LOCAL_WORLD_SIZE"]),
+                                    float(job_cfg.get("stall_s", 180)), heartbeat).start()
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         cfg = {**job_cfg, "device": "cuda" if cuda else "cpu"}
         with _around(cfg.get("around")):
@@ -109,15 +115,19 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             atomic_write_json(a.out, {"job": a.job, "world": world, "cfg": cfg, "ranks": gathered})
         dist.barrier()
-    except BaseException:
+        if watch is not None:
+            watch.stop()
+    except BaseException as e:
         heartbeat.failed()
+        if watch is not None and PEER_ERRORS.search(str(e)):  # a partner went away: name its node, not this rank
+            watch.diagnose()
         raise
     dist.destroy_process_group()
     return 0
 
 
 def launch(job: str, nproc: int, out: Path, cfg: dict | None = None, timeout_s: float = 1800, stream=None,
-           stall_s: float | None = None, log: Path | None = None) -> dict:
+           stall_s: float | None = None, log: Path | None = None, nodes: Nodes | None = None) -> dict | None:
     """Run ``job`` under torchrun on ``nproc`` local processes and return rank 0's JSON. ``stream``:
     called with each output line as it arrives (progress). Bounded: the job fails with ``JobFailure``
     when no rank reports progress for ``stall_s`` seconds (default ``DEFAULT_STALL_S`` of the job's
@@ -131,7 +141,7 @@ def launch(job: str, nproc: int, out: Path, cfg: dict | None = None, timeout_s: 
     log = Path(log) if log else Path(out).with_name(f"torchrun-{job}.log")
     try:
         return launcher.run(job, nproc, Path(out), cfg, timeout_s=timeout_s, stall_s=stall, stream=stream, log=log,
-                            target=target_of(job))
+                            target=target_of(job), nodes=nodes)
     except KeyboardInterrupt as e:
         e.log = log
         raise

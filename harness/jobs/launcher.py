@@ -25,11 +25,13 @@ import threading
 import time
 from pathlib import Path
 
+from harness.jobs.nodes import Nodes
 from harness.jobs.watchdog import (
     JobFailure,
     Terminated,
     die_with_parent,
     first_failure,
+    peer_failure,
     process_state,
     read_beats,
     stalled,
@@ -44,10 +46,9 @@ EXIT_RE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank[^)]*\)\s*\n\s*exitcode\s*
 ROOT_RE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)", re.S)
 
 
-def _command(job: str, nproc: int, out: Path, cfg: dict) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-            "--rdzv-endpoint=localhost:0", "-m", "harness.jobs.entry", job, "--out", str(out),
-            "--cfg", json.dumps(cfg)]
+def _command(job: str, nproc: int, out: Path, cfg: dict, nodes: Nodes) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *nodes.torchrun_args(),
+            "-m", "harness.jobs.entry", job, "--out", str(out), "--cfg", json.dumps(cfg)]
 
 
 def _env() -> dict:
@@ -128,46 +129,60 @@ def _terminate_raises():
 
 
 def run(job: str, nproc: int, out: Path, cfg: dict, *, timeout_s: float, stall_s: float, stream, log: Path,
-        target: str | None = None) -> dict:
+        target: str | None = None, nodes: Nodes | None = None) -> dict | None:
+    """Run the job on this node's ``nproc`` processes; rank 0's JSON, or None on a node other than node 0 of a
+    multi-node job (node 0 holds rank 0, which writes the results)."""
+    nodes = nodes or Nodes()
+    first = nodes.first_rank(nproc)
     beats = Path(tempfile.mkdtemp(prefix=f".{job}-ranks-", dir=out.parent))
     cfg = {**cfg, "heartbeat_dir": str(beats), "collective_timeout_s": cfg.get("collective_timeout_s", 2 * stall_s)}
+    if nodes.multi:
+        cfg = {**cfg, "nnodes": nodes.nnodes, "stall_s": stall_s, "rdzv_timeout_s": nodes.rdzv_timeout_s}
+    where = f" ({nodes.describe()})" if nodes.multi else ""
     log.parent.mkdir(parents=True, exist_ok=True)
     lines: queue.Queue = queue.Queue()
     started, gone_at = time.time(), {}
     try:
         with open(log, "w") as log_file:
-            proc = subprocess.Popen(_command(target or job, nproc, out, cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(_command(target or job, nproc, out, cfg, nodes), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT,
                                     text=True, env=_env(), bufsize=1, start_new_session=True,
                                     preexec_fn=die_with_parent)
             pump = threading.Thread(target=_pump, args=(proc.stdout, lines, log_file), daemon=True)
             pump.start()
             try:
                 with _terminate_raises():
-                    failure = _watch(proc, lines, stream, beats, nproc, started, timeout_s, stall_s, gone_at)
+                    failure = _watch(proc, lines, stream, beats, nproc, started, timeout_s, stall_s, gone_at,
+                                     first, nodes)
             except BaseException:
                 _kill(proc, beats)
                 raise
             pump.join(10)
         if failure is not None:
-            raise JobFailure(f"torchrun {job} on {nproc} processes: {failure[1]}", failure[0], log)
+            raise JobFailure(f"torchrun {job} on {nproc} processes{where}: {failure[1]}", failure[0], log)
         if proc.returncode != 0:
+            peer = peer_failure(beats)
+            if peer is not None:
+                raise JobFailure(f"torchrun {job} on {nproc} processes{where}: {peer[1]}", peer[0], log)
             text = log.read_text(errors="replace")
             codes = {int(r): int(c) for r, c in EXIT_RE.findall(text)}
             root = ROOT_RE.search(text)
-            rank, why = first_failure(beats, nproc, gone_at, codes, int(root.group(1)) if root else None)
+            rank, why = first_failure(beats, nproc, gone_at, codes, int(root.group(1)) if root else None, first)
             who = f"rank {rank} failed first: {why}" if rank is not None else why
-            raise JobFailure(f"torchrun {job} on {nproc} processes (exit {proc.returncode}): {who}", rank, log)
+            raise JobFailure(f"torchrun {job} on {nproc} processes{where} (exit {proc.returncode}): {who}", rank, log)
         log.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             log.parent.rmdir()  # only when empty: logs of earlier failures stay
-        return json.loads(out.read_text())
+        return json.loads(out.read_text()) if nodes.reports_here else None
     finally:
         _reap_ranks(beats)
         shutil.rmtree(beats, ignore_errors=True)
 
 
-def _watch(proc, lines, stream, beats, nproc, started, timeout_s, stall_s, gone_at):
-    """Relay output until torchrun exits; returns (rank, message) for a stall or the deadline."""
+def _watch(proc, lines, stream, beats, nproc, started, timeout_s, stall_s, gone_at, first=0, nodes=None):
+    """Relay output until torchrun exits; returns (rank, message) for a stall, a rank another node lost, a
+    rendezvous that never completed, or the deadline."""
+    nodes = nodes or Nodes()
     done, next_check, quiet = False, 0.0, False
     while True:
         try:
@@ -189,7 +204,16 @@ def _watch(proc, lines, stream, beats, nproc, started, timeout_s, stall_s, gone_
                 gone_at[r] = now
         if done and proc.poll() is not None:
             return None
-        stall = stalled(beats, nproc, started, stall_s, now)
+        peer = peer_failure(beats) if nodes.multi else None
+        if peer is not None:
+            _kill(proc, beats)
+            return peer
+        if nodes.multi and not read_beats(beats) and now - started > nodes.rdzv_timeout_s:
+            _kill(proc, beats)
+            return None, (f"the {nodes.nnodes} nodes did not meet at {nodes.endpoint} within {nodes.rdzv_timeout_s:.0f} "
+                          f"s: no rank of node {nodes.node_rank} started (start every node with --nnodes "
+                          f"{nodes.nnodes}, its own --node-rank and this --rdzv-endpoint)")
+        stall = stalled(beats, nproc, started, stall_s, now, first)
         if stall is not None or now - started > timeout_s:
             _kill(proc, beats)
             return stall or (None, f"still running after the job's limit of {timeout_s:.0f} s")

@@ -76,10 +76,13 @@ STARTUP_S = 300.0
 machine), the limit is ``max(stall_s, STARTUP_S)`` from the launch."""
 
 
-def stalled(folder, nproc: int, started: float, stall_s: float, now: float | None = None) -> tuple[int, str] | None:
+def stalled(folder, nproc: int, started: float, stall_s: float, now: float | None = None,
+            first: int = 0) -> tuple[int, str] | None:
     """(rank, message) when no rank has reported for ``stall_s`` seconds (before every rank has
-    reported once: ``max(stall_s, STARTUP_S)`` since ``started``), else None."""
+    reported once: ``max(stall_s, STARTUP_S)`` since ``started``), else None. The ranks watched are
+    ``first .. first + nproc - 1`` (a node's ranks in a multi-node job)."""
     now = time.time() if now is None else now
+    ranks = range(first, first + nproc)
     beats = read_beats(folder)
     if len(beats) < nproc:
         last, limit = started, max(stall_s, STARTUP_S)
@@ -87,23 +90,43 @@ def stalled(folder, nproc: int, started: float, stall_s: float, now: float | Non
         last, limit = max(b["time"] for b in beats.values()), stall_s
     if now - last < limit:
         return None
-    states = {r: process_state(beats[r].get("pid")) if r in beats else "silent" for r in range(nproc)}
+    states = {r: process_state(beats[r].get("pid")) if r in beats else "silent" for r in ranks}
     order = {"stopped": 0, "silent": 1, "running": 2, "gone": 3, "unknown": 4, "waiting": 5}
-    rank = min(range(nproc), key=lambda r: (order[states[r]], beats.get(r, {}).get("time", 0.0), r))
+    rank = min(ranks, key=lambda r: (order[states[r]], beats.get(r, {}).get("time", 0.0), r))
     why = {"stopped": " (its process is stopped, e.g. by SIGSTOP)", "running": " (its process is still computing)",
            "gone": " (its process is gone)"}.get(states[rank], "")
     return rank, (f"rank {rank} made no progress for {now - last:.0f} s{why}; its last report: "
                   f"{describe(beats.get(rank))}")
 
 
+def peer_failure(folder) -> tuple[int, str] | None:
+    """(rank, message) when a rank of this node saw a rank of another node stop (``harness.jobs.peers``)."""
+    notes = []
+    for p in Path(folder).glob("rank*.peer"):
+        try:
+            notes.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not notes:
+        return None
+    n = min(notes, key=lambda x: x["time"])
+    if n.get("store_error"):
+        return n["peer"], (f"rank {n['rank']} lost the rendezvous store on node 0 ({n['store_error']}): node 0 "
+                           "died or its agent stopped")
+    how = "went away: this node's ranks lost their connections to it" if n.get("after_error") else \
+        f"stopped reporting for {n['silent_s']:.0f} s" if n.get("started") else f"never reported in {n['silent_s']:.0f} s"
+    return n["peer"], (f"rank {n['peer']} on node {n['node']} {how} (seen by rank {n['rank']}): its process died or "
+                       f"was stopped, or node {n['node']} went away")
+
+
 def first_failure(folder, nproc: int, gone_at: dict[int, float], exit_codes: dict[int, int],
-                  root_cause: int | None = None) -> tuple[int | None, str]:
+                  root_cause: int | None = None, first: int = 0) -> tuple[int | None, str]:
     """(rank, why) of the first real failure of an exited job: an own exception (earliest), a rank that
     died without one (torchrun's ``root_cause`` rank first, then by ``gone_at``: when the launcher saw
     its process vanish; a SIGTERM is how torchrun stops the survivors, so it ranks last; ``exit_codes``
     from torchrun's report, negative = signal), then partners' errors."""
     errors = {}
-    for r in range(nproc):
+    for r in range(first, first + nproc):
         p = Path(folder) / f"rank{r}.error"
         if p.exists():
             stamp, _, text = p.read_text().partition("\n")

@@ -87,6 +87,15 @@ class Probes:
                               for s in self.sequences],
                 "grads": self.grads, "clipped": self.clipped, "grad_norms": self.grad_norms, "digests": self.digests, "stage": self.stage}
 
+    def portable(self) -> dict:
+        """``result`` with the gradients as nested lists: what a job returns through JSON when its ranks share no
+        folder (a multi-node run)."""
+        full = self.result()
+        for kind in ("grads", "clipped"):
+            if full[kind] is not None:
+                full[kind] = {n: g.tolist() for n, g in full[kind].items()}
+        return full
+
     def save(self, path) -> dict:
         """Write the large records (step-1 tokens and gradients) to ``path`` (``.npz``) and return the small
         ones (gradient norms, digests, stage) with ``"file"``; ``load`` puts them back together. A job that
@@ -110,6 +119,8 @@ def load(small: dict) -> dict:
     """A rank's probes as ``Probes.result`` gives them, from what ``Probes.save`` returned and wrote."""
     import numpy as np
 
+    if "file" not in small:  # returned whole (``Probes.portable``)
+        return small
     out = {k: v for k, v in small.items() if k != "file"}
     out["grads"], out["clipped"] = {}, {}
     with np.load(small["file"]) as z:

@@ -168,6 +168,6 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
         keep = cfg_dict.get("probe_dir")  # a JSON-reporting job: the large records go to files there
         if keep:
             Path(keep).mkdir(parents=True, exist_ok=True)
-        result["probes"] = {layout: p.save(Path(keep) / f"{layout}.rank{rank}.npz") if keep else p.result()
+        result["probes"] = {layout: p.save(Path(keep) / f"{layout}.rank{rank}.npz") if keep else p.portable()
                             for layout, p in probes.items()}
     return result

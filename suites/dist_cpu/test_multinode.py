@@ -1,0 +1,137 @@
+"""Several machines, played by two torchrun agents on this one (``--nnodes 2``, node 0 serving the rendezvous on
+127.0.0.1): the same results as one agent of the same world, bit for bit in fp32; every bad input one line,
+within its bound; a node that dies or stops is named by the other node."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dist_cpu
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--world", "4", "--steps", "2", "--batch-size", "8", "--lengths", "lognormal:mean=96,sigma=0.8,min=16,max=400",
+         "--max-seqlen-per-rank", "128"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node(rank: int, port: int, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "harness", "converge", *SMALL, "--nnodes", "2", "--node-rank",
+                             str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}", "--out", str(out), *extra],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _results(out: Path) -> dict:
+    (found,) = out.glob("converge-*/results.json")
+    return json.loads(found.read_text())
+
+
+def test_two_agents_give_what_one_agent_gives_bit_for_bit(tmp_path):
+    port = _free_port()
+    nodes = [_node(1, port, tmp_path / "n1"), _node(0, port, tmp_path / "n0")]
+    outs = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    assert "node 1 of 2: its 2 ranks finished; node 0 writes the report" in outs[0][0]
+    assert not list((tmp_path / "n1").glob("converge-*")), "only node 0 writes a report"
+    one = subprocess.run([sys.executable, "-m", "harness", "converge", *SMALL, "--out", str(tmp_path / "one")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    a, b = _results(tmp_path / "n0"), _results(tmp_path / "one")
+    assert a["verdict"] == b["verdict"] == "PASS"
+    for layout in b["layouts"]:
+        assert [(r["loss"], r["grad_norm"]) for r in a["layouts"][layout]] == \
+            [(r["loss"], r["grad_norm"]) for r in b["layouts"][layout]], layout
+    assert [c["value"] for c in a["checks"]] == [c["value"] for c in b["checks"]]  # the reference lines too
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:  # rewritten atomically under us
+        return ""
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness", "converge", *SMALL, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_multinode_options_are_one_line_before_anything_starts(tmp_path):
+    port = _free_port()
+    cases = [(["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"],
+              "--node-rank 2 is out of range for --nnodes 2"),
+             (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+             (["--nnodes", "2", "--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0' is not HOST:PORT"),
+             (["--nnodes", "3", "--rdzv-endpoint", f"127.0.0.1:{port}"], "--world 4 cannot be split evenly over --nnodes 3")]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cases.append((["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{busy.getsockname()[1]}"], "is in use"))
+        for args, expect in cases:
+            r = _cli(*args, "--out", str(tmp_path))
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 2 and len(lines) == 1 and expect in lines[0], (args, r.stderr)
+
+
+def test_a_rendezvous_that_never_completes_ends_within_its_bound(tmp_path):
+    t = time.monotonic()
+    r = _cli("--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-timeout", "5",
+             "--out", str(tmp_path), timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 3 and len(lines) == 1 and "the 2 nodes did not meet at 127.0.0.1:" in lines[0], r.stderr
+    assert time.monotonic() - t < 60
+
+
+def test_nodes_that_run_different_numbers_of_processes_are_named(tmp_path):
+    port = _free_port()
+    other = subprocess.Popen([sys.executable, "-m", "harness", "converge", *SMALL[2:], "--world", "8", "--nnodes", "2",
+                              "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--out", str(tmp_path / "n1")],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    r = _cli("--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}", "--out",
+             str(tmp_path / "n0"), timeout=120)
+    _, err = other.communicate(timeout=120)
+    for code, text in ((r.returncode, r.stderr), (other.returncode, err)):
+        assert code == 3 and "runs 4 processes, node 0" in text and "runs 2" in text, text
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_node_that_dies_or_stops_is_named_by_the_other(how, tmp_path):
+    port = _free_port()
+    long = ["--steps", "60", "--stall-timeout", "10"]
+    n1 = _node(1, port, tmp_path / "n1", *long)
+    n0 = _node(0, port, tmp_path / "n0", *long)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until node 1's ranks are training
+        beats = list((tmp_path / "n1").rglob("rank*.json"))
+        if any('"step"' in _text(b) for b in beats):
+            break
+        time.sleep(0.5)
+    ranks = subprocess.run(["pgrep", "-f", f"harness.jobs.entry.*{tmp_path / 'n1'}"], capture_output=True, text=True)
+    pids = [int(p) for p in ranks.stdout.split()]
+    assert pids, "node 1's ranks did not start"
+    for pid in pids:
+        subprocess.run(["kill", "-9" if how == "killed" else "-STOP", str(pid)])
+    try:
+        _, err = n0.communicate(timeout=90)
+    finally:
+        for pid in pids:
+            subprocess.run(["kill", "-9", str(pid)], capture_output=True)
+        if n1.poll() is None:
+            n1.send_signal(signal.SIGKILL)
+        n1.communicate(timeout=30)
+    lines = err.strip().splitlines()
+    assert n0.returncode == 3 and len(lines) == 1, err
+    assert "(node 0 of 2)" in lines[0] and "on node 1 " in lines[0], lines[0]
