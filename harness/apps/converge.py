@@ -36,6 +36,7 @@ from harness.data.corpus import CorpusConfig, batch_lengths, global_batch
 from harness.faults.catalogue import get
 from harness.finite import nonfinite_message, within, worst
 from harness.io import atomic_write_json, atomic_write_text, temporary_folder
+from harness.jobs.entry import launched_world, local_ranks
 from harness.jobs.nodes import Nodes
 from harness.paths import REPORTS
 from harness.report.tracking import log_runs
@@ -270,7 +271,10 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
     from harness.jobs.entry import launch
 
     nodes = nodes or Nodes()
-    preflight(cfg, world, world // nodes.nnodes)
+    here = launched_world()
+    if here is not None and here[0] != 0:  # a rank of a world the user's launcher started: rank 0 speaks
+        progress = lambda line: None  # noqa: E731
+    preflight(cfg, world, local_ranks(world // nodes.nnodes))
     if reference_mode not in ("run", "off"):
         raise LayoutError(f"reference must be 'run' or 'off', got {reference_mode!r}")
     if plant is not None:
@@ -303,9 +307,11 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
         probe_dir = tmp / "probes"
         probe_dir.mkdir(exist_ok=True)
         with_probes = reference_mode == "run"
-        # several machines: the probes travel with the results to node 0 (no folder all nodes share is assumed)
+        # several machines, or ranks the user's launcher started: the probes travel with the results to rank 0
+        # (no folder all ranks share is assumed)
+        shared = not nodes.multi and here is None
         job = {**replace(cfg, probes=with_probes).to_dict(), "metrics_path": str(tmp / "metrics.jsonl"),
-               **({} if nodes.multi else {"probe_dir": str(probe_dir)}), **around}
+               **({"probe_dir": str(probe_dir)} if shared else {}), **around}
         res = launch("converge", world // nodes.nnodes, tmp / "results_raw.json", job,
                      stream=lambda line: progress("  " + line) if line.startswith("[") else None,
                      stall_s=stall_s, log=out_root / "logs" / f"{cid}-{stamp}.log", nodes=nodes)

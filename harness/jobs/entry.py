@@ -26,7 +26,8 @@ from harness.heartbeat import Heartbeat
 from harness.io import atomic_write_json
 from harness.jobs import launcher, peers
 from harness.jobs.nodes import Nodes
-from harness.jobs.watchdog import PEER_ERRORS, die_with_parent
+from harness.jobs.watchdog import PEER_ERRORS, JobFailure, die_with_parent
+from harness.plan.errors import PlanInputError
 
 JOBS = {"checks": "harness.parallel.checks:all_checks", "converge": "harness.train.trainer:train",
         "replay": "harness.train.replay:replay_check", "selftest": "harness.jobs.selftest:job"}
@@ -87,11 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     if os.getppid() != parent:  # torchrun died before the request took effect
         return 3
-    import torch
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    run_rank(a.job, a.out, json.loads(a.cfg), rank, world, int(os.environ.get("LOCAL_RANK", rank)))
+    return 0
+
+
+def run_rank(job: str, out, job_cfg: dict, rank: int, world: int, local_rank: int) -> None:
+    """One rank of ``job``: form the process group (NCCL on CUDA, gloo otherwise), run the job, gather every rank's
+    result; rank 0 writes them to ``out`` (JSON, atomically)."""
+    import torch  # lazy: the launcher side imports this module without torch
     import torch.distributed as dist
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    job_cfg = json.loads(a.cfg)
     heartbeat = Heartbeat.from_cfg(job_cfg, rank)
     heartbeat.beat(force=True, phase="starting")
     watch = None
@@ -99,21 +106,21 @@ def main(argv: list[str] | None = None) -> int:
         # a job config may pin the device ("cpu": gloo even where GPUs are present)
         cuda = torch.cuda.is_available() and job_cfg.get("device", "cuda") == "cuda"
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(local_rank)
         timeout = dt.timedelta(seconds=float(job_cfg.get("collective_timeout_s", 600)))
         if job_cfg.get("nnodes", 1) > 1:  # every node runs as many processes, and each watches the others
             peers.check_nodes_agree(job_cfg["nnodes"], float(job_cfg.get("rdzv_timeout_s", 300)))
             watch = peers.PeerWatch(rank, world, int(os.environ["LOCAL_WORLD_SIZE"]),
                                     float(job_cfg.get("stall_s", 180)), heartbeat).start()
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, rank=rank, world_size=world)
         cfg = {**job_cfg, "device": "cuda" if cuda else "cpu"}
         with _around(cfg.get("around")):
-            result = _job(a.job)(rank, world, cfg)
+            result = _job(job)(rank, world, cfg)
         heartbeat.beat(force=True, phase="gathering results")
         gathered = [None] * world
         dist.all_gather_object(gathered, result)
         if rank == 0:
-            atomic_write_json(a.out, {"job": a.job, "world": world, "cfg": cfg, "ranks": gathered})
+            atomic_write_json(out, {"job": job, "world": world, "cfg": cfg, "ranks": gathered})
         dist.barrier()
         if watch is not None:
             watch.stop()
@@ -123,7 +130,56 @@ def main(argv: list[str] | None = None) -> int:
             watch.diagnose()
         raise
     dist.destroy_process_group()
-    return 0
+
+
+class LaunchedWorldError(PlanInputError):
+    """The world a user's launcher started does not match what the command asks for, or lacks what it needs."""
+
+
+def launched_world() -> tuple[int, int, int, int] | None:
+    """(rank, world, local rank, local world) when a launcher the user ran started this process as one rank of a
+    world - torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) or Slurm's ``srun`` with two or
+    more tasks (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE``;
+    ``MASTER_ADDR`` and ``MASTER_PORT`` exported by the batch script) - else None (a plain command: the harness
+    starts the ranks itself)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local = int(env.get("LOCAL_RANK", rank))
+        return rank, world, local, int(env.get("LOCAL_WORLD_SIZE", world))
+    if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) >= 2:
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE", str(world)).split("(")[0].split(",")[0]
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+        if missing:
+            raise LaunchedWorldError(f"srun started this process as task {rank} of {world}, but {' and '.join(missing)} "
+                                     "is not set: export MASTER_ADDR (the first node's host name) and MASTER_PORT (a "
+                                     "free port) in the batch script (docs/slurm.sbatch)")
+        return rank, world, int(env.get("SLURM_LOCALID", 0)), int(per_node)
+    return None
+
+
+def local_ranks(default: int) -> int:
+    """The ranks this machine runs: the launcher's local world when one started this process, else ``default``."""
+    here = launched_world()
+    return here[3] if here is not None else default
+
+
+def _run_in_place(job: str, out: Path, cfg: dict, here, stall: float) -> dict | None:
+    rank, world, local, _ = here
+    cfg = {**cfg, "collective_timeout_s": cfg.get("collective_timeout_s", 2 * stall)}
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun and the harness's own launcher run ranks (srun does not)
+        import torch  # lazy: the launcher side imports this module without torch
+
+        torch.set_num_threads(1)
+    try:
+        run_rank(job, out, cfg, rank, world, local)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise JobFailure(f"{job}: rank {rank} of the {world} ranks its launcher started: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:400]}", rank) from e
+    return json.loads(Path(out).read_text()) if rank == 0 else None
 
 
 def launch(job: str, nproc: int, out: Path, cfg: dict | None = None, timeout_s: float = 1800, stream=None,
@@ -135,9 +191,26 @@ def launch(job: str, nproc: int, out: Path, cfg: dict | None = None, timeout_s: 
     fails; the exception names the rank that failed first and why in one line, and the job's whole
     output is kept in ``log`` (default: next to ``out``; deleted after a success). An interrupted job
     (Ctrl-C, or ``Terminated`` by SIGTERM / SIGHUP) keeps its output so far there too: the
-    ``KeyboardInterrupt`` carries the path as ``log`` for the message that reports it."""
+    ``KeyboardInterrupt`` carries the path as ``log`` for the message that reports it.
+
+    ``nodes``: this machine of a multi-node job (``harness.jobs.nodes``); the result is None on every node but
+    node 0. Started by a launcher of the user's (``torchrun ... -m harness ...``, ``srun dcp-harness ...``:
+    ``launched_world``), this process is one rank of the job and runs it in place (rank 0 gets the result, the
+    others None; bounded by the collectives' timeout, twice ``stall_s``), and a one-rank side job (a reference)
+    runs on rank 0 alone under a torchrun of its own."""
     cfg = dict(cfg or {})
     stall = float(stall_s or DEFAULT_STALL_S["cuda" if cfg.get("device", "cuda") == "cuda" and _has_cuda() else "cpu"])
+    here = launched_world()
+    if here is not None:
+        want = nproc * (nodes.nnodes if nodes else 1)
+        if want == here[1]:
+            return _run_in_place(job, Path(out), cfg, here, stall)
+        if want != 1:
+            raise LaunchedWorldError(f"this process is rank {here[0]} of {here[1]} ranks its launcher started, the "
+                                     f"command asks for {want}: give --world {here[1]} (and no --nnodes: the "
+                                     "launcher placed the ranks)")
+        if here[0] != 0:  # a one-rank side job runs on rank 0 alone
+            return None
     log = Path(log) if log else Path(out).with_name(f"torchrun-{job}.log")
     try:
         return launcher.run(job, nproc, Path(out), cfg, timeout_s=timeout_s, stall_s=stall, stream=stream, log=log,

@@ -37,6 +37,12 @@ from harness.jobs.watchdog import (
     stalled,
 )
 
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_ERROR_FILE")
+"""What a launcher tells its ranks: a job the harness starts itself (a side job of one rank, under its own torchrun)
+must not inherit it."""
+
 POLL_S = 0.25
 FAILURE_OUTPUT = re.compile(r"^(Traceback \(most recent call last\)|\[rank\d+\]:|\[W\d+|E\d{4} |W\d{4} )|"
                             r"torch\.distributed\.elastic|ChildFailedError")
@@ -52,8 +58,11 @@ def _command(job: str, nproc: int, out: Path, cfg: dict, nodes: Nodes) -> list[s
 
 
 def _env() -> dict:
+    """The torchrun's environment: the caller's, without what a launcher of the caller's own told it (a side job
+    started from rank 0 of a user-launched world is a world of its own)."""
     root = str(Path(__file__).resolve().parents[2])
-    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    inherited = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("SLURM_")}
+    return {**inherited, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
 
 

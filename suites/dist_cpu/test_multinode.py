@@ -135,3 +135,72 @@ def test_a_node_that_dies_or_stops_is_named_by_the_other(how, tmp_path):
     lines = err.strip().splitlines()
     assert n0.returncode == 3 and len(lines) == 1, err
     assert "(node 0 of 2)" in lines[0] and "on node 1 " in lines[0], lines[0]
+
+
+TWO = ["--world", "2", "--steps", "2", "--batch-size", "8", "--lengths", "lognormal:mean=200,sigma=0.8,min=16,max=500",
+       "--max-seqlen-per-rank", "256"]
+
+
+def _losses(out: Path) -> tuple[list, list]:
+    """Every layout's per-step loss and gradient norm (compared bit for bit), and the check values derived from
+    them and the probes (compared to 1e-12 relative: the probes reach rank 0 as JSON or as files, and numpy's
+    norms of the two may round differently in the last bit)."""
+    r = _results(out)
+    return [(x["loss"], x["grad_norm"]) for lay in sorted(r["layouts"]) for x in r["layouts"][lay]], \
+        [c["value"] for c in r["checks"]]
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and a[1] == pytest.approx(b[1], rel=1e-12)
+
+
+@pytest.fixture(scope="module")
+def own_launcher(tmp_path_factory):
+    out = tmp_path_factory.mktemp("own")
+    r = subprocess.run([sys.executable, "-m", "harness", "converge", *TWO, "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return _losses(out)
+
+
+def test_torchrun_of_the_users_starting_the_harness_gives_the_same_report(own_launcher, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", "localhost:0", "-m", "harness", "converge", *TWO, "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("verdict: PASS") == 1  # rank 0 speaks; one report
+    assert len(list(tmp_path.glob("converge-*"))) == 1 and _same(_losses(tmp_path), own_launcher)
+
+
+def _srun_env(rank: int, port: int, **extra) -> dict:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return {**env, "SLURM_PROCID": str(rank), "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": str(rank),
+            "SLURM_STEP_TASKS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **extra}
+
+
+def test_srun_tasks_starting_the_harness_give_the_same_report(own_launcher, tmp_path):
+    """What ``srun --ntasks 2 dcp-harness converge ...`` gives each task (the environment srun sets)."""
+    port = _free_port()
+    tasks = [subprocess.Popen([sys.executable, "-m", "harness", "converge", *TWO, "--out", str(tmp_path)], cwd=ROOT,
+                              env=_srun_env(r, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    outs = [t.communicate(timeout=300) for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], [o[1][-1500:] for o in outs]
+    assert "verdict: PASS" in outs[0][0] and outs[1][0].strip() == ""
+    assert _same(_losses(tmp_path), own_launcher)
+
+
+def test_a_launched_world_the_command_does_not_fit_is_one_line_per_rank(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", "localhost:0", "-m", "harness", "converge", *SMALL, "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("dcp-harness: error:")]
+    assert r.returncode != 0 and len(errors) == 2 and all("give --world 2" in e for e in errors), r.stderr[-2000:]
+    env = _srun_env(0, 1)
+    del env["MASTER_ADDR"], env["MASTER_PORT"]
+    r = subprocess.run([sys.executable, "-m", "harness", "converge", *TWO, "--out", str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "MASTER_ADDR and MASTER_PORT is not set" in lines[0], r.stderr
