@@ -204,3 +204,16 @@ def test_a_launched_world_the_command_does_not_fit_is_one_line_per_rank(tmp_path
                        capture_output=True, text=True, timeout=60)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "MASTER_ADDR and MASTER_PORT is not set" in lines[0], r.stderr
+
+
+def test_the_slurm_example_is_valid_bash_naming_real_options():
+    script = ROOT / "docs" / "slurm.sbatch"
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    text = script.read_text()
+    assert "MASTER_ADDR" in text and "MASTER_PORT" in text and "srun" in text
+    from harness.cli import parser
+
+    for line in ("converge --device cuda --world 8 --steps 50 --out x",
+                 "converge --device cuda --world 8 --nnodes 2 --node-rank 1 --rdzv-endpoint h:29500"):
+        parser().parse_args(line.split())  # the options the script uses exist
