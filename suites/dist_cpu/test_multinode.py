@@ -217,3 +217,19 @@ def test_the_slurm_example_is_valid_bash_naming_real_options():
     for line in ("converge --device cuda --world 8 --steps 50 --out x",
                  "converge --device cuda --world 8 --nnodes 2 --node-rank 1 --rdzv-endpoint h:29500"):
         parser().parse_args(line.split())  # the options the script uses exist
+
+
+def test_the_step_benchmark_on_two_nodes_writes_one_report(tmp_path):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "harness", "bench", "step", "--cpu", "--nproc", "1", "--nnodes", "2",
+           "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    n1 = subprocess.Popen([*cmd, "--node-rank", "1", "--out", str(tmp_path / "n1" / "b.json")], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    n0 = subprocess.run([*cmd, "--node-rank", "0", "--out", str(tmp_path / "n0" / "b.json")], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+    out1, err1 = n1.communicate(timeout=120)
+    assert n0.returncode == 0 and n1.returncode == 0, (n0.stderr[-1500:], err1[-1500:])
+    assert "on node 0 of 2 (2 ranks)" in n0.stdout and "node 1 of 2: its ranks finished" in out1
+    report = json.loads((tmp_path / "n0" / "b.json").read_text())
+    assert report["config"]["gpus"] == 2 and report["config"]["nodes"] == 2
+    assert not (tmp_path / "n1" / "b.json").exists()

@@ -18,6 +18,7 @@ from harness.bench.step.config import BenchConfigError, StepBenchConfig
 from harness.bench.step.summarise import TARGETS, checks, summarize
 from harness.io import atomic_write_text
 from harness.jobs.entry import launch, register
+from harness.jobs.nodes import Nodes
 from harness.report.step_report import render
 from harness.report.step_tables import (
     BREAKDOWN_COLUMNS,
@@ -45,7 +46,9 @@ def _progress(line: str) -> None:
 
 
 def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None = None, cpu: bool = False,
-         overrides: dict | None = None, stall_s: float | None = None) -> int:
+         overrides: dict | None = None, stall_s: float | None = None, nodes: Nodes | None = None) -> int:
+    """``nproc``: processes on this machine; ``nodes``: this machine of a multi-node job (the world is
+    ``nproc x nnodes``; node 0 writes the report)."""
     import torch
 
     cuda = torch.cuda.is_available() and not cpu
@@ -58,26 +61,32 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
     if cuda and n > torch.cuda.device_count():
         raise BenchConfigError(f"--nproc {n} needs {n} GPUs but {torch.cuda.device_count()} are visible; "
                                f"use --nproc <= {torch.cuda.device_count()}")
-    cfg.validate(n)
+    nodes = nodes or Nodes()
+    world = n * nodes.nnodes
+    cfg.validate(world)
     out = out or REPORTS / "bench_step.json"
     html = html or out.with_suffix(".html")
     if cfg.trace_dir == "":
         cfg = replace(cfg, trace_dir=str(out.parent / f"{out.stem}_traces"))
     where = torch.cuda.get_device_name(0) if cuda else "CPU (gloo)"
-    print(f"bench step: {n} x {where}, model {cfg.model}, {cfg.dtype}, "
+    print(f"bench step: {n} x {where}{f' on {nodes.describe()} ({world} ranks)' if nodes.multi else ''}, "
+          f"model {cfg.model}, {cfg.dtype}, "
           f"blocks {'compiled (' + cfg.compile_label() + ')' if cfg.compile_label() else 'eager'}"
           f"{f', token bucket {cfg.token_bucket}' if cfg.token_bucket else ''}, gradient all-reduce {cfg.grad_reduce}, "
           f"arms {', '.join(cfg.arms)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         cfg_json = {**cfg.to_dict(), "arms": list(cfg.arms)}
         res = launch(JOB, n, Path(tmp) / "step.json", cfg_json, stream=_progress, stall_s=stall_s,
-                     log=out.parent / "logs" / f"bench-step-{time.strftime('%Y%m%d-%H%M%S')}.log")
+                     log=out.parent / "logs" / f"bench-step-{time.strftime('%Y%m%d-%H%M%S')}.log", nodes=nodes)
+    if res is None:  # a node other than node 0 (or a rank other than 0 of a world the user's launcher started)
+        print(f"{nodes.describe()}: its ranks finished; rank 0 writes the report", flush=True)
+        return 0
     summary = summarize(res, cfg)
     _print_tables(summary, cfg)
     cks = checks(summary, "cuda" if cuda else "cpu")
     _print_verdicts(summary, cks)
-    path = write_report("step", {**cfg.to_dict(), "gpus": n}, summary, out=out, checks=cks)
-    atomic_write_text(html, render(summary, cfg, cks, n))
+    path = write_report("step", {**cfg.to_dict(), "gpus": world, "nodes": nodes.nnodes}, summary, out=out, checks=cks)
+    atomic_write_text(html, render(summary, cfg, cks, world))
     print(f"wrote {path}\nwrote {html}")
     return 0 if all(c["pass"] is not False for c in cks) else 1
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from harness import cli_types as T
 from harness.bench.step import COMPILE_CHOICES, GRAD_REDUCE_CHOICES, StepBenchConfig, load_cost_model, main
-from harness.commands.common import add_out, add_stall, names, overrides
+from harness.commands.common import add_nodes, add_out, add_stall, names, nodes_from, overrides
 
 NAME = "step"
 HELP = "(GPU) training step time: dynamic CP vs static CP (Megatron's benchmark)"
@@ -22,6 +22,7 @@ def add_arguments(p) -> None:
     p.add_argument("--nproc", type=T.WORLD, default=None, help="processes (default min(4, GPUs); 2 with --cpu)")
     p.add_argument("--cpu", action="store_true", help="smoke configuration on gloo (tiny model, no targets)")
     add_stall(p)
+    add_nodes(p)
     p.add_argument("--model", default=None, help="model key (default gpt-12l-h2048; tiny-gpt with --cpu)")
     p.add_argument("--lengths", default=None, help="length spec (default lognormal:mean=1024,sigma=1.5,min=128,max=8192)")
     p.add_argument("--max-seqlen-per-rank", type=T.TOKENS, default=None)
@@ -73,5 +74,6 @@ def add_arguments(p) -> None:
 def run(a) -> int:
     if a.cpu and a.nproc is not None:
         T.check_cpu_ranks(a.nproc, "--nproc")
+    nodes, _ = nodes_from(a, a.nnodes)
     return main(nproc=a.nproc, out=a.out, html=a.html, cpu=a.cpu, overrides=overrides(a, StepBenchConfig, CONVERT),
-                stall_s=a.stall_timeout)
+                nodes=nodes, stall_s=a.stall_timeout)
