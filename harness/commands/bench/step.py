@@ -1,7 +1,8 @@
 """``dcp-harness bench step``: training step time, dynamic against static CP (GPUs; ``--cpu`` a smoke run).
 
 Every option whose dest is a field of ``StepBenchConfig`` overrides that field when given (``overrides``);
-the others (``--nproc``, ``--cpu``, ``--stall-timeout``, ``--out``, ``--html``) say how the job runs."""
+the others (``--nproc``, ``--cpu``, ``--stall-timeout``, ``--out``, ``--html``, the node options) say how the job
+runs."""
 
 from __future__ import annotations
 
