@@ -26,7 +26,7 @@ from harness.heartbeat import Heartbeat
 from harness.io import atomic_write_json
 from harness.jobs import launcher, peers
 from harness.jobs.nodes import Nodes
-from harness.jobs.watchdog import PEER_ERRORS, JobFailure, die_with_parent
+from harness.jobs.watchdog import PEER_ERRORS, JobFailure, describe_peer, die_with_parent
 from harness.plan.errors import PlanInputError
 
 JOBS = {"checks": "harness.parallel.checks:all_checks", "converge": "harness.train.trainer:train",
@@ -108,11 +108,10 @@ def run_rank(job: str, out, job_cfg: dict, rank: int, world: int, local_rank: in
         if cuda:
             torch.cuda.set_device(local_rank)
         timeout = dt.timedelta(seconds=float(job_cfg.get("collective_timeout_s", 600)))
-        if job_cfg.get("nnodes", 1) > 1:  # every node runs as many processes, and each watches the others
+        if job_cfg.get("nnodes", 1) > 1:  # every node runs as many processes (before the group waits for them)
             peers.check_nodes_agree(job_cfg["nnodes"], float(job_cfg.get("rdzv_timeout_s", 300)))
-            watch = peers.PeerWatch(rank, world, int(os.environ["LOCAL_WORLD_SIZE"]),
-                                    float(job_cfg.get("stall_s", 180)), heartbeat).start()
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, rank=rank, world_size=world)
+        watch = _peer_watch(job, job_cfg, rank, world, heartbeat)
         cfg = {**job_cfg, "device": "cuda" if cuda else "cpu"}
         with _around(cfg.get("around")):
             result = _job(job)(rank, world, cfg)
@@ -130,6 +129,24 @@ def run_rank(job: str, out, job_cfg: dict, rank: int, world: int, local_rank: in
             watch.diagnose()
         raise
     dist.destroy_process_group()
+
+
+def _peer_watch(job: str, cfg: dict, rank: int, world: int, heartbeat):
+    """Each rank watches the other nodes' ranks (``harness.jobs.peers``): in a multi-node job the harness launched
+    (the note goes to this node's launcher), or as a rank of a several-node world the user's launcher started (the
+    rank prints the line and leaves: nothing of the harness watches it from outside)."""
+    stall = float(cfg.get("stall_s", 180))
+    if cfg.get("nnodes", 1) > 1:
+        return peers.PeerWatch(rank, world, int(os.environ["LOCAL_WORLD_SIZE"]), stall, heartbeat).start()
+    local = int(cfg.get("launched_local_world", world))
+    if local >= world:
+        return None
+
+    def leave(note: dict) -> None:
+        print(f"dcp-harness: error: {job}: {describe_peer({'rank': rank, **note})}", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    return peers.PeerWatch(rank, world, local, stall, heartbeat, on_peer=leave).start()
 
 
 class LaunchedWorldError(PlanInputError):
@@ -166,8 +183,9 @@ def local_ranks(default: int) -> int:
 
 
 def _run_in_place(job: str, out: Path, cfg: dict, here, stall: float) -> dict | None:
-    rank, world, local, _ = here
-    cfg = {**cfg, "collective_timeout_s": cfg.get("collective_timeout_s", 2 * stall)}
+    rank, world, local, local_world = here
+    cfg = {**cfg, "collective_timeout_s": cfg.get("collective_timeout_s", 2 * stall), "stall_s": stall,
+           "launched_local_world": local_world}
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun and the harness's own launcher run ranks (srun does not)
         import torch  # lazy: the launcher side imports this module without torch
 

@@ -53,8 +53,12 @@ def check_nodes_agree(nnodes: int, timeout_s: float, store=None) -> None:
 class PeerWatch:
     """The liveness of the other nodes' ranks, seen from this rank (see the module doc)."""
 
-    def __init__(self, rank: int, world: int, local: int, stall_s: float, heartbeat, store=None):
+    def __init__(self, rank: int, world: int, local: int, stall_s: float, heartbeat, store=None, on_peer=None):
+        """``on_peer(note)``: what to do when a peer stops (default: write it to ``heartbeat``, where this node's
+        launcher reads it; a rank its user's launcher started prints the line and leaves instead)."""
         self.rank, self.world, self.local, self.heartbeat = rank, world, local, heartbeat
+        self.on_peer = on_peer or (lambda note: heartbeat.note("peer", **note))
+        self.seen: dict | None = None
         # a live process ticks every second whatever its main thread does; silence for half the launcher's stall
         # limit names the other node's rank before this node's launcher blames its own (waiting) ranks
         self.stall_s = max(5.0, stall_s / 2)
@@ -84,9 +88,12 @@ class PeerWatch:
             return False
         dead = [r for r in others if after[r] == before[r]]
         if dead:
-            self.heartbeat.note("peer", peer=dead[0], node=dead[0] // self.local, silent_s=wait_s, started=True,
-                                after_error=True)
+            self._report(peer=dead[0], node=dead[0] // self.local, silent_s=wait_s, started=True, after_error=True)
         return bool(dead)
+
+    def _report(self, **note) -> None:
+        self.seen = {"rank": self.rank, "time": time.time(), **note}
+        self.on_peer(note)
 
     def _run(self) -> None:
         others = [r for r in range(self.world) if r // self.local != self.node]
@@ -100,9 +107,8 @@ class PeerWatch:
                     if v != last[r][0]:
                         last[r] = (v, now)
                     elif now - last[r][1] > self.stall_s:
-                        self.heartbeat.note("peer", peer=r, node=r // self.local, silent_s=now - last[r][1],
-                                            started=v > 0)
+                        self._report(peer=r, node=r // self.local, silent_s=now - last[r][1], started=v > 0)
                         return
         except Exception as e:  # noqa: BLE001 - the store's host (node 0) is gone: say so, once
             if not self._stop.is_set():
-                self.heartbeat.note("peer", peer=0, node=0, silent_s=None, started=True, store_error=str(e)[:200])
+                self._report(peer=0, node=0, silent_s=None, started=True, store_error=str(e)[:200])

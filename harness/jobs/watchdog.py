@@ -110,13 +110,18 @@ def peer_failure(folder) -> tuple[int, str] | None:
     if not notes:
         return None
     n = min(notes, key=lambda x: x["time"])
+    return n["peer"], describe_peer(n)
+
+
+def describe_peer(n: dict) -> str:
+    """The line for a peer note (``harness.jobs.peers``): which rank of which node stopped, seen by which rank."""
     if n.get("store_error"):
-        return n["peer"], (f"rank {n['rank']} lost the rendezvous store on node 0 ({n['store_error']}): node 0 "
-                           "died or its agent stopped")
+        return (f"rank {n['rank']} lost the rendezvous store on node 0 ({n['store_error']}): node 0 died or its "
+                "agent stopped")
     how = "went away: this node's ranks lost their connections to it" if n.get("after_error") else \
         f"stopped reporting for {n['silent_s']:.0f} s" if n.get("started") else f"never reported in {n['silent_s']:.0f} s"
-    return n["peer"], (f"rank {n['peer']} on node {n['node']} {how} (seen by rank {n['rank']}): its process died or "
-                       f"was stopped, or node {n['node']} went away")
+    return (f"rank {n['peer']} on node {n['node']} {how} (seen by rank {n['rank']}): its process died or was "
+            f"stopped, or node {n['node']} went away")
 
 
 def first_failure(folder, nproc: int, gone_at: dict[int, float], exit_codes: dict[int, int],

@@ -233,3 +233,36 @@ def test_the_step_benchmark_on_two_nodes_writes_one_report(tmp_path):
     report = json.loads((tmp_path / "n0" / "b.json").read_text())
     assert report["config"]["gpus"] == 2 and report["config"]["nodes"] == 2
     assert not (tmp_path / "n1" / "b.json").exists()
+
+
+def test_under_the_users_torchrun_a_node_that_dies_is_named_by_the_other(tmp_path):
+    port = _free_port()
+    args = ["-m", "harness", "converge", *TWO, "--steps", "60", "--stall-timeout", "10"]
+
+    def agent(rank: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                                 str(rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+                                 str(port), *args, "--out", str(tmp_path / f"n{rank}")], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    n1, n0 = agent(1), agent(0)
+    deadline = time.monotonic() + 120
+    pids: list[int] = []
+    while not pids and time.monotonic() < deadline:  # node 1's rank, once node 0's rank 0 trains
+        time.sleep(1)
+        if list((tmp_path / "n0").rglob("metrics.jsonl")):
+            found = subprocess.run(["pgrep", "-f", f"harness converge.*{tmp_path / 'n1'}"], capture_output=True,
+                                   text=True)
+            pids = [int(p) for p in found.stdout.split() if int(p) != n1.pid]
+    for pid in pids:
+        subprocess.run(["kill", "-9", str(pid)])
+    try:
+        _, err = n0.communicate(timeout=90)
+    finally:
+        for p in (n0, n1):
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=30)
+    assert pids, "node 1's rank did not start"
+    lines = [line for line in err.splitlines() if line.startswith("dcp-harness: error:")]
+    assert len(lines) == 1 and "rank 1 on node 1 went away" in lines[0], err[-2000:]
