@@ -9,6 +9,7 @@ reference. The verdict is PASS only when every check passes; ``verify.json`` kee
 
 from __future__ import annotations
 
+import base64
 import pickle
 import shutil
 from dataclasses import dataclass, replace
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from harness.faults.catalogue import get, planted
 from harness.io import atomic_write_json
-from harness.jobs.entry import launch, register
+from harness.jobs.entry import launch, launched_world, register
 from harness.jobs.launch import run_on_ranks
 from harness.plan import Schedule
 from harness.stack import checks
@@ -37,10 +38,14 @@ class Verified:
     out: Path
 
 
-def _load(paths: list[str]) -> list[dict]:
+def _load(items: list) -> list[dict]:
+    """Each rank's reports: from the file it wrote, or carried in the result (``inline``)."""
     out = []
-    for p in paths:
-        with open(p, "rb") as f:
+    for item in items:
+        if isinstance(item, dict):
+            out.append(pickle.loads(base64.b64decode(item["inline"])))  # noqa: S301 - this job's own ranks
+            continue
+        with open(item, "rb") as f:
             out.append(pickle.load(f))  # noqa: S301 - written by this job's own ranks just now
     return out
 
@@ -54,19 +59,20 @@ def spawned_rank(rank: int, world: int, cfg: dict) -> str:
 
 
 def _run(stack: str, options: dict, cfg: TrainConfig, world: int, folder: Path, *, stall_s, stream,
-         spawn: bool, plant: str | None) -> list[dict]:
+         spawn: bool, plant: str | None) -> list[dict] | None:
     folder.mkdir(parents=True, exist_ok=True)
     job_cfg = {**cfg.to_dict(), "stack": stack, "options": options, "report_dir": str(folder),
-               **({"around": [PLANTED, plant]} if plant else {})}
+               # ranks a user's launcher started may share no folder: their reports travel with the results
+               "inline": launched_world() is not None, **({"around": [PLANTED, plant]} if plant else {})}
     if spawn:  # forked CPU ranks (gloo): no torchrun start-up; the suites' way
         return _load(run_on_ranks(spawned_rank, world_size=world, tmp_path=folder, args=(job_cfg,),
                                   timeout_s=float(stall_s or 120)))
     res = launch(JOB, world, folder / "job.json", job_cfg, stall_s=stall_s, stream=stream)
-    return _load(res["ranks"])
+    return None if res is None else _load(res["ranks"])  # None: a rank other than 0 of a user-launched world
 
 
 def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path, options: dict | None = None, stall_s=None,
-           stream=None, spawn: bool = False, plant: str | None = None) -> Verified:
+           stream=None, spawn: bool = False, plant: str | None = None) -> Verified | None:
     """Run ``stack`` (``harness.stack.drive.load_factory``'s spec) under ``cfg`` (layouts, steps, corpus, dtype,
     device, scheduler, max_seqlen_per_rank) on ``world`` ranks and its one-rank reference; judge and write
     ``out/verify.json``. ``spawn``: run the ranks as forked CPU processes (``harness.jobs.launch.run_on_ranks``)
@@ -81,8 +87,12 @@ def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path, options: dict
     cfg.layout_config(world)  # a batch the layouts cannot lay out fails here, before any rank starts
     options = options or {}
     work = out / "verify-work"
-    shutil.rmtree(work, ignore_errors=True)
+    here = launched_world()
+    if here is None or here[0] == 0:  # under a user's launcher every rank runs this: rank 0 owns the folder
+        shutil.rmtree(work, ignore_errors=True)
     got = _run(stack, options, cfg, world, work / "layouts", stall_s=stall_s, stream=stream, spawn=spawn, plant=plant)
+    if got is None:  # a rank other than 0 of a world the user's launcher started: rank 0 judges and writes
+        return None
     ref_cfg = replace(cfg, layouts=(checks.REF_LAYOUT,),
                       max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest_sequence(cfg)))
     ref = _run(stack, options, ref_cfg, 1, work / "reference", stall_s=stall_s, stream=stream, spawn=spawn, plant=plant)

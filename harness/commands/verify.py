@@ -85,6 +85,8 @@ def run(a) -> int:
                       **({"model": opts["model"]} if isinstance(opts.get("model"), str) else {}))
     cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank or default_max_seqlen(cfg, a.world))
     res = verify.verify(a.stack, cfg, world=a.world, out=out, options=opts, stall_s=a.stall_timeout, plant=a.plant)
+    if res is None:  # a rank other than 0 of a world the user's launcher started
+        return 0
     print(f"stack: {res.stack} ({a.stack}), {a.world} ranks, {a.steps} steps, {cfg.dtype}")
     for c in res.checks:
         print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['value']:.3g}")

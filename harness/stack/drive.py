@@ -5,11 +5,12 @@ The stack is named by ``cfg["stack"]``: ``"harness"`` (``harness.stack.runtime``
 the stack builds its model from ``cfg["seed"]`` and trains ``cfg["steps"]`` global batches of the harness's corpus,
 each laid out by the harness's schedule for that layout (the same on every rank: planning is deterministic); the
 first step asks for gradients, token losses and CP groups, every later step for the CP groups. Each rank writes its reports to
-``cfg["report_dir"]/rank{r}.pkl`` and returns the path.
+``cfg["report_dir"]/rank{r}.pkl`` and returns the path (``cfg["inline"]``: returns them, pickled, in the result).
 """
 
 from __future__ import annotations
 
+import base64
 import importlib
 import importlib.util
 import pickle
@@ -70,7 +71,7 @@ def _portable(report):
     return report
 
 
-def job(rank: int, world: int, cfg: dict) -> str:
+def job(rank: int, world: int, cfg: dict) -> str | dict:
     """Every layout's steps on this rank (see the module doc)."""
     tcfg = TrainConfig.from_dict({k: v for k, v in cfg.items() if k in TrainConfig.__dataclass_fields__})
     lcfg, cost = tcfg.layout_config(world), model_cost(tcfg) if tcfg.model else None
@@ -95,6 +96,8 @@ def job(rank: int, world: int, cfg: dict) -> str:
     close = getattr(stack, "close", None)
     if callable(close):
         close()
+    if cfg.get("inline"):  # carried in the job's result (ranks that share no folder)
+        return {"inline": base64.b64encode(pickle.dumps(out)).decode()}
     path = Path(cfg["report_dir"]) / f"rank{rank}.pkl"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

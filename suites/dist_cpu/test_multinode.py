@@ -266,3 +266,12 @@ def test_under_the_users_torchrun_a_node_that_dies_is_named_by_the_other(tmp_pat
     assert pids, "node 1's rank did not start"
     lines = [line for line in err.splitlines() if line.startswith("dcp-harness: error:")]
     assert len(lines) == 1 and "rank 1 on node 1 went away" in lines[0], err[-2000:]
+
+
+def test_verify_under_the_users_torchrun_judges_once_with_reports_carried_in_the_results(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", "localhost:0", "-m", "harness", "verify", "harness", "--world", "2",
+                        "--steps", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.count("verdict: PASS") == 1, (r.stdout[-1500:], r.stderr[-1500:])
+    assert json.loads((tmp_path / "verify.json").read_text())["verdict"] == "PASS"
+    assert not (tmp_path / "verify-work").exists()
