@@ -1,6 +1,11 @@
 """Two "nodes" of 2 GPUs each on one 4-GPU machine (two torchrun agents, ``--nnodes 2``, node 0 serving the
-rendezvous on 127.0.0.1, each agent seeing its own two GPUs) against one agent of 4 GPUs: the same losses and
-gradient norms in bf16 with NCCL, bit for bit, and the same check values."""
+rendezvous on 127.0.0.1, each agent seeing its own two GPUs) against one agent of 4 GPUs, in bf16 with NCCL: the
+same losses bit for bit, and gradient norms equal to ~1e-10 relative.
+
+Why not the norms bit for bit: each agent sees only its own two GPUs (``CUDA_VISIBLE_DEVICES``), so NCCL joins the two
+pairs over shared memory instead of peer-to-peer and picks another algorithm for the small all-reduce of the squared
+norms; the gradients themselves (large buffers), and so the parameters and every loss, stay bit-identical.
+Seen on 4 x H200: step 3's norm 0.555361167739024 (2 x 2) against 0.5553611677043417 (1 x 4), losses equal."""
 
 from __future__ import annotations
 
@@ -52,13 +57,14 @@ def test_two_nodes_of_two_gpus_give_what_one_node_of_four_gives(tmp_path):
     worst = 0.0
     for layout in b["layouts"]:
         for ra, rb in zip(a["layouts"][layout], b["layouts"][layout]):
-            worst = max(worst, abs(ra["loss"] - rb["loss"]), abs(ra["grad_norm"] - rb["grad_norm"]))
+            worst = max(worst, abs(ra["grad_norm"] - rb["grad_norm"]) / abs(rb["grad_norm"]))
     print({"verdicts": (a["verdict"], b["verdict"]), "layouts": sorted(b["layouts"]),
-           "steps": len(b["layouts"]["dcp"]), "max |2x2 - 1x4| of losses and gradient norms": worst,
+           "steps": len(b["layouts"]["dcp"]), "max relative |2x2 - 1x4| of gradient norms": worst,
            "dcp losses 2x2": [r["loss"] for r in a["layouts"]["dcp"]],
            "dcp losses 1x4": [r["loss"] for r in b["layouts"]["dcp"]]})
     assert a["verdict"] == b["verdict"] == "PASS"
     for layout in b["layouts"]:
-        assert [(r["loss"], r["grad_norm"]) for r in a["layouts"][layout]] == \
-            [(r["loss"], r["grad_norm"]) for r in b["layouts"][layout]], layout
-    assert [c["value"] for c in a["checks"]] == [c["value"] for c in b["checks"]]
+        assert [r["loss"] for r in a["layouts"][layout]] == [r["loss"] for r in b["layouts"][layout]], layout
+    assert worst <= 1e-8, worst
+    for ca, cb in zip(a["checks"], b["checks"]):
+        assert ca["target"] == cb["target"] and ca["value"] == pytest.approx(cb["value"], rel=1e-6, abs=1e-9), (ca, cb)
