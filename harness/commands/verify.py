@@ -14,14 +14,15 @@ from harness.data.corpus import CorpusConfig
 from harness.paths import REPORTS
 
 NAME = "verify"
-HELP = "check a training stack (harness, or path/to/file.py:make) against its one-rank run"
+HELP = "check a training stack (harness, megatron-core, or path/to/file.py:make) against its one-rank run"
 DESCRIPTION = ("Run STACK's steps through the stack protocol (harness.stack) on --world ranks and on one rank "
-               "without CP, and check them. STACK: 'harness' (the harness's runtime), 'path/to/file.py:make' or "
+               "without CP, and check them. STACK: 'harness' (the harness's runtime), 'megatron-core' (megatron-core's own "
+               "hybrid CP with TransformerEngine; GPUs), 'path/to/file.py:make' or "
                "'package.module:make' (make(ctx, **options) returns a harness.stack.Stack).")
 
 
 def add_arguments(c) -> None:
-    c.add_argument("stack", help="harness, path/to/file.py:make or package.module:make")
+    c.add_argument("stack", help="harness, megatron-core, path/to/file.py:make or package.module:make")
     c.add_argument("--world", type=T.WORLD, default=4, help="ranks of the DP x CP domain (a power of two)")
     c.add_argument("--steps", type=T.STEPS, default=3)
     c.add_argument("--layouts", default="bshd,thd,dcp", help="comma-separated: bshd, thd, dcp")
@@ -72,7 +73,10 @@ def run(a) -> int:
     from harness.train.config import TrainConfig  # lazy: torch, as above
 
     opts = options(a.option)
-    load_factory(a.stack)  # a stack that cannot be found fails here, before any rank starts
+    factory = load_factory(a.stack)  # a stack that cannot be found fails here, before any rank starts
+    check = getattr(factory, "preflight", None)  # a factory may name what its stack needs (packages, devices)
+    if callable(check):
+        check(a.device, a.world)
     if a.device == "cpu":
         T.check_cpu_ranks(a.world, "--world")
     out = a.out or REPORTS / "verify"

@@ -24,7 +24,7 @@ from harness.stack.protocol import WANTS, StackContext, StackError, StepRequest,
 from harness.train import layouts
 from harness.train.config import TrainConfig, model_cost
 
-BUILTIN = {"harness": "harness.stack.runtime:make"}
+BUILTIN = {"harness": "harness.stack.runtime:make", "megatron-core": "harness.stack.megatron_core:make"}
 """Stacks known by name (``dcp-harness verify harness``)."""
 
 

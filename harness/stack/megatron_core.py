@@ -1,0 +1,289 @@
+"""megatron-core's own dynamic (hybrid) CP behind the stack protocol: ``dcp-harness verify megatron-core``.
+
+What runs is megatron-core's, end to end, as its training loop drives it:
+
+- the model: ``GPTModel`` with the TransformerEngine layer spec (RoPE, TE's THD attention), a tiny configuration;
+- the groups: ``parallel_state.initialize_model_parallel(..., hybrid_context_parallel=True)`` and its
+  ``get_hybrid_data_context_parallel_groups``;
+- the step: ``get_forward_backward_func()`` -> ``hybrid_context_parallel_forward_backward``, fed the
+  ``(samples, sample_id_groups)`` pair its data iterator yields, one group per micro-batch of the harness's
+  schedule (the ``balanced`` scheduler, or ``megatron-dev``: the parity mode of megatron's own scheduler);
+- the CP slicing: ``megatron.core.utils.get_batch_on_this_cp_rank(..., is_hybrid_cp=True)``;
+- the attention's group: ``PackedSeqParams(local_cp_size, cp_group)``, which ``TEDotProductAttention`` hands TE
+  per call; the loss: ``GPTModel``'s per-token cross-entropy with ``calculate_per_token_loss``.
+
+The stack reduces the gradients itself (a flat all-reduce over the DP x CP ranks, divided by the tokens megatron
+counted), clips and steps AdamW, so what the checks compare is megatron-core's forward and backward. The one-rank
+reference is the same model through megatron-core's plain (non-hybrid) schedule, without CP.
+
+``workarounds`` (``--option workarounds=rope-cp-group,cp-stream`` or ``all``) patches upstream defects so a run
+can continue past them; the stack's name in the report lists every patch in force (``WORKAROUNDS``;
+``docs/upstream-findings.md``). The group each micro-batch reports is read back from TE's attention module after
+its forward: the group TE actually ran in, not the one the stack meant.
+
+Needs megatron-core >= 0.19 (Python >= 3.12), TransformerEngine and CUDA: ``preflight`` names what is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import sys
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from harness.plan.thd import zigzag_index_array
+from harness.stack.protocol import StackContext, StackError, StepReport, StepRequest
+
+INSTALL = ('pip install "transformer-engine[pytorch]==2.20.2" "megatron-core==0.19.2" on a CUDA machine with '
+           'Python >= 3.12 (the README\'s GPU section)')
+WORKAROUNDS = {
+    "rope-cp-group": "RoPE of THD packs takes the micro-batch's CP group (packed_seq_params.cp_group); upstream's "
+                     "attention passes the model's static CP group (transformer/attention.py), whose size is 1 "
+                     "under hybrid CP",
+    "cp-stream": "TEDotProductAttention.cp_stream is created before the first forward; upstream creates it only "
+                 "when context_parallel_size > 1, which hybrid CP never sets, and hands TE None",
+}
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def preflight(device: str, world: int) -> None:
+    """``StackError`` (one line: what to install or pass) unless megatron-core's hybrid CP can run here."""
+    have = _version("megatron-core")
+    if sys.version_info < (3, 12):
+        found = f" (found megatron-core {have})" if have else ""
+        raise StackError(f"verify megatron-core needs megatron-core 0.19, which needs Python >= 3.12; this is Python "
+                         f"{sys.version_info.major}.{sys.version_info.minor}{found}: {INSTALL}")
+    if have is None:
+        raise StackError(f"verify megatron-core needs megatron-core: {INSTALL}")
+    if tuple(int(x) for x in have.split(".")[:2] if x.isdigit()) < (0, 19):
+        raise StackError(f"verify megatron-core needs megatron-core >= 0.19, found {have}: {INSTALL}")
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise StackError(f"verify megatron-core needs TransformerEngine (megatron-core's THD CP attention): {INSTALL}")
+    if device != "cuda":
+        raise StackError("verify megatron-core runs on CUDA devices only (TransformerEngine); pass --device cuda")
+    if torch.cuda.device_count() < world:
+        raise StackError(f"--world {world} needs {world} CUDA GPUs; this machine has {torch.cuda.device_count()}: "
+                         f"pass --world {max(1, torch.cuda.device_count())}")
+
+
+def _workarounds(spec) -> tuple[str, ...]:
+    if spec in (None, "", "none"):
+        return ()
+    names = tuple(WORKAROUNDS) if spec == "all" else tuple(x.strip() for x in str(spec).split(",") if x.strip())
+    unknown = [n for n in names if n not in WORKAROUNDS]
+    if unknown:
+        raise StackError(f"unknown megatron-core workaround {unknown[0]!r}; choose from {', '.join(WORKAROUNDS)}, "
+                         "all or none")
+    return names
+
+
+class MegatronCoreStack:
+    """megatron-core's GPTModel and hybrid-CP step (see the module doc)."""
+
+    def __init__(self, ctx: StackContext, workarounds=None, layers: int = 2, hidden: int = 64, heads: int = 4,
+                 kv_heads: int = 2, lr: float = 3e-3):
+        preflight(ctx.device, ctx.world)
+        if ctx.dtype != "bfloat16":
+            raise StackError(f"megatron-core's THD CP attention (TransformerEngine) runs in bf16, not {ctx.dtype}; "
+                             "pass --dtype bfloat16")
+        from megatron.core import parallel_state  # lazy: an optional GPU package (preflight named it)
+
+        self.ctx, self.fixes = ctx, _workarounds(workarounds)
+        self.shape = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, lr=lr)
+        self.hybrid = ctx.world > 1
+        self.name = f"megatron-core {_version('megatron-core')} + TE {_version('transformer-engine')}" + \
+            (f" (workarounds: {', '.join(self.fixes)})" if self.fixes else "")
+        self.ps = parallel_state
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                                     context_parallel_size=1, hybrid_context_parallel=self.hybrid)
+        self._group = None  # the CP group of the micro-batch in flight (the rope-cp-group workaround reads it)
+        if "rope-cp-group" in self.fixes:
+            self._patch_rope()
+
+    def _patch_rope(self) -> None:
+        from megatron.core.transformer import attention  # lazy: as above
+
+        original = attention.apply_rotary_pos_emb
+        if getattr(original, "_dcp_harness", False):
+            return
+
+        def rope(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kw):
+            if cu_seqlens is not None and self._group is not None:
+                cp_group = self._group
+            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **kw)
+
+        rope._dcp_harness = True
+        attention.apply_rotary_pos_emb = rope
+
+    def build(self, seed: int) -> None:
+        from megatron.core.models.gpt import GPTModel  # lazy: as above
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        s = self.shape
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        config = TransformerConfig(
+            num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
+            num_query_groups=s["kv_heads"], ffn_hidden_size=4 * s["hidden"], hidden_dropout=0.0, attention_dropout=0.0,
+            use_cpu_initialization=True, params_dtype=torch.float32, enable_autocast=True,
+            autocast_dtype=torch.bfloat16, calculate_per_token_loss=True, hybrid_context_parallel=self.hybrid,
+            context_parallel_size=1, variable_seq_lengths=True)
+        model = GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=self.ctx.vocab,
+                         max_sequence_length=1 << 16, position_embedding_type="rope")
+        self.model = model.cuda()
+        if "cp-stream" in self.fixes:
+            from megatron.core.extensions.transformer_engine import TEDotProductAttention  # lazy: as above
+
+            if TEDotProductAttention.cp_stream is None:
+                TEDotProductAttention.cp_stream = torch.cuda.Stream()
+        if self.ctx.world > 1:  # CPU initialisation is deterministic; the broadcast only makes it certain
+            for p in self.model.parameters():
+                dist.broadcast(p.data, 0)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.0)
+        self.attention = [m for m in self.model.modules() if type(m).__name__ == "TEDotProductAttention"]
+
+    # -- samples: one per sequence, megatron's hybrid-CP sub-samples ------------------------------------------
+    @staticmethod
+    def _sample(seq: np.ndarray, cp: int) -> dict:
+        n = len(seq) - 1
+        padded = n if cp == 1 else -(-n // (2 * cp)) * 2 * cp
+        dev = torch.device("cuda")
+        tokens = torch.zeros(1, padded, dtype=torch.int64, device=dev)
+        labels = torch.zeros(1, padded, dtype=torch.int64, device=dev)
+        t = torch.as_tensor(seq, dtype=torch.int64, device=dev)
+        tokens[0, :n], labels[0, :n] = t[:-1], t[1:]
+        mask = torch.zeros(1, padded, dtype=torch.float32, device=dev)
+        mask[0, :n] = 1
+        return {"tokens": tokens, "labels": labels, "loss_mask": mask,
+                "position_ids": torch.arange(padded, device=dev)[None],
+                "cu_seqlens": torch.tensor([0, n], dtype=torch.int32, device=dev),
+                "cu_seqlens_padded": torch.tensor([0, padded], dtype=torch.int32, device=dev),
+                "max_seqlen": torch.tensor([padded], dtype=torch.int32, device=dev)}
+
+    def _forward(self, record: dict, data_iterator, model):
+        """megatron's ``forward_step_func``: one sub-sample, sliced for its CP group by megatron's own function."""
+        from megatron.core.packed_seq_params import PackedSeqParams  # lazy: as above
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        sample = dict(next(data_iterator))
+        gid = int(sample.pop("gid"))
+        local = int(sample["local_cp_size"].item()) if "local_cp_size" in sample else 1
+        if self.hybrid:
+            sample = get_batch_on_this_cp_rank(sample, is_hybrid_cp=True,
+                                               hybrid_cp_group_func=self.ps.get_hybrid_data_context_parallel_groups)
+        group = sample.get("hybrid_cp_group") if local > 1 else None
+        self._group = group
+        cu, cup = sample["cu_seqlens"], sample["cu_seqlens_padded"]
+        padded = int(cup[-1].item())
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cup,
+                              cu_seqlens_kv_padded=cup, max_seqlen_q=padded, max_seqlen_kv=padded,
+                              local_cp_size=local if self.hybrid else None, cp_group=group)
+        out = model(sample["tokens"], sample["position_ids"], None, labels=sample["labels"], packed_seq_params=psp)
+        held = {getattr(m, "cp_group", None) for m in self.attention}
+        used = [tuple(dist.get_process_group_ranks(g)) if g is not None else (self.ctx.rank,) for g in held]
+        # TE's attention modules of one forward hold one group; if they do not, report -1 and the ranks of all
+        record["groups"][gid] = used[0] if len(used) == 1 else (-1, *sorted({r for u in used for r in u}))
+        cp_rank = dist.get_rank(group) if group is not None else 0
+        pos = zigzag_index_array(np.array([0, padded]), local, cp_rank)
+        return out, partial(self._loss, record, gid, torch.as_tensor(pos), sample["loss_mask"])
+
+    @staticmethod
+    def _loss(record: dict, gid: int, pos: torch.Tensor, loss_mask: torch.Tensor, output):
+        losses, mask = output.float().reshape(-1), loss_mask.reshape(-1)
+        total = (losses * mask).sum()
+        keep = mask.bool().cpu()
+        record["tokens"] += [(gid, int(p), float(c)) for p, c in zip(pos[keep], losses.detach().cpu()[keep])]
+        record["ce"] += float(total.detach())
+        tokens = mask.sum().to(torch.int)
+        return total, tokens, {"lm loss": torch.stack([total.detach(), tokens.float()])}
+
+    def _groups(self, request: StepRequest) -> tuple[list, dict, dict]:
+        """(sample_id_groups per micro-batch, every sample by sequence id, sequence id -> micro-batch)."""
+        world, groups, samples, where = self.ctx.world, [], {}, {}
+        for m, mb in enumerate(request.schedule.layout):
+            per_rank = [[] for _ in range(world)]
+            for b in mb:
+                for g in b.gids:
+                    samples[g] = {**self._sample(request.batch[g], b.size), "gid": g}
+                    where[g] = m
+                    for r in b.ranks:
+                        per_rank[r].append(g)
+            if any(per_rank):
+                groups.append(per_rank)
+        # megatron's schedule runs the last group's last sub-sample outside the no-sync context and indexes it
+        # on every rank: the last group must hold work for every rank. Move one that does to the end.
+        full = [j for j, g in enumerate(groups) if all(g)]
+        if self.hybrid and full and full[-1] != len(groups) - 1:
+            groups.append(groups.pop(full[-1]))
+        elif self.hybrid and not full:
+            raise StackError("megatron-core's hybrid-CP schedule needs a micro-batch that gives every rank work (it "
+                             "runs the last group's last sub-sample on every rank); this schedule has none")
+        return groups, samples, where
+
+    def step(self, request: StepRequest) -> StepReport:
+        from megatron.core.pipeline_parallel import get_forward_backward_func  # lazy: as above
+
+        me = self.ctx.rank
+        groups, samples, where = self._groups(request)
+        record = {"groups": {}, "tokens": [], "ce": 0.0}
+        if self.hybrid:
+            data, n = iter([(samples, groups)]), len(groups)
+        else:
+            order = [g for grp in groups for g in grp[me]]
+            data, n = iter([samples[g] for g in order]), len(order)
+        self.opt.zero_grad(set_to_none=False)
+        get_forward_backward_func()(forward_step_func=partial(self._forward, record), data_iterator=data,
+                                    model=self.model, num_microbatches=n, seq_length=0, micro_batch_size=1,
+                                    forward_only=False)
+        self._group = None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1)
+                          for p in params])
+        counts = torch.tensor([len(record["tokens"]), record["ce"]], dtype=torch.float64, device="cuda")
+        if self.ctx.world > 1:
+            dist.all_reduce(flat)
+            dist.all_reduce(counts)
+        total = float(counts[0])
+        flat /= total
+        offset = 0
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        grad_norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+        gradients = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()} \
+            if "gradients" in request.want else None
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        self.opt.step()
+        cp_groups = {}
+        for g, used in record["groups"].items():  # the sequences of one micro-batch ran in one group, or -1
+            m = where[g]
+            cp_groups[m] = used if cp_groups.get(m, used) == used else (-1, *used)
+        return StepReport(loss=float(counts[1]) / total, grad_norm=grad_norm, tokens=int(round(total)),
+                          gradients=gradients, token_losses=record["tokens"], cp_groups=cp_groups,
+                          extra={"stack": self.name})
+
+    def close(self) -> None:
+        if self.ps.model_parallel_is_initialized():
+            self.ps.destroy_model_parallel()
+
+
+def make(ctx: StackContext, **options) -> MegatronCoreStack:
+    return MegatronCoreStack(ctx, **options)
+
+
+make.preflight = preflight
