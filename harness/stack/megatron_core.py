@@ -140,7 +140,7 @@ class MegatronCoreStack:
             num_query_groups=s["kv_heads"], ffn_hidden_size=4 * s["hidden"], hidden_dropout=0.0, attention_dropout=0.0,
             use_cpu_initialization=True, params_dtype=torch.float32, enable_autocast=True,
             autocast_dtype=torch.bfloat16, calculate_per_token_loss=True, hybrid_context_parallel=self.hybrid,
-            context_parallel_size=1, variable_seq_lengths=True)
+            context_parallel_size=1)
         model = GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=self.ctx.vocab,
                          max_sequence_length=1 << 16, position_embedding_type="rope")
         self.model = model.cuda()
