@@ -258,12 +258,8 @@ class MegatronCoreStack:
             dist.all_reduce(counts)
         total = float(counts[0])
         flat /= total
-        offset = 0
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for p, g in zip(params, flat.split([p.numel() for p in params])):  # the reduced gradients, in place
+            p.grad = g.view_as(p).to(p.dtype).clone()
         grad_norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
         gradients = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()} \
             if "gradients" in request.want else None
