@@ -10,6 +10,7 @@ Seen on 4 x H200: step 3's norm 0.555361167739024 (2 x 2) against 0.555361167704
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -56,7 +57,9 @@ def test_two_nodes_of_two_gpus_give_what_one_node_of_four_gives(tmp_path):
     a, b = _results(tmp_path / "n0"), _results(tmp_path / "one")
     worst = 0.0
     for layout in b["layouts"]:
+        assert len(a["layouts"][layout]) == len(b["layouts"][layout]), layout
         for ra, rb in zip(a["layouts"][layout], b["layouts"][layout]):
+            assert math.isfinite(ra["grad_norm"]) and math.isfinite(rb["grad_norm"]), (layout, ra, rb)
             worst = max(worst, abs(ra["grad_norm"] - rb["grad_norm"]) / abs(rb["grad_norm"]))
     print({"verdicts": (a["verdict"], b["verdict"]), "layouts": sorted(b["layouts"]),
            "steps": len(b["layouts"]["dcp"]), "max relative |2x2 - 1x4| of gradient norms": worst,
@@ -66,6 +69,7 @@ def test_two_nodes_of_two_gpus_give_what_one_node_of_four_gives(tmp_path):
     for layout in b["layouts"]:
         assert [r["loss"] for r in a["layouts"][layout]] == [r["loss"] for r in b["layouts"][layout]], layout
     assert worst <= 1e-8, worst
+    assert len(a["checks"]) == len(b["checks"])
     for ca, cb in zip(a["checks"], b["checks"]):
         # the checks' values are differences against the reference run: a norm's last bits are a visible share
         assert ca["target"] == cb["target"] and ca["value"] == pytest.approx(cb["value"], rel=1e-2, abs=1e-6), (ca, cb)
