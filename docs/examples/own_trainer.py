@@ -88,10 +88,10 @@ def _gathered(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
 class OwnTrainer:
     name = "own-trainer"
 
-    def __init__(self, ctx: StackContext, bug: str | None = None):
+    def __init__(self, ctx: StackContext, bug: str | None = None, lr: float = 3e-3):
         if bug is not None and bug not in BUGS:
             raise ValueError(f"unknown bug {bug!r}; choose from {', '.join(BUGS)}")
-        self.ctx, self.bug = ctx, bug
+        self.ctx, self.bug, self.lr = ctx, bug, lr
         self.groups = {}  # (first rank, size) -> process group: every block a schedule can form
         size = 1
         while size <= ctx.world:
@@ -104,7 +104,7 @@ class OwnTrainer:
     def build(self, seed: int) -> None:
         torch.manual_seed(seed)
         self.model = TinyCausalLM(self.ctx.vocab)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3, betas=(0.9, 0.95))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, betas=(0.9, 0.95))
 
     def _sequence(self, tokens: torch.Tensor, group, cp: int, cp_rank: int, gid: int):
         """(cross-entropy of this rank's real tokens, their positions) of one sequence."""
@@ -173,5 +173,5 @@ class OwnTrainer:
                           gradients=gradients, token_losses=token_losses, cp_groups=cp_groups)
 
 
-def make(ctx: StackContext, bug: str | None = None) -> OwnTrainer:
-    return OwnTrainer(ctx, bug)
+def make(ctx: StackContext, bug: str | None = None, lr: float = 3e-3) -> OwnTrainer:
+    return OwnTrainer(ctx, bug, lr)

@@ -4,7 +4,8 @@ Two torchrun jobs run the stack (``harness.stack.drive``): every layout on ``wor
 one rank without CP (``harness.stack.checks.REF_LAYOUT``), both on the same corpus batches from the same seed.
 The checks (``harness.stack.checks``) judge token accounting, rank agreement, token coverage and CP groups
 against the batch and the schedule, and loss, gradient norm, step-1 gradients and token losses against the
-reference. The verdict is PASS only when every check passes; ``verify.json`` keeps every line.
+reference. With a golden of the case on this hardware (``harness.apps.verify_golden``) the loss and gradient-norm
+curves are also held to it. The verdict is PASS only when every check passes; ``verify.json`` keeps every line.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from harness import golden as golden_mod
+from harness.apps import verify_golden as vg
+from harness.apps.converge import hardware
 from harness.faults.catalogue import get, planted
 from harness.io import atomic_write_json
 from harness.jobs.entry import launch, launched_world, register
@@ -36,6 +40,17 @@ class Verified:
     checks: list[dict]
     stack: str
     out: Path
+    golden: str | None = None
+    """The golden file compared with or written (None: none)."""
+    curves: dict | None = None
+    """Rank 0's ``{"loss": [...], "grad_norm": [...]}`` per layout and of the reference (``"reference"``)."""
+
+
+def default_max_seqlen(cfg, world: int) -> int:
+    """Without ``--max-seqlen-per-rank``: the training default, or the least even value at which the static
+    layouts fit the run's longest sequence on ``world`` ranks."""
+    need = -(-longest_sequence(cfg) // world)
+    return max(cfg.max_seqlen_per_rank, need + need % 2)
 
 
 def _load(items: list) -> list[dict]:
@@ -72,12 +87,19 @@ def _run(stack: str, options: dict, cfg: TrainConfig, world: int, folder: Path, 
 
 
 def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path, options: dict | None = None, stall_s=None,
-           stream=None, spawn: bool = False, plant: str | None = None) -> Verified | None:
+           stream=None, spawn: bool = False, plant: str | None = None, golden: str = "off",
+           golden_root: Path | None = None) -> Verified | None:
     """Run ``stack`` (``harness.stack.drive.load_factory``'s spec) under ``cfg`` (layouts, steps, corpus, dtype,
     device, scheduler, max_seqlen_per_rank) on ``world`` ranks and its one-rank reference; judge and write
     ``out/verify.json``. ``spawn``: run the ranks as forked CPU processes (``harness.jobs.launch.run_on_ranks``)
     instead of under torchrun. ``plant``: a fault of the catalogue (``harness.faults``) active on every rank of
-    both runs - the harness's runtime only (the faults replace its functions); the verdict must be FAIL."""
+    both runs - the harness's runtime only (the faults replace its functions); the verdict must be FAIL.
+    ``golden``: ``auto`` (compare with the case's golden on this hardware when there is one), ``require`` (a
+    missing golden is a ``GoldenError``), ``update`` (write it from this run, which must PASS), ``off``."""
+    if golden not in ("auto", "require", "update", "off"):
+        raise StackError(f"golden must be auto, require, update or off, got {golden!r}")
+    if plant is not None and golden == "update":
+        raise StackError(f"--plant {plant} with --update-golden would write a golden of a planted bug: drop one")
     cfg.validate(world)
     if plant is not None:
         get(plant)  # an unknown name: one line before anything starts
@@ -104,8 +126,24 @@ def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path, options: dict
         schedules = [Schedule.from_dict(s) for s in per_rank[0]["schedules"]]
         lines += checks.accounting(layout, steps, per_rank[0]["lengths"], schedules)
         lines += checks.against_reference(layout, steps, ref_steps, cfg.dtype, REF_NAME)
+    runs = {**{layout: vg.series(got[0]["layouts"][layout]["reports"]) for layout in cfg.layouts},
+            "reference": vg.series(ref[0]["layouts"][checks.REF_LAYOUT]["reports"])}
+    hw, cid = hardware(cfg), vg.case_id(stack, options, cfg, world)
+    path = golden_mod.path_for(vg.GOLDEN_SUITE, cid, hw, **({"root": golden_root} if golden_root else {}))
+    hint = f"dcp-harness verify {stack} ... --update-golden (the same options, on {hw})"
+    if golden == "require" or (golden == "auto" and path.is_file()):
+        lines += vg.against(path, runs, cfg, hw, hint)
     verdict = "PASS" if all(c["pass"] for c in lines) else "FAIL"
+    used = str(path) if golden == "require" or (golden == "auto" and path.is_file()) else None
+    if golden == "update":
+        if verdict != "PASS":
+            raise StackError(f"refusing to write the golden {path}: this run's verdict is FAIL (a golden must come "
+                             "from a run whose every check passes)")
+        vg.write(path, runs, cfg, stack=stack, stack_name=got[0]["stack"], options=options, world=world, hw=hw,
+                 command=f"dcp-harness verify {stack} --world {world} --steps {cfg.steps} --update-golden")
+        used = str(path)
     atomic_write_json(out / "verify.json", {"stack": got[0]["stack"], "spec": stack, "world": world,
-                                             "verdict": verdict, "checks": lines, "config": cfg.to_dict()})
+                                             "verdict": verdict, "checks": lines, "config": cfg.to_dict(),
+                                             "golden": used})
     shutil.rmtree(work, ignore_errors=True)
-    return Verified(verdict, lines, got[0]["stack"], out)
+    return Verified(verdict, lines, got[0]["stack"], out, used, runs)

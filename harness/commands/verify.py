@@ -40,6 +40,11 @@ def add_arguments(c) -> None:
     c.add_argument("--plant", metavar="FAULT", default=None,
                    help="the stack 'harness' only: run with a fault of the catalogue active on every rank "
                         "(dcp-harness faults --list); the verdict must be FAIL")
+    c.add_argument("--golden", choices=["auto", "require", "off"], default="auto",
+                   help="hold the loss and gradient-norm curves to golden/verify/<case>.<hw>.json: when it exists "
+                        "(auto), always (require), never (off)")
+    c.add_argument("--update-golden", action="store_true",
+                   help="write this case's golden on this hardware from this run (its every check must pass)")
     c.add_argument("--out", type=Path, default=None, help="folder for verify.json (default reports/verify)")
     add_stall(c)
 
@@ -55,16 +60,6 @@ def options(pairs: list[str]) -> dict:
         except json.JSONDecodeError:
             out[key] = value
     return out
-
-
-def default_max_seqlen(cfg, world: int) -> int:
-    """Without ``--max-seqlen-per-rank``: the training default, or the least even value at which the static
-    layouts fit the run's longest sequence on ``world`` ranks."""
-    # lazy: imports torch; only the training commands pay for it
-    from harness.train.config import longest_sequence
-
-    need = -(-longest_sequence(cfg) // world)
-    return max(cfg.max_seqlen_per_rank, need + need % 2)
 
 
 def run(a) -> int:
@@ -87,12 +82,15 @@ def run(a) -> int:
                       scheduler=a.scheduler, device=a.device, corpus=corpus,
                       dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
                       **({"model": opts["model"]} if isinstance(opts.get("model"), str) else {}))
-    cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank or default_max_seqlen(cfg, a.world))
-    res = verify.verify(a.stack, cfg, world=a.world, out=out, options=opts, stall_s=a.stall_timeout, plant=a.plant)
+    cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank or verify.default_max_seqlen(cfg, a.world))
+    res = verify.verify(a.stack, cfg, world=a.world, out=out, options=opts, stall_s=a.stall_timeout, plant=a.plant,
+                        golden="update" if a.update_golden else a.golden)
     if res is None:  # a rank other than 0 of a world the user's launcher started
         return 0
     print(f"stack: {res.stack} ({a.stack}), {a.world} ranks, {a.steps} steps, {cfg.dtype}")
     for c in res.checks:
         print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['value']:.3g}")
+    if res.golden:
+        print(f"golden: {res.golden}")
     print(f"verdict: {res.verdict}  ({res.out / 'verify.json'})")
     return 0 if res.verdict == "PASS" else 1

@@ -46,7 +46,12 @@ WORKAROUNDS = {
                      "under hybrid CP",
     "cp-stream": "TEDotProductAttention.cp_stream is created before the first forward; upstream creates it only "
                  "when context_parallel_size > 1, which hybrid CP never sets, and hands TE None",
+    "tail-padding": "TE's attention receives each sub-sample's padded boundaries as its real ones (the padding rides "
+                    "as causal trailing tokens, kept out of the loss by the loss mask) instead of "
+                    "cu_seqlens_padded, whose pad_between_seqs path TE takes for THD CP",
 }
+COMM_TYPES = ("p2p", "all_gather", "a2a")
+"""TE's CP communication types for THD (``--option cp_comm=...``; megatron-core's default is p2p)."""
 
 
 def _version(name: str) -> str | None:
@@ -91,8 +96,10 @@ class MegatronCoreStack:
     """megatron-core's GPTModel and hybrid-CP step (see the module doc)."""
 
     def __init__(self, ctx: StackContext, workarounds=None, layers: int = 2, hidden: int = 64, heads: int = 4,
-                 kv_heads: int = 2, lr: float = 3e-3):
+                 kv_heads: int = 2, lr: float = 3e-3, cp_comm: str = "p2p"):
         preflight(ctx.device, ctx.world)
+        if cp_comm not in COMM_TYPES:
+            raise StackError(f"unknown TE CP communication type cp_comm={cp_comm!r}; choose from {', '.join(COMM_TYPES)}")
         if ctx.dtype != "bfloat16":
             raise StackError(f"megatron-core's THD CP attention (TransformerEngine) runs in bf16, not {ctx.dtype}; "
                              "pass --dtype bfloat16")
@@ -100,9 +107,11 @@ class MegatronCoreStack:
 
         self.ctx, self.fixes = ctx, _workarounds(workarounds)
         self.shape = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, lr=lr)
-        self.hybrid = ctx.world > 1
+        self.hybrid, self.cp_comm = ctx.world > 1, cp_comm
+        notes = ([f"cp_comm {cp_comm}"] if cp_comm != "p2p" else []) + \
+            ([f"workarounds: {', '.join(self.fixes)}"] if self.fixes else [])
         self.name = f"megatron-core {_version('megatron-core')} + TE {_version('transformer-engine')}" + \
-            (f" (workarounds: {', '.join(self.fixes)})" if self.fixes else "")
+            (f" ({'; '.join(notes)})" if notes else "")
         self.ps = parallel_state
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
@@ -154,6 +163,8 @@ class MegatronCoreStack:
                 dist.broadcast(p.data, 0)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.0)
         self.attention = [m for m in self.model.modules() if type(m).__name__ == "TEDotProductAttention"]
+        for m in self.attention:  # what megatron-core hands TE with each micro-batch's group (forward)
+            m.cp_comm_type = self.cp_comm
 
     # -- samples: one per sequence, megatron's hybrid-CP sub-samples ------------------------------------------
     @staticmethod
@@ -188,6 +199,8 @@ class MegatronCoreStack:
         self._group = group
         cu, cup = sample["cu_seqlens"], sample["cu_seqlens_padded"]
         padded = int(cup[-1].item())
+        if "tail-padding" in self.fixes:
+            cu = cup
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cup,
                               cu_seqlens_kv_padded=cup, max_seqlen_q=padded, max_seqlen_kv=padded,
                               local_cp_size=local if self.hybrid else None, cp_group=group)

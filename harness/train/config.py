@@ -14,6 +14,7 @@ from harness.plan.execution import INDEPENDENT, SYNCHRONOUS, Execution
 from harness.runtime.model import MODELS
 from harness.train.layouts import LAYOUTS, LayoutConfig, LayoutError, static_cp_for
 from harness.train.pipeline import PipelineConfig
+from harness.upstream.megatron import NAME as UPSTREAM_SCHEDULER
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,9 +101,9 @@ class TrainConfig:
         elif self.cp_exchange not in EXCHANGES:
             raise LayoutError(f"cp_exchange must be one of {', '.join(EXCHANGES)} or te:<"
                               f"{'|'.join(te_cp.COMM_TYPES)}>, got {self.cp_exchange!r}")
-        if self.scheduler not in ALGORITHMS:
+        if self.scheduler not in ALGORITHMS and self.scheduler != UPSTREAM_SCHEDULER:
             raise LayoutError(f"unknown scheduler {self.scheduler!r} for the dcp layout; choose from "
-                              f"{', '.join(sorted(ALGORITHMS))}")
+                              f"{', '.join(sorted(ALGORITHMS))} or {UPSTREAM_SCHEDULER} (the installed one's)")
         if self.dcp_padding not in ("local", "domain"):
             raise LayoutError(f"dcp_padding must be 'local' or 'domain', got {self.dcp_padding!r}")
         if self.device not in ("cpu", "cuda"):

@@ -4,7 +4,8 @@
   ``C`` ranks, ``N / C`` data-parallel replicas; replica d takes a contiguous share of the batch in
   micro-batches of ``micro_batch_size`` sequences (Megatron's padded pretraining path).
 - ``thd``: sequences packed by ``dp-balanced`` (static CP ``C``, each sequence padded to ``2 * C``).
-- ``dcp``: dynamic CP with a scheduler by name (default ``balanced``); padding ``local``
+- ``dcp``: dynamic CP with a scheduler by name (default ``balanced``; ``megatron-core``: the installed
+  megatron-core's own ``BalancedCPScheduler``, ``harness.upstream.megatron``); padding ``local``
   (``2 * local_cp_size``, knowing the schedule) or ``domain`` (Megatron's ``2 * N``).
 ``C`` is the static CP size: the smallest power of two whose ranks hold the run's longest sequence.
 All three run the same THD runtime: a bshd micro-batch is a THD pack whose sequences share one
@@ -13,13 +14,14 @@ padded length, which is a ``[B, S]`` batch with a causal mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from harness.plan import CostModel, Schedule, cp_min, schedule, validate_schedule
+from harness.plan import CostModel, Schedule, check_schedule, cp_min, schedule
 from harness.plan.errors import LayoutError
 from harness.plan.execution import resolve_execution
 from harness.plan.layout import Block
 from harness.plan.thd import pad_length, padding_divisor
+from harness.upstream import megatron as upstream
 
 LAYOUTS = ("bshd", "thd", "dcp")
 
@@ -66,6 +68,8 @@ def plan(layout: str, lengths: list[int], cfg: LayoutConfig, cost: CostModel | N
     if layout == "thd":
         return schedule(lengths, n_ranks=N, max_seqlen_per_rank=cfg.max_seqlen_per_rank, min_cp_size=C,
                         vpp_group=cfg.vpp_group, algorithm="dp-balanced", execution=cfg.execution), "local", 0
+    if layout == "dcp" and cfg.scheduler == upstream.NAME:
+        return upstream_schedule(lengths, cfg), cfg.dcp_padding, 0
     if layout == "dcp":
         return schedule(lengths, n_ranks=N, max_seqlen_per_rank=cfg.max_seqlen_per_rank, algorithm=cfg.scheduler,
                         vpp_group=cfg.vpp_group, cost=cost, execution=cfg.execution), cfg.dcp_padding, 0
@@ -88,6 +92,38 @@ def plan(layout: str, lengths: list[int], cfg: LayoutConfig, cost: CostModel | N
                                 execution=resolve_execution(cfg.execution)), "fixed", longest
 
 
+UPSTREAM_LIBERTIES = frozenset({"capacity", "cp-min", "coverage", "block-order"})
+"""Invariants of the harness's schedulers that megatron-core's own scheduler does not keep (it may overfill a
+rank, leave one idle in a micro-batch, order blocks freely): a run of it goes as upstream's would. Every other
+invariant (each sequence once, in one contiguous block of a group that exists) is enforced."""
+
+
+def upstream_schedule(lengths: list[int], cfg: LayoutConfig) -> Schedule:
+    """The installed megatron-core's own scheduler (``BalancedCPScheduler.get_groups_and_subsamples``, as its
+    ``HybridCPDataLoaderWrapper`` calls it) on one global batch, validated like the harness's own schedules."""
+    if not upstream.available():
+        raise LayoutError("scheduler 'megatron-core' runs the installed megatron-core's own scheduler, and "
+                          "megatron-core cannot be imported here: pip install megatron-core (the README's GPU section "
+                          "for 0.19), or choose another scheduler")
+    try:
+        sched = upstream.schedule(lengths, n_ranks=cfg.n_ranks, max_seqlen_per_rank=cfg.max_seqlen_per_rank,
+                                  vpp_group=cfg.vpp_group)
+    except upstream.UnsupportedByUpstream as e:
+        raise LayoutError(f"scheduler 'megatron-core': {e}; use --scheduler megatron-dev (its parity mode)") from e
+    sched = replace(sched, execution=resolve_execution(cfg.execution))
+    check_runnable(sched)  # upstream's output is checked, never trusted: one that cannot run is an error
+    return sched
+
+
+def check_runnable(sched: Schedule) -> None:
+    """``ScheduleError`` for the first violated invariant (``validate_schedule``); a schedule of megatron-core's own
+    scheduler is held to every invariant but ``UPSTREAM_LIBERTIES``."""
+    free = UPSTREAM_LIBERTIES if sched.algorithm == upstream.NAME else frozenset()
+    hard = [v for v in check_schedule(sched) if v.invariant not in free]
+    if hard:
+        raise hard[0].error()
+
+
 def sample_id_groups(sched: Schedule) -> list[list[list[int]]]:
     """The schedule as Megatron hands it to every rank: micro-batch -> slot -> gids, one fresh list
     per slot (``sample_id_groups``)."""
@@ -102,5 +138,5 @@ def deliver(sched: Schedule) -> Schedule:
                                      max_seqlen_per_rank=sched.max_seqlen_per_rank, min_cp_size=sched.min_cp_size,
                                      vpp_group=sched.vpp_group, algorithm=sched.algorithm, cost=sched.cost,
                                      execution=sched.execution)
-    validate_schedule(out)
+    check_runnable(out)
     return out

@@ -47,8 +47,23 @@ def test_the_cases_follow_the_machine_and_say_so():
     assert "bf16, 30 steps" in one.line
     assert all(c.cfg.device == "cpu" for c in one.cases if c.role == nc.DISTRIBUTED)
     assert "because this machine has 1 GPU;" in one.line and "single-GPU numerics" in one.line
-    assert [(c.world, c.cfg.device, c.cfg.dtype) for c in _plan(gpus=3).cases] == [(2, "cuda", "bfloat16")]
+    assert [(c.world, c.cfg.device, c.cfg.dtype) for c in _plan(gpus=3).cases if c.role == nc.DISTRIBUTED] == \
+        [(2, "cuda", "bfloat16")]
     assert {c.world for c in _plan(gpus=8).cases} == {4}
+
+
+def test_on_gpus_megatron_cores_case_runs_or_the_line_says_why_not(monkeypatch):
+    """On >= 2 GPUs the plan holds megatron-core's hybrid CP (verify megatron-core, its workarounds named) when its
+    preflight passes, and otherwise names why in the one line; on CPU ranks it is not mentioned."""
+    why = "verify megatron-core needs megatron-core 0.19, which needs Python >= 3.12"
+    monkeypatch.setattr(nc, "_stack_unavailable", lambda world: why)
+    gpus = _plan(gpus=4)
+    assert nc.STACK not in {c.role for c in gpus.cases} and f"megatron-core's hybrid CP (skipped: {why}" in gpus.line
+    assert "megatron-core" not in _plan().line
+    monkeypatch.setattr(nc, "_stack_unavailable", lambda world: None)
+    ran = [c for c in _plan(gpus=4).cases if c.role == nc.STACK]
+    assert [(c.world, c.cfg.device, c.cfg.dtype, c.cfg.steps) for c in ran] == [(4, "cuda", "bfloat16", 10)]
+    assert ran[0].case_id.startswith("verify__megatron-core__workarounds-all__"), ran[0].case_id
 
 
 @pytest.mark.parametrize("kw, message", [

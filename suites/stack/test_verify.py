@@ -116,3 +116,47 @@ def test_a_catalogue_fault_planted_in_the_harness_runtime_fails_verify(fault, tm
 def test_plant_is_refused_for_a_stack_other_than_the_harness(tmp_path):
     with pytest.raises(StackError, match="applies to the stack 'harness' only"):
         verify(EXAMPLE, SMALL, world=2, out=tmp_path, spawn=True, plant="rope-positions-per-rank")
+
+
+def test_a_golden_holds_both_runs_and_catches_a_change_that_moves_them_together(tmp_path):
+    """A golden written from a passing run is met by the same run; a trainer whose learning rate changed moves the
+    layouts and their one-rank reference together (every reference check passes) and only the golden fails it; a
+    FAIL run or a planted fault cannot write one."""
+    gold = tmp_path / "golden"
+    first = verify(EXAMPLE, SMALL, world=2, out=tmp_path / "a", spawn=True, golden="update", golden_root=gold)
+    assert first.verdict == "PASS" and first.golden and Path(first.golden).is_file(), first.golden
+    assert Path(first.golden).name.startswith("verify__own-trainer-make__"), first.golden
+    again = verify(EXAMPLE, SMALL, world=2, out=tmp_path / "b", spawn=True, golden="require", golden_root=gold)
+    assert again.verdict == "PASS", _failed(again)
+    assert sum("vs golden (cpu)" in c["target"] for c in again.checks) == 2 * 4  # 3 layouts + the reference
+    changed = tmp_path / "changed" / "own_trainer.py"  # the same trainer, its default learning rate doubled
+    changed.parent.mkdir()
+    text = (ROOT / "docs/examples/own_trainer.py").read_text()
+    changed.write_text(text.replace("lr: float = 3e-3) -> OwnTrainer", "lr: float = 6e-3) -> OwnTrainer"))
+    moved = verify(f"{changed}:make", SMALL, world=2, out=tmp_path / "c", spawn=True, golden="auto", golden_root=gold)
+    bad = _failed(moved)
+    assert bad and all("vs golden (cpu)" in t for t in bad), bad
+    assert any(t.startswith("reference vs golden") for t in bad), bad
+    with pytest.raises(StackError, match="verdict is FAIL"):
+        verify(EXAMPLE, SMALL, world=2, out=tmp_path / "d", spawn=True, golden="update", golden_root=tmp_path / "g2",
+               options={"bug": "local-positions"})
+    with pytest.raises(StackError, match="golden of a planted bug"):
+        verify("harness", SMALL, world=2, out=tmp_path / "e", spawn=True, golden="update", plant="zigzag-r-plus-cp")
+
+
+def test_megatron_cores_own_scheduler_drives_the_dcp_layout(tmp_path):
+    """``--scheduler megatron-core``: the installed megatron-core's ``BalancedCPScheduler`` lays out every dcp step
+    (as its data-iterator wrapper would) and the run still meets its one-rank reference; a scheduler name that is
+    neither the harness's nor upstream's is refused in one line."""
+    from dataclasses import replace
+
+    from harness.plan.errors import LayoutError
+    from harness.upstream import megatron as upstream
+
+    if not upstream.available():
+        pytest.skip("megatron-core is not installed")
+    res = verify("harness", replace(SMALL, scheduler="megatron-core", layouts=("dcp",)), world=2, out=tmp_path,
+                 spawn=True)
+    assert res.verdict == "PASS", _failed(res)
+    with pytest.raises(LayoutError, match="or megatron-core"):
+        verify("harness", replace(SMALL, scheduler="megatron-corez"), world=2, out=tmp_path, spawn=True)

@@ -20,7 +20,16 @@ import datetime as dt
 from pathlib import Path
 
 from harness.apps.nightly import history
-from harness.apps.nightly.cases import DISTRIBUTED, NIGHTLY_MODELS, NightlyCase, Plan, check_mixing, choose
+from harness.apps.nightly.cases import (
+    DISTRIBUTED,
+    NIGHTLY_MODELS,
+    STACK,
+    STACK_OPTIONS,
+    NightlyCase,
+    Plan,
+    check_mixing,
+    choose,
+)
 from harness.golden import producer
 from harness.io import atomic_write_json, writable
 from harness.jobs.watchdog import JobFailure
@@ -49,7 +58,8 @@ def prepare(*, steps: int, models, device: str, world: int | None, root: Path, j
     for case in plan.cases:  # the cheap checks first: a bad world or too many steps fails in seconds
         case.cfg.validate(case.world)
         check_mixing(case)
-        converge.preflight(case.cfg, case.world)
+        if case.role != STACK:
+            converge.preflight(case.cfg, case.world)
     return plan
 
 
@@ -70,10 +80,28 @@ def _mixing_checks(result, case: NightlyCase) -> list[dict]:
              "value": ex["steps_mixed"], "pass": ex["steps_mixed"] == ex["steps"], "exercise": True}]
 
 
+def _stack(case: NightlyCase, root: Path, prod: dict, stall_s) -> dict:
+    """The megatron-core case: ``dcp-harness verify megatron-core`` into a ``verify-<time>`` run folder."""
+    from harness.apps import verify  # lazy: imports torch; the CLI imports this module without it
+
+    out = root / "runs" / f"verify-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    try:
+        res = verify.verify("megatron-core", case.cfg, world=case.world, out=out, options=dict(STACK_OPTIONS),
+                            stall_s=stall_s, golden="auto")
+    except JobFailure as e:
+        print(f"nightly {case.case_id}: the job failed: {e}", flush=True)
+        return history.failure(case, str(e), prod)
+    for c in res.checks:
+        print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['value']:.3g}", flush=True)
+    return history.stack_entry(res, case, root=root, producer=prod)
+
+
 def _one(case: NightlyCase, root: Path, prod: dict, stall_s) -> dict:
     # lazy: imports torch; the CLI imports this module without it
     from harness.apps import converge
 
+    if case.role == STACK:
+        return _stack(case, root, prod, stall_s)
     try:
         res = converge.run(case.cfg, world=case.world, out_root=root / "runs", golden="auto", stall_s=stall_s,
                            progress=lambda s: print(s, flush=True))

@@ -46,6 +46,11 @@ NUMERICS_STEPS = 30
 max |delta loss| 7.4e-3 at 100 steps against the 2e-3 tolerance); 30 steps is what the GPU suites and the
 tolerances were calibrated on."""
 DISTRIBUTED = "distributed"
+STACK = "megatron-core stack"
+STACK_OPTIONS = {"workarounds": "all"}
+"""The megatron-core case runs with the stack's workarounds of the upstream defects it documents
+(``harness.stack.megatron_core.WORKAROUNDS``): without them it stops in RoPE on the first CP > 1 micro-batch."""
+STACK_STEPS = 10
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,10 @@ class NightlyCase:
         # lazy: imports torch; the CLI imports this module without it
         from harness.apps.converge import case_id
 
+        if self.role == STACK:
+            from harness.apps.verify_golden import case_id as verify_case_id  # lazy: torch, as above
+
+            return verify_case_id("megatron-core", STACK_OPTIONS, self.cfg, self.world)
         return case_id(self.cfg, self.world)
 
     @property
@@ -106,6 +115,12 @@ def choose(*, models, steps: int, device: str, world: int | None, gpus: int) -> 
     numerics = device == "auto" and gpus == 1
     if numerics:
         cases += [NightlyCase(_numerics_config(model, steps), 1, NUMERICS) for model in models]
+    stack_note = ""
+    if dist_device == "cuda":  # megatron-core's own hybrid CP through the stack protocol, when it can run here
+        why = _stack_unavailable(world)
+        if why is None:
+            cases.append(NightlyCase(_stack_config(steps, world), world, STACK))
+        stack_note = f"; megatron-core's hybrid CP ({'verify megatron-core' if why is None else 'skipped: ' + why})"
     prec = "bf16" if dist_device == "cuda" else "fp32"
     where = (f"{world} {'GPUs (NCCL' if dist_device == 'cuda' else 'CPU ranks (gloo'}, {prec})"
              + (f" because this machine has {gpus} GPU{'s' * (gpus != 1)}" if dist_device == "cpu" and device == "auto"
@@ -113,8 +128,31 @@ def choose(*, models, steps: int, device: str, world: int | None, gpus: int) -> 
     line = (f"nightly: {len(models)} model(s), {steps} steps: the distributed cases on {where}"
             + (f"; the single-GPU numerics (bshd vs thd, bf16, {min(steps, NUMERICS_STEPS)} steps) on the GPU"
                if numerics else "")
-            + (f"; goldens: {_goldens(cases)}" if dist_device == "cpu" else ""))
+            + (f"; goldens: {_goldens(cases)}" if dist_device == "cpu" else "") + stack_note)
     return Plan(cases, line)
+
+
+def _stack_unavailable(world: int) -> str | None:
+    """Why megatron-core's case cannot run here (its preflight's line), or None."""
+    from harness.stack.megatron_core import preflight  # lazy: imports torch
+    from harness.stack.protocol import StackError  # lazy: torch, as above
+
+    try:
+        preflight("cuda", world)
+    except StackError as e:
+        return str(e)
+    return None
+
+
+def _stack_config(steps: int, world: int):
+    """The megatron-core case: ``verify``'s corpus and checks (every layout against the one-rank run, and the
+    golden of this hardware when there is one), ``STACK_STEPS`` steps at most."""
+    # lazy: imports torch; the CLI imports this module without it
+    from harness.apps.verify import default_max_seqlen
+    from harness.train.trainer import TrainConfig
+
+    cfg = TrainConfig(steps=min(steps, STACK_STEPS), device="cuda", dtype="bfloat16")
+    return replace(cfg, max_seqlen_per_rank=default_max_seqlen(cfg, world))
 
 
 def _config(model: str, steps: int, device: str, domain: int, pp: int):

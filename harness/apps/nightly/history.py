@@ -127,6 +127,26 @@ def entry(result, *, role: str, root: Path, producer: dict, extra_checks: list[d
             "failed": [c["target"] for c in checks if not c["pass"]]}
 
 
+def stack_entry(result, case, *, root: Path, producer: dict) -> dict:
+    """The history line of a stack case (``result``: a ``harness.apps.verify.Verified`` with its ``curves``)."""
+    # lazy: imports torch; the CLI imports this module without it
+    from harness.apps.converge import hardware
+    from harness.stack.checks import TOLERANCES
+
+    checks, run = result.checks, Path(os.path.relpath(result.out, root)).as_posix()
+    m = margin(checks)
+    hw = hardware(case.cfg)
+    return {"format": FORMAT, "date": dt.datetime.now().isoformat(timespec="seconds"), "case_id": case.case_id,
+            "hardware": hw, "precision": case.case_id.rsplit("__", 1)[-1], "role": case.role, "world": case.world,
+            "verdict": result.verdict, "run": run, "report": f"{run}/verify.json", "git_rev": producer["git_rev"],
+            "version": producer["versions"]["dcp-harness"], "tolerance": TOLERANCES[case.cfg.dtype]["loss"]["max"],
+            "margin": None if math.isinf(m) else m, "golden": bool(result.golden),
+            "last_loss": {k: v["loss"][-1] for k, v in (result.curves or {}).items()},
+            "max_delta": deltas(checks, "reference (1 rank, no CP)"), "golden_delta": deltas(checks, f"golden ({hw})"),
+            "tokens_per_s": {}, "dcp_exercise": None, "wandb": [],
+            "failed": [c["target"] for c in checks if not c["pass"]]}
+
+
 def failure(case, error: str, producer: dict) -> dict:
     """The history line of a case whose job failed (no run folder; the error names the log)."""
     # lazy: imports torch; the CLI imports this module without it
