@@ -61,21 +61,22 @@ def _version(name: str) -> str | None:
         return None
 
 
-def preflight(device: str, world: int) -> None:
-    """``StackError`` (one line: what to install or pass) unless megatron-core's hybrid CP can run here."""
+def preflight(device: str, world: int, what: str = "verify megatron-core") -> None:
+    """``StackError`` (one line: what to install or pass) unless megatron-core's hybrid CP can run here (``what``:
+    the command that needs it, for the message)."""
     have = _version("megatron-core")
     if sys.version_info < (3, 12):
         found = f" (found megatron-core {have})" if have else ""
-        raise StackError(f"verify megatron-core needs megatron-core 0.19, which needs Python >= 3.12; this is Python "
+        raise StackError(f"{what} needs megatron-core 0.19, which needs Python >= 3.12; this is Python "
                          f"{sys.version_info.major}.{sys.version_info.minor}{found}: {INSTALL}")
     if have is None:
-        raise StackError(f"verify megatron-core needs megatron-core: {INSTALL}")
+        raise StackError(f"{what} needs megatron-core: {INSTALL}")
     if tuple(int(x) for x in have.split(".")[:2] if x.isdigit()) < (0, 19):
-        raise StackError(f"verify megatron-core needs megatron-core >= 0.19, found {have}: {INSTALL}")
+        raise StackError(f"{what} needs megatron-core >= 0.19, found {have}: {INSTALL}")
     if importlib.util.find_spec("transformer_engine") is None:
-        raise StackError(f"verify megatron-core needs TransformerEngine (megatron-core's THD CP attention): {INSTALL}")
+        raise StackError(f"{what} needs TransformerEngine (megatron-core's THD CP attention): {INSTALL}")
     if device != "cuda":
-        raise StackError("verify megatron-core runs on CUDA devices only (TransformerEngine); pass --device cuda")
+        raise StackError(f"{what} runs on CUDA devices only (TransformerEngine); pass --device cuda")
     if torch.cuda.device_count() < world:
         raise StackError(f"--world {world} needs {world} CUDA GPUs; this machine has {torch.cuda.device_count()}: "
                          f"pass --world {max(1, torch.cuda.device_count())}")
@@ -96,7 +97,7 @@ class MegatronCoreStack:
     """megatron-core's GPTModel and hybrid-CP step (see the module doc)."""
 
     def __init__(self, ctx: StackContext, workarounds=None, layers: int = 2, hidden: int = 64, heads: int = 4,
-                 kv_heads: int = 2, lr: float = 3e-3, cp_comm: str = "p2p"):
+                 kv_heads: int = 2, lr: float = 3e-3, cp_comm: str = "p2p", ffn: int | None = None):
         preflight(ctx.device, ctx.world)
         if cp_comm not in COMM_TYPES:
             raise StackError(f"unknown TE CP communication type cp_comm={cp_comm!r}; choose from {', '.join(COMM_TYPES)}")
@@ -106,7 +107,7 @@ class MegatronCoreStack:
         from megatron.core import parallel_state  # lazy: an optional GPU package (preflight named it)
 
         self.ctx, self.fixes = ctx, _workarounds(workarounds)
-        self.shape = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, lr=lr)
+        self.shape = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, lr=lr, ffn=ffn or 4 * hidden)
         self.hybrid, self.cp_comm = ctx.world > 1, cp_comm
         notes = ([f"cp_comm {cp_comm}"] if cp_comm != "p2p" else []) + \
             ([f"workarounds: {', '.join(self.fixes)}"] if self.fixes else [])
@@ -146,7 +147,7 @@ class MegatronCoreStack:
         model_parallel_cuda_manual_seed(seed)
         config = TransformerConfig(
             num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
-            num_query_groups=s["kv_heads"], ffn_hidden_size=4 * s["hidden"], hidden_dropout=0.0, attention_dropout=0.0,
+            num_query_groups=s["kv_heads"], ffn_hidden_size=s["ffn"], hidden_dropout=0.0, attention_dropout=0.0,
             use_cpu_initialization=True, params_dtype=torch.float32, enable_autocast=True,
             autocast_dtype=torch.bfloat16, calculate_per_token_loss=True, hybrid_context_parallel=self.hybrid,
             context_parallel_size=1)
@@ -217,11 +218,14 @@ class MegatronCoreStack:
     def _loss(record: dict, gid: int, pos: torch.Tensor, loss_mask: torch.Tensor, output):
         losses, mask = output.float().reshape(-1), loss_mask.reshape(-1)
         total = (losses * mask).sum()
-        keep = mask.bool().cpu()
-        record["tokens"] += [(gid, int(p), float(c)) for p, c in zip(pos[keep], losses.detach().cpu()[keep])]
-        record["ce"] += float(total.detach())
-        tokens = mask.sum().to(torch.int)
-        return total, tokens, {"lm loss": torch.stack([total.detach(), tokens.float()])}
+        tokens = mask.sum()
+        record["n"].append(tokens.detach())
+        record["ce"].append(total.detach())
+        if record["want_tokens"]:  # per-token losses only when asked (step 1): a Python list per token is slow
+            keep = mask.bool().cpu()
+            record["tokens"] += [(gid, int(p), float(c)) for p, c in zip(pos[keep].tolist(),
+                                                                         losses.detach().cpu()[keep].tolist())]
+        return total, tokens.to(torch.int), {"lm loss": torch.stack([total.detach(), tokens.float()])}
 
     def _groups(self, request: StepRequest) -> tuple[list, dict, dict]:
         """(sample_id_groups per micro-batch, every sample by sequence id, sequence id -> micro-batch)."""
@@ -251,7 +255,7 @@ class MegatronCoreStack:
 
         me = self.ctx.rank
         groups, samples, where = self._groups(request)
-        record = {"groups": {}, "tokens": [], "ce": 0.0}
+        record = {"groups": {}, "tokens": [], "n": [], "ce": [], "want_tokens": "token_losses" in request.want}
         if self.hybrid:
             data, n = iter([(samples, groups)]), len(groups)
         else:
@@ -265,7 +269,9 @@ class MegatronCoreStack:
         params = [p for p in self.model.parameters() if p.requires_grad]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1)
                           for p in params])
-        counts = torch.tensor([len(record["tokens"]), record["ce"]], dtype=torch.float64, device="cuda")
+        zero = torch.zeros((), device="cuda")
+        counts = torch.stack([torch.stack(record["n"]).sum() if record["n"] else zero,
+                              torch.stack(record["ce"]).sum() if record["ce"] else zero]).double()
         if self.ctx.world > 1:
             dist.all_reduce(flat)
             dist.all_reduce(counts)
@@ -283,7 +289,8 @@ class MegatronCoreStack:
             m = where[g]
             cp_groups[m] = used if cp_groups.get(m, used) == used else (-1, *used)
         return StepReport(loss=float(counts[1]) / total, grad_norm=grad_norm, tokens=int(round(total)),
-                          gradients=gradients, token_losses=record["tokens"], cp_groups=cp_groups,
+                          gradients=gradients, token_losses=record["tokens"] if record["want_tokens"] else None,
+                          cp_groups=cp_groups,
                           extra={"stack": self.name})
 
     def close(self) -> None:

@@ -34,7 +34,8 @@ def test_every_command_module_has_the_interface():
 
 @pytest.mark.parametrize("module, config, job", [
     (step_command, StepBenchConfig, {"nproc", "cpu", "stall_timeout", "out", "html", "nnodes", "node_rank",
-                                     "rdzv_endpoint", "rdzv_timeout"}),
+                                     "rdzv_endpoint", "rdzv_timeout", "stack",
+                                     "stack_arms", "workarounds"}),
     (microbatch_command, MicrobatchConfig, {"cpu", "out"}),
 ], ids=["bench step", "bench microbatch"])
 def test_a_benchmarks_options_are_its_config_fields_or_say_how_the_job_runs(module, config, job):

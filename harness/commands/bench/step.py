@@ -24,6 +24,13 @@ def add_arguments(p) -> None:
     p.add_argument("--cpu", action="store_true", help="smoke configuration on gloo (tiny model, no targets)")
     add_stall(p)
     add_nodes(p)
+    p.add_argument("--stack", choices=["harness", "megatron-core"], default="harness",
+                   help="whose step is timed: the harness's runtime (default) or megatron-core + TE's own hybrid-CP "
+                        "step (arms static, megatron-core, balanced: harness.bench.stack_step)")
+    p.add_argument("--stack-arms", default=None, help="with --stack megatron-core: a comma list of static, "
+                                                      "megatron-core, balanced (default all three)")
+    p.add_argument("--workarounds", default="all", help="with --stack megatron-core: the stack's workarounds of "
+                                                        "upstream defects (all, none or a comma list)")
     p.add_argument("--model", default=None, help="model key (default gpt-12l-h2048; tiny-gpt with --cpu)")
     p.add_argument("--lengths", default=None, help="length spec (default lognormal:mean=1024,sigma=1.5,min=128,max=8192)")
     p.add_argument("--max-seqlen-per-rank", type=T.TOKENS, default=None)
@@ -73,6 +80,14 @@ def add_arguments(p) -> None:
 
 
 def run(a) -> int:
+    if a.stack == "megatron-core":
+        if a.cpu:
+            raise T.UsageError("bench step --stack megatron-core runs on CUDA GPUs only (TransformerEngine); drop --cpu")
+        from harness.bench.stack_step import main as stack_main  # lazy: imports torch
+
+        return stack_main(nproc=a.nproc, out=a.out, overrides=overrides(a, StepBenchConfig, CONVERT),
+                          stall_s=a.stall_timeout, arms=names(a.stack_arms) if a.stack_arms else None,
+                          workarounds=a.workarounds)
     if a.cpu and a.nproc is not None:
         T.check_cpu_ranks(a.nproc, "--nproc")
     nodes, _ = nodes_from(a, a.nnodes)

@@ -1,0 +1,168 @@
+"""``dcp-harness bench step --stack megatron-core``: Megatron's dynamic-CP benchmark on megatron-core + TE itself.
+
+The same workload as ``bench step`` (``StepBenchConfig``: the 12-layer GPT of hidden 2048, lognormal lengths of mean
+1024, sigma 1.5, at most 8192; ``--global-batch`` tokens / megatron / sequences:K) trained by megatron-core's own
+step (``harness.stack.megatron_core``: ``GPTModel`` with the TE spec, ``hybrid_context_parallel_forward_backward``,
+TE's THD CP attention; the stack's workarounds of the upstream defects in force), in three arms that differ only in
+the schedule each global batch is given:
+
+- ``static``: every sequence at CP = the world (Megatron's static-CP baseline: one sequence per sample);
+- ``megatron-core``: megatron-core's own ``BalancedCPScheduler`` (``harness.upstream.megatron``; its hybrid CP);
+- ``balanced``: the harness's scheduler, fed to the same megatron-core step.
+
+Each run trains every arm (interleaved: run 1 static, megatron-core, balanced; run 2 ...) for ``warmup`` + ``iters``
+steps on the same global batches; a step is timed from a barrier to the slowest rank's end (max over ranks). Per
+arm: the median step of each run, the median over runs; speedups are ratios of the arms' times in the same run,
+their median over runs. MFU: the model's FLOPs of the real tokens (no padding, causal attention, no recompute) /
+step time / GPUs / the device's dense bf16 peak.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from harness.bench.step.config import StepBenchConfig
+from harness.bench.step.workload import global_batch_lengths, model_cost, model_flops, peak_tflops
+from harness.jobs.entry import register
+from harness.runtime.model_config import MODELS
+
+ARMS = ("static", "megatron-core", "balanced")
+JOB = register("bench-stack-step", "harness.bench.stack_step:measure")
+
+
+def _schedule(arm: str, lengths: list[int], world: int, mslpr: int, cost):
+    from harness.train.layouts import LayoutConfig, plan  # lazy: imports torch
+
+    if arm == "static":
+        lcfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=mslpr, static_cp=world)
+        return plan("thd", lengths, lcfg, cost)
+    # megatron-core's step ends every group with a barrier of the DP x CP domain: the synchronous execution model
+    lcfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=mslpr, static_cp=world, scheduler=arm,
+                        execution="synchronous")
+    return plan("dcp", lengths, lcfg, cost)
+
+
+def measure(rank: int, world: int, cfg_dict: dict) -> dict:
+    """Every arm's step times on this rank (the torchrun job's entry)."""
+    import torch
+    import torch.distributed as dist
+
+    from harness.stack.megatron_core import MegatronCoreStack
+    from harness.stack.protocol import StackContext, StepRequest
+
+    cfg = StepBenchConfig.from_dict(cfg_dict)
+    m = MODELS[cfg.model]
+    ctx = StackContext(rank=rank, world=world, device="cuda", dtype="bfloat16", vocab=m.vocab)
+    stack = MegatronCoreStack(ctx, workarounds=cfg_dict.get("workarounds", "all"), layers=m.layers, hidden=m.hidden,
+                              heads=m.heads, kv_heads=m.kv_heads, lr=cfg.lr, ffn=m.ffn)
+    stack.build(cfg.seed)
+    cost = model_cost(cfg)
+    steps = cfg.warmup + cfg.iters
+    out = {"rank": rank, "device": torch.cuda.get_device_name(0), "runs": []}
+    dev = torch.device("cuda")
+    for run in range(cfg.runs):
+        per_arm = {}
+        for arm in cfg_dict["stack_arms"]:
+            times, flops, sizes = [], [], {}
+            for i in range(steps):
+                lengths, _ = global_batch_lengths(cfg, world, run * steps + i)
+                rng = np.random.default_rng(cfg.seed * 1000003 + run * steps + i)
+                batch = [rng.integers(0, m.vocab, size=L + 1) for L in lengths]
+                sched, padding, fixed = _schedule(arm, lengths, world, cfg.max_seqlen_per_rank, cost)
+                req = StepRequest(step=i, layout="dcp", batch=batch, schedule=sched, padding=padding,
+                                  fixed_length=fixed, want=frozenset())
+                torch.cuda.synchronize()
+                dist.barrier()
+                t0 = time.perf_counter()
+                stack.step(req)
+                torch.cuda.synchronize()
+                took = torch.tensor([time.perf_counter() - t0], device=dev)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                if i >= cfg.warmup:
+                    times.append(float(took))
+                    flops.append(model_flops(lengths, model_cost(cfg, comm=False)))
+                    for mb in sched.layout:
+                        for b in mb:
+                            sizes[b.size] = sizes.get(b.size, 0) + len(b.gids)
+            per_arm[arm] = {"ms": [t * 1e3 for t in times], "flops": flops, "sequences_by_cp": sizes}
+            if rank == 0:
+                print(f"run {run + 1} {arm}: median {statistics.median(times) * 1e3:.1f} ms over {len(times)} steps",
+                      flush=True)
+        out["runs"].append(per_arm)
+    stack.close()
+    return out
+
+
+def summarize(res: dict, cfg: StepBenchConfig, world: int, arms: list[str]) -> dict:
+    """Medians per arm and run, ratios per run and their medians, MFU (see the module doc)."""
+    r0 = res["ranks"][0]
+    peak = peak_tflops(cfg, r0["device"])
+    per_run = []
+    for run in r0["runs"]:
+        row = {}
+        for arm, v in run.items():
+            med = statistics.median(v["ms"])
+            tflops = statistics.median(f / (t / 1e3) / 1e12 for f, t in zip(v["flops"], v["ms"])) / world
+            row[arm] = {"median_ms": med, "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
+                        "sequences_by_cp": v["sequences_by_cp"]}
+        per_run.append(row)
+    out = {"device": r0["device"], "gpus": world, "arms": {}, "ratios": {}, "per_run": per_run}
+    for arm in arms:
+        out["arms"][arm] = {k: statistics.median(r[arm][k] for r in per_run) if per_run[0][arm][k] is not None else None
+                            for k in ("median_ms", "tflops_per_gpu", "mfu")}
+        out["arms"][arm]["sequences_by_cp"] = per_run[0][arm]["sequences_by_cp"]
+    pairs = {"megatron-core dynamic CP vs static CP": ("static", "megatron-core"),
+             "balanced vs static CP": ("static", "balanced"),
+             "balanced vs megatron-core's scheduler": ("megatron-core", "balanced")}
+    for name, (slow, fast) in pairs.items():
+        if slow in arms and fast in arms:
+            each = [r[slow]["median_ms"] / r[fast]["median_ms"] for r in per_run]
+            out["ratios"][name] = {"median": statistics.median(each), "per_run": each}
+    return out
+
+
+def main(*, nproc: int | None, out, overrides: dict, stall_s: float | None, arms: list[str] | None = None,
+         workarounds: str = "all") -> int:
+    """Run the job on ``nproc`` GPUs (default min(4, GPUs)), print the arms and ratios, write the JSON."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from harness.bench.common import REPORTS, table, write_report
+    from harness.bench.step.config import BenchConfigError
+    from harness.jobs.entry import launch
+    from harness.stack.megatron_core import preflight
+
+    n = nproc or min(4, torch.cuda.device_count())
+    preflight("cuda", n, "bench step --stack megatron-core")
+    arms = list(arms or ARMS)
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise BenchConfigError(f"unknown arm {unknown[0]!r} of bench step --stack megatron-core; choose from "
+                               f"{', '.join(ARMS)}")
+    cfg = StepBenchConfig.from_dict({**overrides, "device": "cuda"})
+    cfg.validate(n)
+    out = out or REPORTS / "bench_step_megatron_core.json"
+    print(f"bench step --stack megatron-core: {n} x {torch.cuda.get_device_name(0)}, model {cfg.model}, "
+          f"{cfg.global_batch} global batches, arms {', '.join(arms)}, {cfg.runs} runs of {cfg.warmup} + {cfg.iters} "
+          f"steps (workarounds {workarounds})", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        res = launch(JOB, n, Path(tmp) / "stack_step.json",
+                     {**cfg.to_dict(), "arms": list(cfg.arms), "stack_arms": arms, "workarounds": workarounds},
+                     stall_s=stall_s, stream=lambda line: print(line, flush=True))
+    if res is None:
+        return 0
+    summary = summarize(res, cfg, n, arms)
+    rows = [{"arm": a, **v} for a, v in summary["arms"].items()]
+    print(table(rows, [("arm", "arm", "s"), ("median_ms", "step ms (median of runs)", ".1f"),
+                       ("tflops_per_gpu", "TFLOP/s per GPU", ".1f"), ("mfu", "MFU", ".3f")]))
+    for name, r in summary["ratios"].items():
+        print(f"  {name}: {r['median']:.3f}x (runs: {', '.join(f'{x:.3f}' for x in r['per_run'])})")
+    path = write_report("step_megatron_core", {**cfg.to_dict(), "gpus": n, "stack_arms": arms,
+                                               "workarounds": workarounds}, summary, out=out)
+    print(f"wrote {path}")
+    return 0
