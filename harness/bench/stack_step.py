@@ -50,9 +50,12 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
     import torch
     import torch.distributed as dist
 
+    from harness.heartbeat import Heartbeat
     from harness.stack.megatron_core import MegatronCoreStack
     from harness.stack.protocol import StackContext, StepRequest
 
+    beat = Heartbeat.from_cfg(cfg_dict, rank)
+    beat.beat(force=True, phase="building megatron-core's model")
     cfg = StepBenchConfig.from_dict(cfg_dict)
     m = MODELS[cfg.model]
     ctx = StackContext(rank=rank, world=world, device="cuda", dtype="bfloat16", vocab=m.vocab)
@@ -68,6 +71,7 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
         for arm in cfg_dict["stack_arms"]:
             times, flops, sizes = [], [], {}
             for i in range(steps):
+                beat.beat(run=run + 1, arm=arm, step=i + 1, of=steps)
                 lengths, _ = global_batch_lengths(cfg, world, run * steps + i)
                 rng = np.random.default_rng(cfg.seed * 1000003 + run * steps + i)
                 batch = [rng.integers(0, m.vocab, size=L + 1) for L in lengths]

@@ -279,6 +279,13 @@ FAULTS: tuple[Fault, ...] = (
           url="https://github.com/THUDM/slime/issues/1871", layer="model", seam="harness.parallel.ssm_cp:pack_order",
           make=mf.make_ssm_exchange_contiguous, check="step1-gradients", expect=r"step-1 gradient of .* differs",
           scenario="train-hybrid"),
+    Fault(name="te-padding-chunk-grads", title="a CP rank's padding-only chunk hands gradients to the real keys",
+          source="TransformerEngine 2.20.2, found by dcp-harness verify megatron-core: THD p2p CP with "
+                 "cu_seqlens_padded returns wrong, even non-finite, dK / dV at CP 4 when a rank's chunk of a sequence "
+                 "is padding only (docs/upstream-findings.md; related: TransformerEngine issue #3331)",
+          url="https://github.com/NVIDIA/TransformerEngine/issues/3331", layer="attention",
+          seam="harness.train.passes:attention_call", make=mf.make_padding_chunk_grads, check="step1-gradients",
+          expect=r"step-1 gradient of .* differs"),
     Fault(name="ssm-reset-at-cp-shards", title="the SSM conv and scan restart at every CP shard boundary",
           source="PrimeIntellect prime-rl PR #3003: under CP the causal conv derived seq_idx from shard-local "
                  "cu_seqlens, resetting mid-document at every CP shard boundary",

@@ -15,6 +15,62 @@ import torch.distributed as dist
 from harness.runtime.ssm import SequenceLayout
 
 
+# ------------------------------------------------------------------------------- CP attention
+def padding_chunk_rows(mb) -> np.ndarray:
+    """This rank's rows (positions in its zig-zag slice) of the chunks that hold only padding: sequence i's chunk
+    k (``P_i / 2cp`` tokens) is padding only when it starts at or after the sequence's ``n_i`` real tokens."""
+    cp, r = mb.local_cp_size, mb.cp_rank
+    cu, cup = np.asarray(mb.cu_seqlens), np.asarray(mb.cu_seqlens_padded)
+    rows = []
+    for i in range(len(cup) - 1):
+        n, P, local = int(cu[i + 1] - cu[i]), int(cup[i + 1] - cup[i]), int(cup[i]) // cp
+        c = P // (2 * cp)
+        for j, k in enumerate((r, 2 * cp - 1 - r)):
+            if c and k * c >= n:
+                rows.extend(range(local + j * c, local + (j + 1) * c))
+    return np.asarray(rows, dtype=np.int64)
+
+
+class _LeakIntoPadding(torch.autograd.Function):
+    """Identity forward; the backward hands the attention a gradient of ones on ``rows`` (their queries attend to
+    the sequence's real keys, so the real keys' dK / dV change), as a kernel does that leaves a padding-only
+    chunk's output gradient uninitialised."""
+
+    @staticmethod
+    def forward(ctx, out, rows):
+        ctx.save_for_backward(rows)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        grad = grad.clone()
+        grad[rows] = 1.0
+        return grad, None
+
+
+def make_padding_chunk_grads(original):
+    """A CP rank whose zig-zag chunk of a sequence holds only padding gets a non-zero gradient through that chunk:
+    TransformerEngine 2.20.2's THD p2p backward with ``cu_seqlens_padded`` (megatron-core's call) returned wrong,
+    even non-finite, dK / dV for the real tokens of such sequences at CP 4 (``docs/upstream-findings.md``;
+    reproduced by ``docs/repro/te_thd_cp_padding.py``). Exact without CP and wherever no chunk is padding only:
+    short sequences at a large CP size (static CP) are where it strikes."""
+    def attention_call(mb, aplan, group):
+        attend = original(mb, aplan, group)
+        rows = padding_chunk_rows(mb) if mb.local_cp_size > 1 else np.zeros(0, dtype=np.int64)
+        if rows.size == 0:
+            return attend
+        index = {}
+
+        def leaky(q, k, v):
+            out = attend(q, k, v)
+            if out.device not in index:
+                index[out.device] = torch.as_tensor(rows, device=out.device)
+            return _LeakIntoPadding.apply(out, index[out.device])
+        return leaky
+    return attention_call
+
+
 # --------------------------------------------------------------------------------------- MTP
 def make_mtp_loss_scale_per_cp(original):
     """Every MTP depth's loss weighted ``1 / cp_size`` too little (Megatron-LM PR #3959 / issue #3943:

@@ -25,6 +25,7 @@ SEAMS: dict[str, str] = {
     "harness.train.passes:rope_positions": "RoPE position ids of a rank's slice of a micro-batch",
     "harness.train.passes:labels_for": "next-token labels of a rank's slice",
     "harness.train.passes:attention_plan": "the CP attention plan of a micro-batch (its cu_seqlens)",
+    "harness.train.passes:attention_call": "the attention a micro-batch's layers call (its plan and CP group bound)",
     "harness.train.passes:mtp_columns": "multi-token prediction's shifted tokens, labels and mask of a rank's slice",
     "harness.runtime.layers:cp_ops": "the CP operations (attention, SSM mixing) a module uses for a call",
     "harness.runtime.ssm:scan_layout": "the sequence boundaries the SSM scan resets its state at",

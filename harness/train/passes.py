@@ -45,6 +45,13 @@ def attention_plan(mb: ThdMicroBatch, device, exchange: str) -> CPAttentionPlan:
     return CPAttentionPlan.build(mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, device, exchange=exchange)
 
 
+def attention_call(mb: ThdMicroBatch, aplan: CPAttentionPlan, group):
+    """The attention every layer of micro-batch ``mb`` calls: ``(q, k, v) -> out`` on the rank's slice, run with
+    the micro-batch's plan and CP group (a seam: ``harness.faults`` re-creates a CP kernel whose padding-only
+    chunk hands gradients back to the real keys)."""
+    return lambda q, k, v: cp_attention(q, k, v, aplan, group)
+
+
 def mtp_columns(mb: ThdMicroBatch, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Depth k's input tokens ``t_{i+k}``, labels ``t_{i+k+1}`` and mask on the rank's slice: shifted
     per sequence before the CP split (``harness.train.trainer``), so they travel with their tokens."""
@@ -93,10 +100,11 @@ class MicroBatchOps:
         if m not in self._cache:
             mb, group = self.mbs[m], self.cp_groups[m]
             aplan = attention_plan(mb, self.device, self.exchange)
+            attend = attention_call(mb, aplan, group)
 
             def attention(q, k, v, m=m):
                 self._audit(m)
-                return cp_attention(q, k, v, aplan, group)
+                return attend(q, k, v)
 
             built: list = []  # the SSM mixing's layout and exchange, built at its first call (SSM models only)
 
