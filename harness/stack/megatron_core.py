@@ -48,7 +48,8 @@ WORKAROUNDS = {
                  "when context_parallel_size > 1, which hybrid CP never sets, and hands TE None",
     "tail-padding": "TE's attention receives each sub-sample's padded boundaries as its real ones (the padding rides "
                     "as causal trailing tokens, kept out of the loss by the loss mask) instead of "
-                    "cu_seqlens_padded, whose pad_between_seqs path TE takes for THD CP",
+                    "cu_seqlens_padded: TE 2.20.2's THD p2p backward on that path corrupts dK / dV where a rank's "
+                    "chunk of a sequence is padding only (docs/upstream-findings.md)",
 }
 COMM_TYPES = ("p2p", "all_gather", "a2a")
 """TE's CP communication types for THD (``--option cp_comm=...``; megatron-core's default is p2p)."""

@@ -129,3 +129,30 @@ def test_within_tolerance_is_no_alarm():
     got[0]["probes"]["dcp"]["grads"]["w"] = np.array([1.0, 2.0 + 1e-6])
     got[0]["rows"]["dcp"][0]["loss"] = 3.0 + 5e-6
     assert ck.step1_gradients(ref, got, "dcp") is None and ck.loss_curve(ref, got, "dcp") is None
+
+
+def test_padding_chunk_rows_are_the_rank_chunks_that_hold_only_padding():
+    """``te-padding-chunk-grads`` strikes exactly the rows of a rank's zig-zag chunks that start at or after the
+    sequence's real tokens: 42 real tokens padded to 48 at CP 4 (chunks of 6) leave rank 0's second chunk (tokens
+    42-47) padding only; 64 tokens leave none; at CP 2 a 5-token sequence (padded to 8, chunks of 2) leaves rank 0's
+    second chunk (tokens 6-7) and nothing of rank 1's (its chunks 2-5 hold tokens 2-5)."""
+    from types import SimpleNamespace
+
+    from harness.faults.model_faults import padding_chunk_rows
+
+    def mb(lengths, padded, cp, rank):
+        cu, cup = [0], [0]
+        for n, p in zip(lengths, padded):
+            cu.append(cu[-1] + n)
+            cup.append(cup[-1] + p)
+        return SimpleNamespace(local_cp_size=cp, cp_rank=rank, cu_seqlens=cu, cu_seqlens_padded=cup)
+
+    # rank 0 of CP 4 holds chunks 0 and 7 of each sequence: local rows [0, 6) and [6, 12) of the first sequence
+    assert padding_chunk_rows(mb([42, 64], [48, 64], 4, 0)).tolist() == list(range(6, 12))
+    assert padding_chunk_rows(mb([64], [64], 4, 0)).size == 0
+    for r in (1, 2, 3):  # chunks r and 7 - r of a 42-token sequence all start before token 42
+        assert padding_chunk_rows(mb([42], [48], 4, r)).size == 0
+    assert padding_chunk_rows(mb([5], [8], 2, 0)).tolist() == [2, 3]
+    assert padding_chunk_rows(mb([5], [8], 2, 1)).size == 0
+    # the second sequence's rows start at its padded offset / cp: 16 / 2 = 8
+    assert padding_chunk_rows(mb([13, 5], [16, 8], 2, 0)).tolist() == [10, 11]

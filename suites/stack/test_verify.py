@@ -160,3 +160,35 @@ def test_megatron_cores_own_scheduler_drives_the_dcp_layout(tmp_path):
     assert res.verdict == "PASS", _failed(res)
     with pytest.raises(LayoutError, match="or megatron-core"):
         verify("harness", replace(SMALL, scheduler="megatron-corez"), world=2, out=tmp_path, spawn=True)
+
+
+def test_megatron_cores_scheduler_without_megatron_core_is_one_line(monkeypatch):
+    from harness.plan.errors import LayoutError
+    from harness.train import layouts
+    from harness.upstream import megatron as upstream
+
+    monkeypatch.setattr(upstream, "available", lambda: False)
+    cfg = layouts.LayoutConfig(n_ranks=2, max_seqlen_per_rank=64, static_cp=2, scheduler="megatron-core")
+    with pytest.raises(LayoutError, match="megatron-core cannot be imported here: pip install megatron-core"):
+        layouts.plan("dcp", [40, 30, 20], cfg)
+
+
+def test_the_megatron_core_step_benchmark_summary_takes_medians_of_runs_and_per_run_ratios():
+    """``bench step --stack megatron-core``'s summary (no GPU needed): per arm the median over runs of each run's
+    median step; each ratio is slow / fast per run, its median over runs; MFU from the real tokens' FLOPs."""
+    from harness.bench.stack_step import summarize
+    from harness.bench.step.config import StepBenchConfig
+
+    def run(static, mc, bal):
+        return {a: {"ms": ms, "flops": [989e12 * 4 * m / 1e3 * 0.5 for m in ms], "sequences_by_cp": {}}
+                for a, ms in (("static", static), ("megatron-core", mc), ("balanced", bal))}
+
+    res = {"ranks": [{"device": "NVIDIA H200", "runs": [run([300, 100, 200], [100, 50, 150], [100, 100, 100]),
+                                                        run([400, 400, 400], [200, 200, 200], [100, 100, 100]),
+                                                        run([500, 500, 500], [100, 100, 100], [125, 125, 125])]}]}
+    s = summarize(res, StepBenchConfig(), 4, ["static", "megatron-core", "balanced"])
+    assert s["arms"]["static"]["median_ms"] == 400 and s["arms"]["megatron-core"]["median_ms"] == 100
+    assert s["ratios"]["megatron-core dynamic CP vs static CP"]["per_run"] == [2.0, 2.0, 5.0]
+    assert s["ratios"]["megatron-core dynamic CP vs static CP"]["median"] == 2.0
+    assert s["ratios"]["balanced vs megatron-core's scheduler"]["per_run"] == [1.0, 2.0, 0.8]
+    assert abs(s["arms"]["balanced"]["mfu"] - 0.5) < 1e-12  # half the H200's dense bf16 peak on every step
