@@ -62,7 +62,7 @@ def test_on_gpus_megatron_cores_case_runs_or_the_line_says_why_not(monkeypatch):
     assert "megatron-core" not in _plan().line
     monkeypatch.setattr(nc, "_stack_unavailable", lambda world: None)
     ran = [c for c in _plan(gpus=4).cases if c.role == nc.STACK]
-    assert [(c.world, c.cfg.device, c.cfg.dtype, c.cfg.steps) for c in ran] == [(4, "cuda", "bfloat16", 10)]
+    assert [(c.world, c.cfg.device, c.cfg.dtype, c.cfg.steps) for c in ran] == [(4, "cuda", "bfloat16", nc.STACK_STEPS)]
     assert ran[0].case_id.startswith("verify__megatron-core__workarounds-all__"), ran[0].case_id
 
 
