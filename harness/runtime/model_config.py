@@ -106,6 +106,10 @@ MODELS = {
     # the model of Megatron's Dynamic-CP benchmark (examples/dynamic_context_parallel): 12 layers,
     # hidden 2048, FFN 8192 (GeLU), 16 heads (MHA); for ``dcp-harness bench step``
     "gpt-12l-h2048": ModelConfig(vocab=32000, hidden=2048, layers=12, heads=16, kv_heads=16, ffn=8192, mlp="gelu"),
+    # the same with 8 experts of FFN 4096 per MoE layer, top-2 (the dense model's active FFN FLOPs per token); for
+    # ``bench step --ep`` (experts sharded over the domain)
+    "moe-12l-h2048": ModelConfig(vocab=32000, hidden=2048, layers=12, heads=16, kv_heads=16, ffn=4096, mlp="gelu",
+                                 experts=8, top_k=2),
     # tiny GPT with one multi-token-prediction block
     "tiny-gpt-mtp": ModelConfig(mtp_depth=1),
     # mixer, attention, mixer, MLP: a Mamba-style hybrid (Megatron's hybrid_override_pattern "M*M-")

@@ -64,6 +64,10 @@ def test_bad_arms_are_named_with_the_fix(text, fix):
                                               ({"global_batch": 8}, 2, "global_batch must be one of"),
                                               ({"global_batch": "sequences:3"}, 4, "use sequences:4 or more"),
                                               ({"global_batch": "megatron", "microbatches": 1}, 2, "sequences:2"),
+                                              ({"expert_parallel": True}, 2, "--ep shards the experts over the 2"),
+                                              ({"model": "tiny-moe", "expert_parallel": True}, 8, "divide by 8"),
+                                              ({"arms": ("dcp:balanced:local:lockstep",)}, 2,
+                                               "execution must be one of independent, synchronous"),
                                               ({"arms": ("dcp:balanced+chain",), "compile": "reduce-overhead",
                                                 "device": "cuda"}, 2, "cannot")])
 def test_bad_config_is_refused_before_any_process_starts(over, world, msg):
@@ -218,6 +222,45 @@ def test_gradients_accumulate_in_place_into_the_flat_buffer():
 
 def _measure(rank, world, cfg):
     return step.measure(rank, world, cfg)
+
+
+def test_expert_parallel_arms_run_on_a_real_gloo_world(tmp_path):
+    """``--ep``: the tiny MoE with its experts sharded over 2 gloo ranks, the arms' schedules made for the independent
+    and the synchronous execution model; every arm trains and times its steps, and each rank ends with its own
+    experts (their weights differ between the ranks) and the same replicated weights."""
+    over = {**TINY, "model": "tiny-moe", "expert_parallel": True, "calibrate": False, "profile_iters": 0,
+            "arms": ("thd:dp-balanced", "dcp:balanced", "dcp:balanced:local:synchronous", "dcp:megatron-dev")}
+    ranks = run_on_ranks(_measure_ep, world_size=2, tmp_path=tmp_path, args=({**over, "device": "cpu"},), timeout_s=240)
+    s = step.summarize({"world": 2, "ranks": ranks}, step.StepBenchConfig.from_dict(over))
+    assert list(s["arms"]) == list(over["arms"])
+    for label, a in s["arms"].items():
+        assert len(a["step_ms"]) == over["iters"] and min(a["step_ms"]) > 0, label
+    replicated = [r["digests"]["replicated"] for r in ranks]
+    experts = [r["digests"]["experts"] for r in ranks]
+    assert replicated[0] == pytest.approx(replicated[1], rel=1e-12) and experts[0] != pytest.approx(experts[1])
+
+
+def _measure_ep(rank, world, cfg):
+    """``measure``, and afterwards digests of the model's replicated and expert weights on this rank."""
+    from harness.bench.step import job
+    from harness.parallel import expert_parallel
+
+    seen = {}
+    original = job._context
+
+    def context(*args):
+        seen["ctx"] = original(*args)
+        return seen["ctx"]
+
+    job._context = context
+    try:
+        out = job.measure(rank, world, cfg)
+    finally:
+        job._context = original
+    named = list(seen["ctx"].model.named_parameters())
+    out["digests"] = {"replicated": job.weights_digest([p for n, p in named if not expert_parallel.is_expert_param(n)]),
+                      "experts": job.weights_digest([p for n, p in named if expert_parallel.is_expert_param(n)])}
+    return out
 
 
 def test_every_arm_runs_on_a_real_gloo_world(tmp_path):

@@ -261,3 +261,33 @@ def test_executions_are_frozen_values():
     assert ex.share_before(3) == pytest.approx(3 / 8) and ex.stage_share(0) == pytest.approx(1 / 4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         ex.pp = 2  # type: ignore[misc]
+
+
+# a calibrated cost (seconds) of a launch-bound machine: per micro-batch and per sequence overheads dwarf the
+# tokens' terms, so a tall row may fit nothing under a candidate height
+OVERHEAD_BOUND = CostModel(quadratic=0.0, linear=0.0, constant=2.39e-3, cp_comm=1.5e-4, per_microbatch=0.0447,
+                           cp_block=0.0, name="calibrated, launch-bound")
+
+
+def test_synchronous_balanced_on_a_launch_bound_cost_model():
+    """A global batch of ``bench step --ep``'s CPU smoke run: under a cost whose per-micro-batch overhead passes a
+    tall row's candidate height, the synchronous ``balanced`` tried to fill a row holding no block (an empty heap,
+    ``IndexError``); it now skips that height and returns a valid schedule."""
+    lengths = [9, 488, 21, 22, 8, 26, 142, 33, 447, 56, 8, 512, 81, 124, 134, 8, 131, 86, 93, 20, 82, 434, 52, 272, 67,
+               25, 8, 9, 62, 19, 28, 87, 206, 71, 33, 60, 25, 60, 8]
+    for ex in (INDEPENDENT, SYNCHRONOUS):
+        s = schedule(lengths, n_ranks=4, max_seqlen_per_rank=128, algorithm="balanced", cost=OVERHEAD_BOUND,
+                     execution=ex)
+        assert s.execution == ex
+
+
+@settings(max_examples=80, deadline=None)
+@given(batch=batches(max_log_ranks=4, max_sequences=48, vpp=False),
+       overhead=st.sampled_from([0.0, 1e-3, 0.05, 1.0]), constant=st.sampled_from([0.0, 2e-3, 0.5]))
+def test_balanced_schedules_whatever_the_overheads_weigh(batch, overhead, constant):
+    """Both execution models give a valid schedule (``schedule`` validates it) for cost models from token-bound
+    to overhead-bound."""
+    cost = CostModel(quadratic=1e-9, linear=1e-6, constant=constant, cp_comm=1e-7, per_microbatch=overhead,
+                     cp_block=overhead / 2, name="swept")
+    for ex in (INDEPENDENT, SYNCHRONOUS):
+        schedule(batch.lengths, cost=cost, execution=ex, **batch.kwargs())

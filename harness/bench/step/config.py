@@ -14,6 +14,7 @@ from pathlib import Path
 from harness.data.workloads import parse_spec
 from harness.plan import ALGORITHMS, CostModel
 from harness.plan.errors import PlanInputError
+from harness.plan.execution import NAMED as EXECUTIONS
 from harness.runtime.model_config import MODELS
 
 
@@ -31,10 +32,14 @@ class Arm:
     scope: str | None = None
     """What one compiled call covers for this arm (``TinyLM.compile_blocks(scope=...)``: ``segments``
     or ``chain``); None = the config's ``compile``."""
+    execution: str | None = None
+    """The execution model the arm's schedules are made for (``harness.plan.execution``: ``independent`` or
+    ``synchronous``, the fourth field); None = the layout's default (independent)."""
 
     @property
     def label(self) -> str:
-        return (f"{self.layout}:{self.scheduler}" + ("" if self.padding == "local" else f":{self.padding}")
+        tail = f":{self.padding}" if self.padding != "local" or self.execution else ""
+        return (f"{self.layout}:{self.scheduler}" + tail + (f":{self.execution}" if self.execution else "")
                 + (f"@{self.exchange}" if self.exchange else "") + (f"+{self.scope}" if self.scope else ""))
 
 
@@ -52,10 +57,16 @@ def parse_arm(text: str) -> Arm:
     if "@" in rest and exchange not in EXCHANGES:
         raise BenchConfigError(f"arm {text!r}: exchange must be one of {', '.join(EXCHANGES)} after '@', got {exchange!r}")
     parts = body.split(":")
-    if len(parts) not in (2, 3):
-        raise BenchConfigError(f"arm {text!r} is not layout:scheduler[:padding][@exchange][+scope], e.g. "
-                               f"thd:dp-balanced, dcp:balanced@ring or dcp:balanced+chain")
-    layout, scheduler, padding = parts[0], parts[1], parts[2] if len(parts) == 3 else "local"
+    if len(parts) not in (2, 3, 4):
+        raise BenchConfigError(f"arm {text!r} is not layout:scheduler[:padding[:execution]][@exchange][+scope], e.g. "
+                               f"thd:dp-balanced, dcp:balanced@ring, dcp:balanced:local:synchronous or "
+                               f"dcp:balanced+chain")
+    layout, scheduler = parts[0], parts[1]
+    padding = parts[2] if len(parts) >= 3 and parts[2] else "local"
+    execution = parts[3] if len(parts) == 4 else None
+    if execution is not None and execution not in EXECUTIONS:
+        raise BenchConfigError(f"arm {text!r}: execution must be one of {', '.join(EXECUTIONS)} in the fourth field, "
+                               f"got {execution!r}")
     if layout not in ("thd", "dcp"):
         raise BenchConfigError(f"arm {text!r}: layout must be thd (static CP) or dcp (dynamic CP), got {layout!r}")
     if layout == "thd" and scheduler != "dp-balanced":
@@ -64,7 +75,7 @@ def parse_arm(text: str) -> Arm:
         raise BenchConfigError(f"arm {text!r}: unknown scheduler {scheduler!r}; choose from {', '.join(ALGORITHMS)}")
     if padding not in ("local", "domain"):
         raise BenchConfigError(f"arm {text!r}: padding must be local or domain, got {padding!r}")
-    return Arm(layout, scheduler, padding, exchange or None, scope or None)
+    return Arm(layout, scheduler, padding, exchange or None, scope or None, execution)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,6 +179,10 @@ class StepBenchConfig:
     token_bucket: int = 0
     """Pad every rank's micro-batch to a multiple of this many tokens (0 = off; even): the padding
     is counted, and with ``reduce-overhead`` the graphs are recorded once per multiple."""
+    expert_parallel: bool = False
+    """MoE models: shard the experts over the DP x CP domain (``harness.parallel.expert_parallel``; every rank joins
+    every micro-batch's all-to-alls, so micro-batches run in lockstep: the ``synchronous`` execution model fits);
+    expert gradients are not all-reduced."""
     device: str = "cpu"
 
     def arm_list(self) -> list[Arm]:
@@ -196,6 +211,10 @@ class StepBenchConfig:
             raise BenchConfigError(f"profile_iters={self.profile_iters} must be <= iters={self.iters}")
         if self.static_cp and (self.static_cp > world or self.static_cp & (self.static_cp - 1)):
             raise BenchConfigError(f"static_cp={self.static_cp} must be a power of two <= the world size {world}")
+        if self.expert_parallel and (not MODELS[self.model].experts or MODELS[self.model].experts % world):
+            raise BenchConfigError(f"--ep shards the experts over the {world} ranks: model {self.model!r} has "
+                                   f"{MODELS[self.model].experts} experts; use an MoE model whose experts divide by "
+                                   f"{world} ({', '.join(k for k, m in MODELS.items() if m.experts)})")
         if not 0 <= self.trim < 0.5:
             raise BenchConfigError(f"trim must be in [0, 0.5), got {self.trim}")
         n = self.batch_sequences(world)

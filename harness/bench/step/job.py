@@ -61,6 +61,7 @@ def _context(cfg: StepBenchConfig, rank: int, world: int) -> RankContext:
     import torch
 
     # lazy: imports torch; the CLI imports this module without it
+    from harness.parallel import expert_parallel
     from harness.parallel.grad_reduce import BucketedGradReducer, GradBuffer
     from harness.runtime.model import MODELS, TinyLM  # lazy: torch, as above
     from harness.train import pipeline  # lazy: torch, as above
@@ -70,15 +71,26 @@ def _context(cfg: StepBenchConfig, rank: int, world: int) -> RankContext:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     mcfg = replace(MODELS[cfg.model], seed=cfg.seed)
-    model = TinyLM(mcfg, device=device).compile_blocks(cfg.compile_backend(), cfg.compile_mode(), cfg.compile_scope())
-    params = [p for p in model.parameters()]
-    grads = GradBuffer(params, device)  # gradients accumulate in place into views of one flat buffer
+    model = TinyLM(mcfg, device=device)
     groups = DynamicGroups(ParallelLayout(dp=world, cp=1), rank)
     everyone = groups.group(world)
-    reducer = BucketedGradReducer(params, grads.flat, everyone) if cfg.grad_reduce == "overlap" else None
-    run = Run(groups, pipeline.PipelineConfig(), pipeline.Stage.of(mcfg.layers, 1, 1, 0))
+    shard = shards = None
+    if cfg.expert_parallel:  # the same initial model everywhere; each rank keeps its experts
+        shard = expert_parallel.ExpertShard(mcfg.experts, world, rank)
+        expert_parallel.shard_experts(model, shard)
+        shards = ([p for n, p in model.named_parameters() if expert_parallel.is_expert_param(n)], everyone)
+    model.compile_blocks(cfg.compile_backend(), cfg.compile_mode(), cfg.compile_scope())
+    params = [p for p in model.parameters()]
+    expert = {id(p) for p in shards[0]} if shards else set()
+    # gradients accumulate in place into views of one flat buffer: the replicated parameters first, then the experts
+    grads = GradBuffer(params, device, first=lambda p: id(p) not in expert)
+    replicated = [p for p in params if id(p) not in expert]
+    reducer = None
+    if cfg.grad_reduce == "overlap":  # expert gradients are whole on their owner: never all-reduced
+        reducer = BucketedGradReducer(replicated, grads.flat[:sum(p.numel() for p in replicated)], everyone)
+    run = Run(groups, pipeline.PipelineConfig(), pipeline.Stage.of(mcfg.layers, 1, 1, 0), experts=shard)
     ctx = RankContext(cfg, rank, world, device, model, params, grads, [p.detach().clone() for p in params], groups,
-                      everyone, model_cost(cfg), run, reducer)
+                      everyone, model_cost(cfg), run, reducer, shards=shards)
     for i in range(cfg.warmup + cfg.iters):
         lengths, clipped = global_batch_lengths(cfg, world, i)
         ctx.batches.append((lengths, clipped, local_samples(lengths, i, rank, world, mcfg.vocab, cfg.seed, device)))

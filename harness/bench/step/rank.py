@@ -39,6 +39,7 @@ class RankContext:
     run: object = None  # the step's harness.train.step.Run (one stage, no expert parallelism)
     reducer: object = None  # a BucketedGradReducer (grad_reduce="overlap"), else None
     batches: list = field(default_factory=list)  # (lengths, clipped, local samples)
+    shards: tuple | None = None  # expert parallelism: (this rank's expert parameters, their DP x CP group)
     heartbeat: Heartbeat = field(default_factory=lambda: Heartbeat(None, 0))  # progress for the launcher's watchdog
 
     @property
@@ -99,7 +100,8 @@ def local_samples(lengths: list[int], index: int, me: int, n: int, vocab: int, s
 def layout_cfg(ctx: RankContext, arm: Arm):
     """The scheduler's view of ``arm`` on this world (``harness.train.layouts.plan``)."""
     return LayoutConfig(n_ranks=ctx.world, max_seqlen_per_rank=ctx.cfg.max_seqlen_per_rank,
-                        static_cp=ctx.cfg.static_cp or ctx.world, scheduler=arm.scheduler, dcp_padding=arm.padding)
+                        static_cp=ctx.cfg.static_cp or ctx.world, scheduler=arm.scheduler, dcp_padding=arm.padding,
+                        execution=arm.execution, expert_parallel=ctx.cfg.expert_parallel)
 
 
 def use_scope(ctx: RankContext, arm: Arm | None = None, scope: str | None = None) -> str | None:
@@ -131,7 +133,8 @@ def train_step(ctx: RankContext, arm: Arm, lengths: list[int], local: dict, opt,
                       token_multiple=ctx.cfg.token_bucket)
     r = step(ctx.model, ctx.run, arm.layout, lengths, local, layout_cfg(ctx, arm), ctx.cost, device=ctx.device,
              opt=opt, params=ctx.params, grads=ctx.grads, dtype=ctx.cfg.dtype,
-             exchange=arm.exchange or ctx.cfg.cp_exchange, grad_clip=1.0, hooks=hooks)
+             exchange=arm.exchange or ctx.cfg.cp_exchange, grad_clip=1.0, hooks=hooks,
+             **({"shards": ctx.shards} if ctx.shards else {}))
     return {"plan_s": r.plan_s, "plan_wait_s": r.wait_s, "schedule": r.schedule, "local_tokens": r.local_tokens,
             "marks": marks}
 
@@ -186,7 +189,7 @@ def microbatch_runner(ctx: RankContext, mb, total: float, exchange: str = "gathe
     from harness.train.step import cp_group_for  # lazy: torch, as above
 
     ops = passes.MicroBatchOps(ctx.model, ctx.groups, [mb], [cp_group_for(ctx.groups, mb)], ctx.device,
-                               exchange).prepare()
+                               exchange, experts=ctx.run.experts).prepare()
     zero = torch.zeros((), device=ctx.device, dtype=torch.float64)
     sums = {"ce": zero.clone(), "aux": zero.clone(), "mtp": []}
     chunk = passes.model_passes(ctx.model, ctx.run.stage, ops, ctx.cfg.dtype, total, sums)

@@ -56,6 +56,9 @@ def add_arguments(p) -> None:
                    help="K/V exchange of CP blocks: gather (default; all-gather before attention), ring "
                         "(overlapped with attention, TransformerEngine's p2p) or auto (ring on CUDA from 8K tokens "
                         "per rank at cp 2 and 4, 16K above); an arm may override it with @gather / @ring / @auto")
+    p.add_argument("--ep", dest="expert_parallel", action="store_true", default=None,
+                   help="MoE models (moe-12l-h2048; tiny-moe with --cpu): shard the experts over the ranks; the arms "
+                        "may name the execution model their schedules are made for (dcp:balanced:local:synchronous)")
     p.add_argument("--grad-reduce", choices=list(GRAD_REDUCE_CHOICES), default=None,
                    help="gradient all-reduce: overlap (default; buckets reduced during the last backward) or after")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)

@@ -127,6 +127,8 @@ def tall_row(items: list[Item], n: int, mslpr: int, leaf: int, cost: CostModel,
             held.add(it.gid)
             heapq.heappush(heap, (b[1], spot[1]))
         blocks += leaves
+    if not blocks:  # nothing fits under this height (a block's overhead alone may pass it): no row here
+        return [], held
     return _filled([[b[0], b[1], b[2]] for b in blocks], free, cost), held
 
 
