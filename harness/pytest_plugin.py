@@ -5,6 +5,8 @@ Options:
                      ``ours`` (default: every harness algorithm) or ``megatron-core`` (the installed
                      upstream; its invariant violations are reported by name).
   --update-golden    rewrite golden files from the current code instead of comparing.
+  --gpu-part NAME    of the GPU suite (``-m gpu suites/gpu``), run only part NAME (``GPU_PARTS``): parts sized to
+                     fit one 10-minute device call each on 4 GPUs.
 
 Hypothesis profiles (choose with ``--hypothesis-profile``): ``ci`` (default: 500 examples per
 property, derandomized so CI is reproducible), ``nightly`` (5000, random), ``quick`` (50).
@@ -19,6 +21,32 @@ import pytest
 from harness import golden as golden_mod
 
 IMPLS = ("ours", "megatron-core")
+
+GPU_PARTS = {
+    "attention": "TransformerEngine's and the harness's CP attention against unsharded attention, TE's padding call",
+    "models": "the MTP and hybrid models on one GPU, router replay, the NCCL reducer, bench step, two nodes",
+    "converge-2": "bf16 convergence of every model on 2 GPUs",
+    "converge-4": "bf16 convergence of every model on 4 GPUs",
+    "pipeline-vpp1": "two pipeline stages with dynamic CP, every model",
+    "pipeline-vpp2": "two pipeline stages of two virtual chunks with dynamic CP, every model",
+}
+"""Parts of ``suites/gpu`` (``--gpu-part``): every GPU test belongs to exactly one (``gpu_part``)."""
+
+
+def gpu_part(nodeid: str, params: dict) -> str | None:
+    """The ``GPU_PARTS`` name of the GPU test ``nodeid`` (with its parametrization ``params``), None outside
+    ``suites/gpu``."""
+    path, _, name = nodeid.partition("::")
+    if not path.startswith("suites/gpu/"):
+        return None
+    file = path.rsplit("/", 1)[-1]
+    if file in ("test_gpu_te.py", "test_gpu_cp.py"):
+        return "attention"
+    if file == "test_gpu_convergence.py":
+        if name.startswith("test_pipeline"):
+            return f"pipeline-vpp{params.get('vpp', 1)}"
+        return f"converge-{params.get('nproc', 2)}"
+    return "models"
 
 try:
     from hypothesis import HealthCheck, settings
@@ -45,6 +73,22 @@ def pytest_addoption(parser):
                     help="implementation under test for the scheduler invariant suites")
     group.addoption("--update-golden", action="store_true", default=False,
                     help="rewrite golden files from the current code (atomically) instead of comparing")
+    group.addoption("--gpu-part", choices=list(GPU_PARTS), default=None,
+                    help="of the GPU suite (-m gpu suites/gpu), run only this part: " +
+                         "; ".join(f"{k}: {v}" for k, v in GPU_PARTS.items()))
+
+
+def pytest_collection_modifyitems(config, items):
+    part = config.getoption("--gpu-part")
+    if part is None:
+        return
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        (keep if gpu_part(item.nodeid, params) == part else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")
