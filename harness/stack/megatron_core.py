@@ -94,6 +94,32 @@ def _workarounds(spec) -> tuple[str, ...]:
     return names
 
 
+def hybrid_groups(layout, world: int, hybrid: bool = True) -> tuple[list[list[list[int]]], dict[int, int]]:
+    """A schedule's micro-batches (``Schedule.layout``: blocks of ranks and sequence ids) as megatron-core's
+    ``sample_id_groups`` - per group, per rank of the DP x CP domain, the sequence ids it runs, a sequence listed on
+    every rank of its block - and each sequence's micro-batch. Micro-batches without work are dropped. Under hybrid
+    CP megatron's schedule runs the last group's last sub-sample outside its no-sync context on every rank
+    (``hybrid_cp_schedule.py``): the last group must give every rank work, so the last such group moves to the end;
+    a schedule with none is a ``StackError``."""
+    groups, where = [], {}
+    for m, mb in enumerate(layout):
+        per_rank = [[] for _ in range(world)]
+        for b in mb:
+            for g in b.gids:
+                where[g] = m
+                for r in b.ranks:
+                    per_rank[r].append(g)
+        if any(per_rank):
+            groups.append(per_rank)
+    full = [j for j, g in enumerate(groups) if all(g)]
+    if hybrid and full and full[-1] != len(groups) - 1:
+        groups.append(groups.pop(full[-1]))
+    elif hybrid and not full:
+        raise StackError("megatron-core's hybrid-CP schedule needs a micro-batch that gives every rank work (it runs "
+                         "the last group's last sub-sample on every rank); this schedule has none")
+    return groups, where
+
+
 class MegatronCoreStack:
     """megatron-core's GPTModel and hybrid-CP step (see the module doc)."""
 
@@ -230,25 +256,9 @@ class MegatronCoreStack:
 
     def _groups(self, request: StepRequest) -> tuple[list, dict, dict]:
         """(sample_id_groups per micro-batch, every sample by sequence id, sequence id -> micro-batch)."""
-        world, groups, samples, where = self.ctx.world, [], {}, {}
-        for m, mb in enumerate(request.schedule.layout):
-            per_rank = [[] for _ in range(world)]
-            for b in mb:
-                for g in b.gids:
-                    samples[g] = {**self._sample(request.batch[g], b.size), "gid": g}
-                    where[g] = m
-                    for r in b.ranks:
-                        per_rank[r].append(g)
-            if any(per_rank):
-                groups.append(per_rank)
-        # megatron's schedule runs the last group's last sub-sample outside the no-sync context and indexes it
-        # on every rank: the last group must hold work for every rank. Move one that does to the end.
-        full = [j for j, g in enumerate(groups) if all(g)]
-        if self.hybrid and full and full[-1] != len(groups) - 1:
-            groups.append(groups.pop(full[-1]))
-        elif self.hybrid and not full:
-            raise StackError("megatron-core's hybrid-CP schedule needs a micro-batch that gives every rank work (it "
-                             "runs the last group's last sub-sample on every rank); this schedule has none")
+        groups, where = hybrid_groups(request.schedule.layout, self.ctx.world, self.hybrid)
+        sizes = {g: b.size for mb in request.schedule.layout for b in mb for g in b.gids}
+        samples = {g: {**self._sample(request.batch[g], sizes[g]), "gid": g} for g in where}
         return groups, samples, where
 
     def step(self, request: StepRequest) -> StepReport:

@@ -36,3 +36,45 @@ def test_workarounds_are_checked_by_name():
     assert _workarounds("rope-cp-group") == ("rope-cp-group",)
     with pytest.raises(StackError, match="unknown megatron-core workaround 'rope'"):
         _workarounds("rope")
+
+
+def test_schedules_become_megatron_cores_sample_id_groups_with_a_full_group_last():
+    """``hybrid_groups`` (CPU): for the harness's ``balanced`` schedules and megatron-core's own (the installed
+    scheduler's), every sequence is listed on exactly the ranks of its block, in its micro-batch's group, each rank's
+    order kept; the last group gives every rank work; a schedule without such a group is one line."""
+    from harness.data.corpus import CorpusConfig, batch_lengths
+    from harness.plan import Block, Schedule
+    from harness.stack.megatron_core import hybrid_groups
+    from harness.stack.protocol import StackError
+    from harness.train.layouts import LayoutConfig, plan
+    from harness.upstream import megatron as upstream
+
+    corpus = CorpusConfig()
+    schedulers = ["balanced"] + (["megatron-core"] if upstream.available() else [])
+    for scheduler in schedulers:
+        for world in (2, 4):
+            for step in range(3):
+                lengths = batch_lengths(corpus, step)
+                cfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=512, static_cp=world, scheduler=scheduler)
+                sched = plan("dcp", lengths, cfg)[0]
+                groups, where = hybrid_groups(sched.layout, world)
+                assert all(groups[-1]), (scheduler, world, step)
+                assert sorted(where) == list(range(len(lengths)))
+                for m, mb in enumerate(sched.layout):
+                    for b in mb:
+                        for g in b.gids:
+                            holders = [(j, r) for j, grp in enumerate(groups) for r in range(world) if g in grp[r]]
+                            assert sorted(r for _, r in holders) == list(b.ranks), (scheduler, g)
+                            assert len({j for j, _ in holders}) == 1 and where[g] == m
+                kept = [[g for grp in groups for g in grp[r]] for r in range(world)]
+                assert all(sorted(k) == sorted(g for mb in sched.layout for b in mb if r in b.ranks for g in b.gids)
+                           for r, k in enumerate(kept))
+    # a full micro-batch first, then one that leaves rank 1 idle: the full one moves last
+    tail = Schedule.from_blocks([[Block(0, 2, (0,))], [Block(0, 1, (1,))]], lengths=[20, 10], n_ranks=2,
+                                max_seqlen_per_rank=16, algorithm="megatron-core")
+    assert hybrid_groups(tail.layout, 2) == ([[[1], []], [[0], [0]]], {0: 0, 1: 1})
+    lone = Schedule.from_blocks([[Block(0, 1, (0,))], [Block(1, 1, (1,))]], lengths=[10, 10], n_ranks=2,
+                                max_seqlen_per_rank=16)
+    with pytest.raises(StackError, match="needs a micro-batch that gives every rank work"):
+        hybrid_groups(lone.layout, 2)
+    assert hybrid_groups(lone.layout, 2, hybrid=False)[0] == [[[0], []], [[], [1]]]
