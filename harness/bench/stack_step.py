@@ -60,7 +60,8 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
     m = MODELS[cfg.model]
     ctx = StackContext(rank=rank, world=world, device="cuda", dtype="bfloat16", vocab=m.vocab)
     stack = MegatronCoreStack(ctx, workarounds=cfg_dict.get("workarounds", "all"), layers=m.layers, hidden=m.hidden,
-                              heads=m.heads, kv_heads=m.kv_heads, lr=cfg.lr, ffn=m.ffn)
+                              heads=m.heads, kv_heads=m.kv_heads, lr=cfg.lr, ffn=m.ffn,
+                              **cfg_dict.get("stack_options", {}))
     stack.build(cfg.seed)
     cost = model_cost(cfg)
     steps = cfg.warmup + cfg.iters
@@ -129,7 +130,7 @@ def summarize(res: dict, cfg: StepBenchConfig, world: int, arms: list[str]) -> d
 
 
 def main(*, nproc: int | None, out, overrides: dict, stall_s: float | None, arms: list[str] | None = None,
-         workarounds: str = "all") -> int:
+         workarounds: str = "all", stack_options: dict | None = None) -> int:
     """Run the job on ``nproc`` GPUs (default min(4, GPUs)), print the arms and ratios, write the JSON."""
     import tempfile
     from pathlib import Path
@@ -153,10 +154,12 @@ def main(*, nproc: int | None, out, overrides: dict, stall_s: float | None, arms
     out = out or REPORTS / "bench_step_megatron_core.json"
     print(f"bench step --stack megatron-core: {n} x {torch.cuda.get_device_name(0)}, model {cfg.model}, "
           f"{cfg.global_batch} global batches, arms {', '.join(arms)}, {cfg.runs} runs of {cfg.warmup} + {cfg.iters} "
-          f"steps (workarounds {workarounds})", flush=True)
+          f"steps (workarounds {workarounds}{''.join(f', {k}={v}' for k, v in (stack_options or {}).items())})",
+          flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         res = launch(JOB, n, Path(tmp) / "stack_step.json",
-                     {**cfg.to_dict(), "arms": list(cfg.arms), "stack_arms": arms, "workarounds": workarounds},
+                     {**cfg.to_dict(), "arms": list(cfg.arms), "stack_arms": arms, "workarounds": workarounds,
+                      "stack_options": stack_options or {}},
                      stall_s=stall_s, stream=lambda line: print(line, flush=True))
     if res is None:
         return 0
@@ -167,6 +170,7 @@ def main(*, nproc: int | None, out, overrides: dict, stall_s: float | None, arms
     for name, r in summary["ratios"].items():
         print(f"  {name}: {r['median']:.3f}x (runs: {', '.join(f'{x:.3f}' for x in r['per_run'])})")
     path = write_report("step_megatron_core", {**cfg.to_dict(), "gpus": n, "stack_arms": arms,
-                                               "workarounds": workarounds}, summary, out=out)
+                                               "workarounds": workarounds, "stack_options": stack_options or {}},
+                        summary, out=out)
     print(f"wrote {path}")
     return 0

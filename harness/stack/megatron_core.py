@@ -94,6 +94,19 @@ def _workarounds(spec) -> tuple[str, ...]:
     return names
 
 
+def seqlen_bound(padded: int, mode) -> int:
+    """The ``max_seqlen`` TE is handed for a sub-sample of ``padded`` tokens: its own (``"own"``), rounded up to a
+    power of two (``"pow2"``: few distinct values, so the attention's compiled plans can be reused across sequences),
+    or a fixed bound (an int, which must hold it)."""
+    if mode == "own":
+        return padded
+    if mode == "pow2":
+        return 1 << max(0, padded - 1).bit_length()
+    if padded > mode:
+        raise StackError(f"a sub-sample of {padded} tokens exceeds max_seqlen={mode}; raise it or use pow2")
+    return mode
+
+
 def hybrid_groups(layout, world: int, hybrid: bool = True) -> tuple[list[list[list[int]]], dict[int, int]]:
     """A schedule's micro-batches (``Schedule.layout``: blocks of ranks and sequence ids) as megatron-core's
     ``sample_id_groups`` - per group, per rank of the DP x CP domain, the sequence ids it runs, a sequence listed on
@@ -124,8 +137,13 @@ class MegatronCoreStack:
     """megatron-core's GPTModel and hybrid-CP step (see the module doc)."""
 
     def __init__(self, ctx: StackContext, workarounds=None, layers: int = 2, hidden: int = 64, heads: int = 4,
-                 kv_heads: int = 2, lr: float = 3e-3, cp_comm: str = "p2p", ffn: int | None = None):
+                 kv_heads: int = 2, lr: float = 3e-3, cp_comm: str = "p2p", ffn: int | None = None,
+                 max_seqlen="own"):
         preflight(ctx.device, ctx.world)
+        if not (max_seqlen in ("own", "pow2") or (isinstance(max_seqlen, int) and max_seqlen > 0)):
+            raise StackError(f"max_seqlen={max_seqlen!r}: hand TE each sub-sample's own padded length (own), it "
+                             "rounded up to a power of two (pow2), or a fixed bound in tokens (a positive int)")
+        self.max_seqlen = max_seqlen
         if cp_comm not in COMM_TYPES:
             raise StackError(f"unknown TE CP communication type cp_comm={cp_comm!r}; choose from {', '.join(COMM_TYPES)}")
         if ctx.dtype != "bfloat16":
@@ -229,8 +247,9 @@ class MegatronCoreStack:
         padded = int(cup[-1].item())
         if "tail-padding" in self.fixes:
             cu = cup
+        bound = seqlen_bound(padded, self.max_seqlen)
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cup,
-                              cu_seqlens_kv_padded=cup, max_seqlen_q=padded, max_seqlen_kv=padded,
+                              cu_seqlens_kv_padded=cup, max_seqlen_q=bound, max_seqlen_kv=bound,
                               local_cp_size=local if self.hybrid else None, cp_group=group)
         out = model(sample["tokens"], sample["position_ids"], None, labels=sample["labels"], packed_seq_params=psp)
         held = {getattr(m, "cp_group", None) for m in self.attention}

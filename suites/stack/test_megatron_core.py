@@ -78,3 +78,14 @@ def test_schedules_become_megatron_cores_sample_id_groups_with_a_full_group_last
     with pytest.raises(StackError, match="needs a micro-batch that gives every rank work"):
         hybrid_groups(lone.layout, 2)
     assert hybrid_groups(lone.layout, 2, hybrid=False)[0] == [[[0], []], [[], [1]]]
+
+
+def test_the_max_seqlen_handed_to_te_is_the_sub_samples_own_a_power_of_two_or_a_fixed_bound():
+    from harness.stack.megatron_core import seqlen_bound
+    from harness.stack.protocol import StackError
+
+    assert [seqlen_bound(p, "own") for p in (8, 100, 4097)] == [8, 100, 4097]
+    assert [seqlen_bound(p, "pow2") for p in (8, 9, 100, 4096, 4097)] == [8, 16, 128, 4096, 8192]
+    assert seqlen_bound(100, 8192) == 8192
+    with pytest.raises(StackError, match="exceeds max_seqlen=64; raise it or use pow2"):
+        seqlen_bound(100, 64)

@@ -31,6 +31,9 @@ def add_arguments(p) -> None:
                                                       "megatron-core, balanced (default all three)")
     p.add_argument("--workarounds", default="all", help="with --stack megatron-core: the stack's workarounds of "
                                                         "upstream defects (all, none or a comma list)")
+    p.add_argument("--stack-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --stack megatron-core: passed to the stack (e.g. max_seqlen=pow2, cp_comm=all_gather); "
+                        "repeatable")
     p.add_argument("--model", default=None, help="model key (default gpt-12l-h2048; tiny-gpt with --cpu)")
     p.add_argument("--lengths", default=None, help="length spec (default lognormal:mean=1024,sigma=1.5,min=128,max=8192)")
     p.add_argument("--max-seqlen-per-rank", type=T.TOKENS, default=None)
@@ -83,6 +86,8 @@ def add_arguments(p) -> None:
 
 
 def run(a) -> int:
+    from harness.commands.verify import options  # KEY=VALUE pairs, values read as JSON when they parse
+
     if a.stack == "megatron-core":
         if a.cpu:
             raise T.UsageError("bench step --stack megatron-core runs on CUDA GPUs only (TransformerEngine); drop --cpu")
@@ -90,7 +95,7 @@ def run(a) -> int:
 
         return stack_main(nproc=a.nproc, out=a.out, overrides=overrides(a, StepBenchConfig, CONVERT),
                           stall_s=a.stall_timeout, arms=names(a.stack_arms) if a.stack_arms else None,
-                          workarounds=a.workarounds)
+                          workarounds=a.workarounds, stack_options=options(a.stack_option))
     if a.cpu and a.nproc is not None:
         T.check_cpu_ranks(a.nproc, "--nproc")
     nodes, _ = nodes_from(a, a.nnodes)
