@@ -14,7 +14,9 @@ Each run trains every arm (interleaved: run 1 static, megatron-core, balanced; r
 steps on the same global batches; a step is timed from a barrier to the slowest rank's end (max over ranks). Per
 arm: the median step of each run, the median over runs; speedups are ratios of the arms' times in the same run,
 their median over runs. MFU: the model's FLOPs of the real tokens (no padding, causal attention, no recompute) /
-step time / GPUs / the device's dense bf16 peak.
+step time / GPUs / the device's dense bf16 peak. With ``profile_iters`` > 0 (the default) the last run profiles one
+more step per arm: where rank 0's wall time went (``harness.bench.trace``: attention, linear, other, exposed
+communication, idle - no kernel running, the host-bound gaps).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from harness.jobs.entry import register
 from harness.runtime.model_config import MODELS
 
 ARMS = ("static", "megatron-core", "balanced")
+MARK = "dcp_harness_stack_step"
 JOB = register("bench-stack-step", "harness.bench.stack_step:measure")
 
 
@@ -93,12 +96,51 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
                         for b in mb:
                             sizes[b.size] = sizes.get(b.size, 0) + len(b.gids)
             per_arm[arm] = {"ms": [t * 1e3 for t in times], "flops": flops, "sequences_by_cp": sizes}
+            if run == cfg.runs - 1 and cfg.profile_iters:  # the last run profiles one more step of the arm
+                beat.beat(run=run + 1, arm=arm, phase="profiled step")
+                per_arm[arm]["breakdown"] = profile_call(lambda: stack.step(req), dev)
             if rank == 0:
                 print(f"run {run + 1} {arm}: median {statistics.median(times) * 1e3:.1f} ms over {len(times)} steps",
                       flush=True)
         out["runs"].append(per_arm)
     stack.close()
     return out
+
+
+def profile_call(fn, device) -> dict:
+    """``fn()`` once under ``torch.profiler`` (after a barrier, synchronised): where its wall time went
+    (``harness.bench.trace.breakdown``: attention, linear, other, exposed communication, idle; kernels on CUDA, host
+    operators on CPU)."""
+    import os
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from harness.bench.trace import annotations, breakdown, load_trace
+
+    cuda = torch.device(device).type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if dist.is_initialized():
+        dist.barrier()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=acts) as prof, record_function(MARK):
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="dcp_stack_step_")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        trace = load_trace(path)
+    finally:
+        os.unlink(path)
+    windows = annotations(trace, MARK)
+    if not windows:
+        raise RuntimeError(f"the profiler trace has no {MARK} annotation")
+    return breakdown(trace, windows[-1])
 
 
 def summarize(res: dict, cfg: StepBenchConfig, world: int, arms: list[str]) -> dict:
@@ -119,6 +161,8 @@ def summarize(res: dict, cfg: StepBenchConfig, world: int, arms: list[str]) -> d
         out["arms"][arm] = {k: statistics.median(r[arm][k] for r in per_run) if per_run[0][arm][k] is not None else None
                             for k in ("median_ms", "tflops_per_gpu", "mfu")}
         out["arms"][arm]["sequences_by_cp"] = per_run[0][arm]["sequences_by_cp"]
+        last = r0["runs"][-1][arm].get("breakdown")  # rank 0's profiled step of the last run
+        out["arms"][arm]["breakdown"] = last
     pairs = {"megatron-core dynamic CP vs static CP": ("static", "megatron-core"),
              "balanced vs static CP": ("static", "balanced"),
              "balanced vs megatron-core's scheduler": ("megatron-core", "balanced")}
@@ -169,6 +213,12 @@ def main(*, nproc: int | None, out, overrides: dict, stall_s: float | None, arms
                        ("tflops_per_gpu", "TFLOP/s per GPU", ".1f"), ("mfu", "MFU", ".3f")]))
     for name, r in summary["ratios"].items():
         print(f"  {name}: {r['median']:.3f}x (runs: {', '.join(f'{x:.3f}' for x in r['per_run'])})")
+    parts = [{"arm": a, **v["breakdown"]} for a, v in summary["arms"].items() if v.get("breakdown")]
+    if parts:
+        print("one profiled step of the last run (rank 0, ms; idle: no kernel running - host-bound gaps):")
+        print(table(parts, [("arm", "arm", "s"), ("wall", "wall", ".1f"), ("attention", "attention", ".1f"),
+                            ("linear", "linear", ".1f"), ("other", "other", ".1f"),
+                            ("communication", "comm (exposed)", ".1f"), ("idle", "idle", ".1f")]))
     path = write_report("step_megatron_core", {**cfg.to_dict(), "gpus": n, "stack_arms": arms,
                                                "workarounds": workarounds, "stack_options": stack_options or {}},
                         summary, out=out)

@@ -89,3 +89,17 @@ def test_the_max_seqlen_handed_to_te_is_the_sub_samples_own_a_power_of_two_or_a_
     assert seqlen_bound(100, 8192) == 8192
     with pytest.raises(StackError, match="exceeds max_seqlen=64; raise it or use pow2"):
         seqlen_bound(100, 64)
+
+
+def test_the_stack_benchmark_profiles_a_call_into_where_its_time_went():
+    """``harness.bench.stack_step.profile_call`` (CPU: host operators): a matmul-heavy call is mostly linear and the
+    parts add up to the wall time."""
+    import torch
+
+    from harness.bench.stack_step import profile_call
+
+    a = torch.randn(256, 256)
+    out = profile_call(lambda: [a @ a for _ in range(20)], "cpu")
+    assert out["source"] == "host" and out["linear"] > 0
+    total = sum(out[k] for k in ("attention", "linear", "other", "communication", "idle"))
+    assert total == pytest.approx(out["wall"], rel=1e-6)
