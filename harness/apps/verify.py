@@ -130,17 +130,19 @@ def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path, options: dict
             "reference": vg.series(ref[0]["layouts"][checks.REF_LAYOUT]["reports"])}
     hw, cid = hardware(cfg), vg.case_id(stack, options, cfg, world)
     path = golden_mod.path_for(vg.GOLDEN_SUITE, cid, hw, **({"root": golden_root} if golden_root else {}))
-    hint = f"dcp-harness verify {stack} ... --update-golden (the same options, on {hw})"
-    if golden == "require" or (golden == "auto" and path.is_file()):
+    command = vg.update_command(stack, options, cfg, world)
+    hint = f"{command} (on {hw})"
+    compare = golden == "require" or (golden == "auto" and path.is_file())
+    if compare:
         lines += vg.against(path, runs, cfg, hw, hint)
     verdict = "PASS" if all(c["pass"] for c in lines) else "FAIL"
-    used = str(path) if golden == "require" or (golden == "auto" and path.is_file()) else None
+    used = str(path) if compare else None
     if golden == "update":
         if verdict != "PASS":
             raise StackError(f"refusing to write the golden {path}: this run's verdict is FAIL (a golden must come "
                              "from a run whose every check passes)")
         vg.write(path, runs, cfg, stack=stack, stack_name=got[0]["stack"], options=options, world=world, hw=hw,
-                 command=f"dcp-harness verify {stack} --world {world} --steps {cfg.steps} --update-golden")
+                 command=command)
         used = str(path)
     atomic_write_json(out / "verify.json", {"stack": got[0]["stack"], "spec": stack, "world": world,
                                              "verdict": verdict, "checks": lines, "config": cfg.to_dict(),

@@ -11,11 +11,13 @@ drifts with the stack's versions as much as the layouts do: a golden is what cat
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 from harness import golden as golden_mod
 from harness.apps.converge import case_id as converge_case_id
+from harness.data.corpus import CorpusConfig
 from harness.finite import target, worst
 from harness.stack.checks import TOLERANCES
 from harness.train.config import TrainConfig
@@ -40,6 +42,18 @@ def case_id(stack: str, options: dict, cfg: TrainConfig, world: int) -> str:
     sched = "" if cfg.scheduler == "balanced" else f"__{_slug(cfg.scheduler)}"
     tail = converge_case_id(cfg, world).removeprefix("converge__")
     return f"verify__{_slug(stack)}{opts}{sched}__{tail}"
+
+
+def update_command(stack: str, options: dict, cfg: TrainConfig, world: int) -> str:
+    """The command that writes this case's golden (on the hardware it runs on)."""
+    opts = "".join(f" --option {k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in sorted(options.items()))
+    sched = "" if cfg.scheduler == "balanced" else f" --scheduler {cfg.scheduler}"
+    c, d = cfg.corpus, CorpusConfig()
+    corpus = "".join(f" {flag} {getattr(c, f)}" for flag, f in (("--lengths", "lengths"), ("--batch-size", "sequences_per_batch"),
+                                                                 ("--seed", "seed"), ("--vocab", "vocab"))
+                     if getattr(c, f) != getattr(d, f))
+    return (f"dcp-harness verify {stack} --device {cfg.device} --world {world} --steps {cfg.steps} "
+            f"--max-seqlen-per-rank {cfg.max_seqlen_per_rank}{corpus}{sched}{opts} --update-golden")
 
 
 def series(reports: list) -> dict[str, list[float]]:

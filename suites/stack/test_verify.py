@@ -137,6 +137,17 @@ def test_a_golden_holds_both_runs_and_catches_a_change_that_moves_them_together(
     bad = _failed(moved)
     assert bad and all("vs golden (cpu)" in t for t in bad), bad
     assert any(t.startswith("reference vs golden") for t in bad), bad
+    from dataclasses import replace
+
+    from harness.golden import GoldenError
+
+    short = tmp_path / "short"  # a golden of one step cannot judge a run of two: curves of other lengths
+    verify(EXAMPLE, replace(SMALL, steps=1), world=2, out=tmp_path / "f", spawn=True, golden="update", golden_root=short)
+    with pytest.raises(GoldenError, match=r"holds 1 steps of bshd.loss, this run trains 2"):
+        verify(EXAMPLE, SMALL, world=2, out=tmp_path / "f", spawn=True, golden="require", golden_root=short)
+    with pytest.raises(GoldenError, match=r"is missing; create it with: dcp-harness verify \S+own_trainer.py:make "
+                                          r"--device cpu --world 2 --steps 2 --max-seqlen-per-rank 64 .*--update-golden"):
+        verify(EXAMPLE, SMALL, world=2, out=tmp_path / "g", spawn=True, golden="require", golden_root=tmp_path / "none")
     with pytest.raises(StackError, match="verdict is FAIL"):
         verify(EXAMPLE, SMALL, world=2, out=tmp_path / "d", spawn=True, golden="update", golden_root=tmp_path / "g2",
                options={"bug": "local-positions"})
