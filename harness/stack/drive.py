@@ -4,7 +4,8 @@ The stack is named by ``cfg["stack"]``: ``"harness"`` (``harness.stack.runtime``
 ``"path/to/file.py:make"`` (a factory ``make(ctx, **cfg["options"])``). For each layout in ``cfg["layouts"]``
 the stack builds its model from ``cfg["seed"]`` and trains ``cfg["steps"]`` global batches of the harness's corpus,
 each laid out by the harness's schedule for that layout (the same on every rank: planning is deterministic); the
-first step asks for gradients, token losses and CP groups, every later step for the CP groups. Each rank writes its reports to
+first step asks for gradients, token losses and CP groups, every later step for the CP groups. Each step is reported to the
+launcher's watchdog (``harness.heartbeat``): a slow stack is not taken for a stuck one. Each rank writes its reports to
 ``cfg["report_dir"]/rank{r}.pkl`` and returns the path (``cfg["inline"]``: returns them, pickled, in the result).
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.data.corpus import global_batch
+from harness.heartbeat import Heartbeat
 from harness.stack.protocol import WANTS, StackContext, StackError, StepRequest, checked_report, checked_stack
 from harness.train import layouts
 from harness.train.config import TrainConfig, model_cost
@@ -80,10 +82,13 @@ def job(rank: int, world: int, cfg: dict) -> str | dict:
     origin = f"stack {cfg['stack']!r}"
     stack = checked_stack(load_factory(cfg["stack"])(ctx, **cfg.get("options", {})), origin)
     out = {"stack": stack.name, "layouts": {}}
+    beat = Heartbeat.from_cfg(cfg, rank)  # progress for the launcher's watchdog (no-op outside a launched job)
     for layout in tcfg.layouts:
+        beat.beat(force=True, layout=layout, phase="building the model")
         stack.build(tcfg.corpus.seed)
         reps, schedules, lengths = [], [], []
         for k in range(tcfg.steps):
+            beat.beat(force=True, layout=layout, step=k + 1, of=tcfg.steps)
             batch = global_batch(tcfg.corpus, k)
             ls = [len(x) - 1 for x in batch]
             sched, padding, fixed = layouts.plan(layout, ls, lcfg, cost)

@@ -203,3 +203,21 @@ def test_the_megatron_core_step_benchmark_summary_takes_medians_of_runs_and_per_
     assert s["ratios"]["megatron-core dynamic CP vs static CP"]["median"] == 2.0
     assert s["ratios"]["balanced vs megatron-core's scheduler"]["per_run"] == [1.0, 2.0, 0.8]
     assert abs(s["arms"]["balanced"]["mfu"] - 0.5) < 1e-12  # half the H200's dense bf16 peak on every step
+
+
+def test_the_driver_reports_every_step_to_the_launchers_watchdog(tmp_path):
+    """A stack's steps beat the job's heartbeat (layout, step, of): a slow stack is not taken for a stuck one."""
+    import json
+
+    from harness.jobs.launch import run_on_ranks
+    from harness.stack.drive import job
+
+    beats = tmp_path / "beats"
+    beats.mkdir()
+    cfg = {**SMALL.to_dict(), "stack": "harness", "options": {}, "report_dir": str(tmp_path / "reports"),
+           "inline": False, "heartbeat_dir": str(beats)}
+    run_on_ranks(job, world_size=2, tmp_path=tmp_path, args=(cfg,), timeout_s=120)
+    for r in (0, 1):
+        last = json.loads((beats / f"rank{r}.json").read_text())
+        assert (last["rank"], last["layout"], last["step"], last["of"]) == (r, SMALL.layouts[-1], SMALL.steps,
+                                                                            SMALL.steps)
