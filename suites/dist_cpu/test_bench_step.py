@@ -238,6 +238,10 @@ def test_expert_parallel_arms_run_on_a_real_gloo_world(tmp_path):
     replicated = [r["digests"]["replicated"] for r in ranks]
     experts = [r["digests"]["experts"] for r in ranks]
     assert replicated[0] == pytest.approx(replicated[1], rel=1e-12) and experts[0] != pytest.approx(experts[1])
+    for r in ranks:
+        red = r["reduced"]
+        assert red["experts"] == 0 and red["flat"] == red["replicated_numel"], red
+        assert red["shards"] == red["expert_params"] > 0, red  # clipping counts every expert shard
 
 
 def _measure_ep(rank, world, cfg):
@@ -257,7 +261,14 @@ def _measure_ep(rank, world, cfg):
         out = job.measure(rank, world, cfg)
     finally:
         job._context = original
-    named = list(seen["ctx"].model.named_parameters())
+    ctx = seen["ctx"]
+    named = list(ctx.model.named_parameters())
+    expert_ids = {id(p) for n, p in named if expert_parallel.is_expert_param(n)}
+    # the overlapped reducer all-reduces the replicated gradients, never an expert's
+    out["reduced"] = {"experts": sum(id(p) in expert_ids for p in ctx.reducer.params),
+                      "reduced_params": len(ctx.reducer.params), "flat": ctx.reducer.flat.numel(),
+                      "replicated_numel": sum(p.numel() for n, p in named if id(p) not in expert_ids),
+                      "shards": len(ctx.shards[0]), "expert_params": len(expert_ids)}
     out["digests"] = {"replicated": job.weights_digest([p for n, p in named if not expert_parallel.is_expert_param(n)]),
                       "experts": job.weights_digest([p for n, p in named if expert_parallel.is_expert_param(n)])}
     return out
