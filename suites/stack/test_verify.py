@@ -166,8 +166,17 @@ def test_megatron_cores_own_scheduler_drives_the_dcp_layout(tmp_path):
 
     if not upstream.available():
         pytest.skip("megatron-core is not installed")
-    res = verify("harness", replace(SMALL, scheduler="megatron-core", layouts=("dcp",)), world=2, out=tmp_path,
-                 spawn=True)
+    from harness.data.corpus import batch_lengths
+    from harness.train import layouts
+
+    cfg = replace(SMALL, scheduler="megatron-core", layouts=("dcp",))
+    for k in range(cfg.steps):  # the dcp layout is upstream's own output, micro-batch by micro-batch
+        lengths = batch_lengths(cfg.corpus, k)
+        sched = layouts.plan("dcp", lengths, cfg.layout_config(2))[0]
+        assert sched.algorithm == "megatron-core"
+        assert layouts.sample_id_groups(sched) == upstream.sample_id_groups(
+            lengths, n_ranks=2, max_seqlen_per_rank=cfg.max_seqlen_per_rank)
+    res = verify("harness", cfg, world=2, out=tmp_path, spawn=True)
     assert res.verdict == "PASS", _failed(res)
     with pytest.raises(LayoutError, match="or megatron-core"):
         verify("harness", replace(SMALL, scheduler="megatron-corez"), world=2, out=tmp_path, spawn=True)
