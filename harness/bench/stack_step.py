@@ -183,6 +183,7 @@ def main(*, nproc: int | None, out, overrides: dict, stall_s: float | None, arms
 
     from harness.bench.common import REPORTS, table, write_report
     from harness.bench.step.config import BenchConfigError
+    from harness.bench.trace import kernel_lines
     from harness.jobs.entry import launch
     from harness.stack.megatron_core import preflight
 
@@ -219,6 +220,8 @@ def main(*, nproc: int | None, out, overrides: dict, stall_s: float | None, arms
         print(table(parts, [("arm", "arm", "s"), ("wall", "wall", ".1f"), ("attention", "attention", ".1f"),
                             ("linear", "linear", ".1f"), ("other", "other", ".1f"),
                             ("communication", "comm (exposed)", ".1f"), ("idle", "idle", ".1f")]))
+        for line in kernel_lines({a: v.get("breakdown") for a, v in summary["arms"].items()}):
+            print(line)
     path = write_report("step_megatron_core", {**cfg.to_dict(), "gpus": n, "stack_arms": arms,
                                                "workarounds": workarounds, "stack_options": stack_options or {}},
                         summary, out=out)

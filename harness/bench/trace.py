@@ -11,7 +11,9 @@ trace's microseconds, e.g. a ``record_function`` annotation around the step) int
 - ``idle``: no kernel running at all (host-bound launch gaps, host synchronisation).
 
 Each instant of the window counts once, for the highest-priority category running then
-(attention > linear > other > communication), so the five parts add up to the wall time.
+(attention > linear > other > communication), so the five parts add up to the wall time. The same
+instant is also charged to one kernel of that category (the earliest started of those running), so
+``kernels`` says which kernels the ``other`` time and the exposed communication were (``top_kernels``).
 
 On a CPU-only run (gloo, no kernels) the host operator events are classified the same way
 (``aten::mm`` and friends -> linear, attention ops -> attention, gloo / c10d -> communication, any
@@ -80,29 +82,79 @@ def breakdown(trace: dict, window: tuple[float, float]) -> dict:
     else:
         chosen = device
     rank = {c: i for i, c in enumerate(CATEGORIES)}
-    points = []
+    points, names = [], []
     for e in chosen:
         a, b = max(t0, float(e["ts"])), min(t1, float(e["ts"]) + float(e["dur"]))
         if b > a:
-            c = rank[classify(str(e.get("name", "")), source)]
-            points.append((a, 1, c))
-            points.append((b, -1, c))
+            name = str(e.get("name", ""))
+            c = rank[classify(name, source)]
+            i = len(names)
+            names.append((short_name(name), c))
+            points.append((a, 1, c, i))
+            points.append((b, -1, c, i))
     points.sort(key=lambda p: (p[0], p[1]))
-    active = [0] * len(CATEGORIES)
+    active: list[dict[int, float]] = [{} for _ in CATEGORIES]   # per category: event -> its start
     spent = [0.0] * len(CATEGORIES)
+    charged: dict[str, list] = {}
     busy, last = 0.0, t0
-    for t, delta, c in points:
+    for t, delta, c, i in points:
         if t > last:
-            top = next((i for i, n in enumerate(active) if n), None)
+            top = next((k for k, running in enumerate(active) if running), None)
             if top is not None:
                 spent[top] += t - last
                 busy += t - last
+                first = min(active[top], key=active[top].get)
+                charged.setdefault(names[first][0], [CATEGORIES[top], 0.0, set()])
+                charged[names[first][0]][1] += t - last
+                charged[names[first][0]][2].add(first)
             last = t
-        active[c] += delta
+        if delta > 0:
+            active[c][i] = t
+        else:
+            active[c].pop(i, None)
     out = {c: spent[i] / 1e3 for i, c in enumerate(CATEGORIES)}
     out["idle"] = max(0.0, (t1 - t0) - busy) / 1e3
     out["wall"] = (t1 - t0) / 1e3
     out["source"] = source
+    kept = sorted(charged.items(), key=lambda kv: -kv[1][1])[:KEEP_KERNELS]
+    out["kernels"] = {n: [cat, us / 1e3, len(ids)] for n, (cat, us, ids) in kept}
+    return out
+
+
+KEEP_KERNELS = 40
+"""Kernels ``breakdown`` keeps (the most charged time first)."""
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its return type, template arguments and parameters (at most 64 chars)."""
+    n = name.strip()
+    if n.startswith("void "):
+        n = n[5:]
+    for stop in ("<", "("):
+        if stop in n:
+            n = n[:n.index(stop)]
+    return n.strip()[:64] or name[:64]
+
+
+def top_kernels(b: dict, categories=("other", "communication"), n: int = 4) -> dict:
+    """The ``n`` kernels charged the most time of each of ``categories`` in a ``breakdown`` (or
+    ``mean_breakdown``): {category: [(name, ms, launches), ...]}."""
+    out = {c: [] for c in categories}
+    for name, (cat, ms, count) in sorted((b.get("kernels") or {}).items(), key=lambda kv: -kv[1][1]):
+        if cat in out and len(out[cat]) < n:
+            out[cat].append((name, ms, count))
+    return out
+
+
+def kernel_lines(breakdowns: dict, n: int = 4) -> list[str]:
+    """Per name (an arm), the ``n`` kernels that took the most of its breakdown's ``other`` time and of
+    its exposed communication (ms and launches per step)."""
+    out = []
+    for k, b in breakdowns.items():
+        top = top_kernels(b or {}, n=n)
+        for cat, label in (("other", "other"), ("communication", "comm (exposed)")):
+            if top[cat]:
+                out.append(f"  {k} {label}: " + ", ".join(f"{name} {ms:.1f} ms x{c:.0f}" for name, ms, c in top[cat]))
     return out
 
 
@@ -113,4 +165,11 @@ def mean_breakdown(parts: list[dict]) -> dict:
     keys = PARTS + ("wall",)
     out = {k: sum(p[k] for p in parts) / len(parts) for k in keys}
     out["source"] = parts[0]["source"]
+    kernels: dict[str, list] = {}
+    for p in parts:
+        for name, (cat, ms, count) in (p.get("kernels") or {}).items():
+            k = kernels.setdefault(name, [cat, 0.0, 0.0])
+            k[1] += ms / len(parts)
+            k[2] += count / len(parts)
+    out["kernels"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1][1])[:KEEP_KERNELS])
     return out

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness.bench import step
-from harness.bench.trace import PARTS, breakdown, classify
+from harness.bench.trace import PARTS, breakdown, classify, kernel_lines, mean_breakdown, top_kernels
 from harness.jobs.launch import run_on_ranks
 from harness.plan import CostModel
 
@@ -180,6 +180,29 @@ def test_breakdown_counts_each_instant_once_by_priority():
     assert b["communication"] == pytest.approx(20e-3) and b["other"] == pytest.approx(15e-3)
     assert b["idle"] == pytest.approx(35e-3)
     assert sum(b[p] for p in PARTS) == pytest.approx(b["wall"]) == pytest.approx(0.1)
+
+
+def test_breakdown_charges_each_instant_to_one_kernel_of_its_category():
+    trace = {"traceEvents": [
+        _ev("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(int)", 0, 10),
+        _ev("triton_poi_fused_add_mul_0", 5, 10),               # other, overlapping: charged 10-15 only
+        _ev("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 12, 20),  # exposed 15-32
+        _ev("sm90_xmma_gemm_bf16", 20, 5),                      # hides the all-gather 20-25
+        _ev("triton_poi_fused_add_mul_0", 40, 4),               # a second launch of the same kernel
+    ]}
+    b = breakdown(trace, (0.0, 50.0))
+    k = b["kernels"]
+    assert k["at::native::vectorized_elementwise_kernel"] == ["other", pytest.approx(10e-3), 1]
+    assert k["triton_poi_fused_add_mul_0"] == ["other", pytest.approx(9e-3), 2]
+    assert k["ncclDevKernel_AllGather_RING_LL"] == ["communication", pytest.approx(12e-3), 1]
+    assert sum(v[1] for v in k.values()) == pytest.approx(b["wall"] - b["idle"])
+    top = top_kernels(mean_breakdown([b, b]), n=1)
+    assert top["other"] == [("at::native::vectorized_elementwise_kernel", pytest.approx(10e-3), 1.0)]
+    assert top["communication"] == [("ncclDevKernel_AllGather_RING_LL", pytest.approx(12e-3), 1.0)]
+    lines = kernel_lines({"dcp:balanced": b, "none": None})
+    assert lines == ["  dcp:balanced other: at::native::vectorized_elementwise_kernel 0.0 ms x1, "
+                     "triton_poi_fused_add_mul_0 0.0 ms x2",
+                     "  dcp:balanced comm (exposed): ncclDevKernel_AllGather_RING_LL 0.0 ms x1"]
 
 
 def test_breakdown_falls_back_to_host_operators_without_kernels():

@@ -16,6 +16,7 @@ from pathlib import Path
 from harness.bench.common import REPORTS, table, write_report
 from harness.bench.step.config import BenchConfigError, StepBenchConfig
 from harness.bench.step.summarise import TARGETS, checks, summarize
+from harness.bench.trace import kernel_lines
 from harness.io import atomic_write_text
 from harness.jobs.entry import launch, register
 from harness.jobs.nodes import Nodes
@@ -104,6 +105,8 @@ def _print_tables(summary: dict, cfg: StepBenchConfig) -> None:
                     if len(summary["runs"]) > 1 and summary.get("breakdown_run") is not None else "")
         print(f"breakdown of one step (ms, mean over ranks and {cfg.profile_iters} profiled steps{run_note}):")
         print(table(brows, BREAKDOWN_COLUMNS))
+        for line in kernel_lines({k: v.get("breakdown") for k, v in summary["arms"].items()}):
+            print(line)
     for k, v in summary["arms"].items():
         if v["breakdown_error"]:
             print(f"  {k}: no breakdown: {v['breakdown_error']}")
@@ -123,3 +126,4 @@ def _print_verdicts(summary: dict, cks: list[dict]) -> None:
         verdict = "n/a (targets apply to 4 GPUs)" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")
         each = f" (runs: {', '.join(f'{x:.3f}' for x in c['per_run'])})" if c["runs"] > 1 else ""
         print(f"  [{verdict}] {c['target']}: {c['value']:.3f}{each}")
+
