@@ -219,7 +219,8 @@ def main(*, nproc: int | None, out, overrides: dict, stall_s: float | None, arms
         print("one profiled step of the last run (rank 0, ms; idle: no kernel running - host-bound gaps):")
         print(table(parts, [("arm", "arm", "s"), ("wall", "wall", ".1f"), ("attention", "attention", ".1f"),
                             ("linear", "linear", ".1f"), ("other", "other", ".1f"),
-                            ("communication", "comm (exposed)", ".1f"), ("idle", "idle", ".1f")]))
+                            ("communication", "comm (exposed)", ".1f"), ("idle", "idle", ".1f"),
+                            ("host_syncs", "host syncs", ".0f"), ("host_sync_ms", "sync ms", ".1f")]))
         for line in kernel_lines({a: v.get("breakdown") for a, v in summary["arms"].items()}):
             print(line)
     path = write_report("step_megatron_core", {**cfg.to_dict(), "gpus": n, "stack_arms": arms,

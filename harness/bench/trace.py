@@ -15,6 +15,11 @@ Each instant of the window counts once, for the highest-priority category runnin
 instant is also charged to one kernel of that category (the earliest started of those running), so
 ``kernels`` says which kernels the ``other`` time and the exposed communication were (``top_kernels``).
 
+``host_syncs`` / ``host_sync_ms`` count the host's blocking waits for the device in the window (CUDA
+runtime calls ``cuda*Synchronize`` and blocking ``cudaMemcpy``: ``.item()``, ``.tolist()``, ``.cpu()``
+of device tensors, explicit synchronisation) and the host time they took: a host-bound step with many
+of them waits for its kernels to drain before it can launch the next ones.
+
 On a CPU-only run (gloo, no kernels) the host operator events are classified the same way
 (``aten::mm`` and friends -> linear, attention ops -> attention, gloo / c10d -> communication, any
 other operator -> other); enclosing operators count only where no finer category is active.
@@ -35,6 +40,12 @@ _ATTN = ("flash", "fmha", "attention", "attn", "sdpa")
 _GEMM = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul",
          "aten::linear", "aten::_scaled_mm")
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def is_host_sync(name: str) -> bool:
+    """Whether a CUDA runtime / driver call blocks the host until the device catches up."""
+    return name.endswith("Synchronize") or name in ("cudaMemcpy", "cuMemcpyDtoH", "cuMemcpyDtoH_v2")
 
 
 def classify(name: str, source: str = "device") -> str:
@@ -116,6 +127,10 @@ def breakdown(trace: dict, window: tuple[float, float]) -> dict:
     out["idle"] = max(0.0, (t1 - t0) - busy) / 1e3
     out["wall"] = (t1 - t0) / 1e3
     out["source"] = source
+    syncs = [e for e in evs if e.get("cat") in _RUNTIME_CATS and is_host_sync(str(e.get("name", "")))
+             and t0 <= float(e["ts"]) < t1]
+    out["host_syncs"] = len(syncs)
+    out["host_sync_ms"] = sum(min(float(e["dur"]), t1 - float(e["ts"])) for e in syncs) / 1e3
     kept = sorted(charged.items(), key=lambda kv: -kv[1][1])[:KEEP_KERNELS]
     out["kernels"] = {n: [cat, us / 1e3, len(ids)] for n, (cat, us, ids) in kept}
     return out
@@ -162,8 +177,8 @@ def mean_breakdown(parts: list[dict]) -> dict:
     """Element-wise mean of ``breakdown`` results (same source)."""
     if not parts:
         return {}
-    keys = PARTS + ("wall",)
-    out = {k: sum(p[k] for p in parts) / len(parts) for k in keys}
+    keys = PARTS + ("wall", "host_syncs", "host_sync_ms")
+    out = {k: sum(p.get(k, 0) for p in parts) / len(parts) for k in keys}
     out["source"] = parts[0]["source"]
     kernels: dict[str, list] = {}
     for p in parts:

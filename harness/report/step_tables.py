@@ -16,7 +16,8 @@ COLUMNS = [("arm", "arm", "s"), ("trimmed_mean_ms", "trimmed ms", ".1f"), ("medi
            ("plan_wait_ms_median", "plan wait ms", ".2f")]
 BREAKDOWN_COLUMNS = [("arm", "arm", "s"), ("wall", "wall ms", ".1f"), ("attention", "attention", ".1f"),
                      ("linear", "linear", ".1f"), ("other", "other", ".1f"), ("communication", "comm (exposed)", ".1f"),
-                     ("idle", "idle", ".1f"), ("compute_imbalance_ms", "imbalance", ".1f")]
+                     ("idle", "idle", ".1f"), ("compute_imbalance_ms", "imbalance", ".1f"),
+                     ("host_syncs", "host syncs", ".0f"), ("host_sync_ms", "sync ms", ".1f")]
 PHASE_COLUMNS = [("arm", "arm", "s"), ("schedule", "schedule ms", ".1f"), ("microbatches", "micro-batches ms", ".1f"),
                  ("grad_reduce", "grad reduce ms", ".1f"), ("optimizer", "AdamW ms", ".1f"), ("total", "total ms", ".1f"),
                  ("microbatch_speedup_vs_static", "micro-batch speedup", ".3f")]

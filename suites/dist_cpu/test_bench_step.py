@@ -189,8 +189,13 @@ def test_breakdown_charges_each_instant_to_one_kernel_of_its_category():
         _ev("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 12, 20),  # exposed 15-32
         _ev("sm90_xmma_gemm_bf16", 20, 5),                      # hides the all-gather 20-25
         _ev("triton_poi_fused_add_mul_0", 40, 4),               # a second launch of the same kernel
+        _ev("cudaStreamSynchronize", 14, 18, "cuda_runtime"),   # the host blocked on the device: counted
+        _ev("cudaMemcpy", 36, 2, "cuda_runtime"),               # a blocking copy: counted
+        _ev("cudaLaunchKernel", 38, 1, "cuda_runtime"),         # not a synchronisation
+        _ev("cudaDeviceSynchronize", 60, 5, "cuda_runtime"),    # outside the window
     ]}
     b = breakdown(trace, (0.0, 50.0))
+    assert b["host_syncs"] == 2 and b["host_sync_ms"] == pytest.approx(20e-3)
     k = b["kernels"]
     assert k["at::native::vectorized_elementwise_kernel"] == ["other", pytest.approx(10e-3), 1]
     assert k["triton_poi_fused_add_mul_0"] == ["other", pytest.approx(9e-3), 2]
