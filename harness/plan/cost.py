@@ -11,7 +11,7 @@ hold a sequence of ``L`` tokens, ``max_seqlen_per_rank`` tokens each (Megatron's
 
 A ``CostModel`` gives the per-rank time of one sequence run on a CP block of ``s`` ranks::
 
-    seq_cost(L, s) = (quadratic * L**2 + linear * L + constant) / s + cp_comm * L * (s - 1) / s
+    seq_cost(L, s) = (quadratic * L**2 + linear * L + constant) / s + cp_comm * L * (s - 1) / s + per_sequence
 
 plus ``per_microbatch`` for every block a rank executes and ``cp_block`` for every block of more than
 one rank (``CostModel.block_overhead``). ``CostModel.megatron()`` is upstream's
@@ -74,11 +74,16 @@ class CostModel:
     """Extra fixed cost of every block of s > 1 ranks, whatever its tokens: launching its CP
     collectives (two per layer) and synchronising its ranks at each. Measured on 4 H200s: a CP-2 or
     CP-4 micro-batch costs ~15 ms more than a CP-1 one of any token count (host-bound runtime)."""
+    per_sequence: float = 0.0
+    """Fixed cost of every sequence on every rank that runs a share of it, not split across its block: a
+    stack that runs each sequence as its own forward and backward (megatron-core's hybrid CP runs every
+    sub-sample of a group on its own) pays that sequence's launches and synchronisations on each rank of
+    its CP group, so a sequence at CP s costs s of them (``bench step --stack megatron-core`` measures it)."""
     name: str = "custom"
     """Short label used in reports."""
 
     def __post_init__(self) -> None:
-        for field in ("quadratic", "linear", "constant", "cp_comm", "per_microbatch", "cp_block"):
+        for field in ("quadratic", "linear", "constant", "cp_comm", "per_microbatch", "cp_block", "per_sequence"):
             v = getattr(self, field)
             if not isinstance(v, (int, float)) or not 0 <= v < float("inf"):  # NaN fails both
                 raise PlanInputError(f"CostModel.{field} must be a finite number >= 0, got {v!r}")
@@ -141,7 +146,7 @@ class CostModel:
     def seq_cost(self, L: int, s: int) -> float:
         """Per-rank cost of a sequence of ``L`` tokens on a CP block of ``s`` ranks."""
         work = (self.quadratic * L * L + self.linear * L + self.constant) / s
-        return work + (self.cp_comm * L * (s - 1) / s if s > 1 else 0.0)
+        return work + (self.cp_comm * L * (s - 1) / s if s > 1 else 0.0) + self.per_sequence
 
     def block_overhead(self, s: int) -> float:
         """Fixed cost of one block of ``s`` ranks: ``per_microbatch`` (+ ``cp_block`` when s > 1)."""

@@ -63,7 +63,7 @@ class _Batch:
         self.widths = np.array([lo << k for k in range((n // lo).bit_length())], dtype=np.float64)
         W, Lf = self.widths[:, None], L.astype(np.float64)[None, :]
         work = cost.quadratic * Lf * Lf + cost.linear * Lf + cost.constant
-        per_rank = work / W + np.where(W > 1, cost.cp_comm * Lf * (W - 1) / W, 0.0)
+        per_rank = work / W + np.where(W > 1, cost.cp_comm * Lf * (W - 1) / W, 0.0) + cost.per_sequence
         self.cost = np.where(W >= s0[None, :], per_rank, np.inf)
         self.area = self.cost * W
         self.counts = counts.astype(np.float64)

@@ -33,7 +33,8 @@ from harness.testing import batches
 
 LIN = CostModel(quadratic=0.0, linear=1.0)
 COSTS = [CostModel.megatron(),
-         CostModel(quadratic=1.0, linear=300.0, cp_comm=40.0, per_microbatch=5e4, cp_block=2e5, name="overheads")]
+         CostModel(quadratic=1.0, linear=300.0, cp_comm=40.0, per_microbatch=5e4, cp_block=2e5, name="overheads"),
+         CostModel(quadratic=1.0, linear=300.0, cp_comm=40.0, per_sequence=3e5, name="per-sequence overhead")]
 PIPELINES = [Execution.pipeline(pp, schedule=k) for pp in (1, 2, 4) for k in ("afab", "1f1b")]
 PIPELINES += [Execution.pipeline(pp, vpp=2) for pp in (2, 4)]
 
@@ -283,11 +284,12 @@ def test_synchronous_balanced_on_a_launch_bound_cost_model():
 
 @settings(max_examples=80, deadline=None)
 @given(batch=batches(max_log_ranks=4, max_sequences=48, vpp=False),
-       overhead=st.sampled_from([0.0, 1e-3, 0.05, 1.0]), constant=st.sampled_from([0.0, 2e-3, 0.5]))
-def test_balanced_schedules_whatever_the_overheads_weigh(batch, overhead, constant):
+       overhead=st.sampled_from([0.0, 1e-3, 0.05, 1.0]), constant=st.sampled_from([0.0, 2e-3, 0.5]),
+       per_sequence=st.sampled_from([0.0, 0.04]))
+def test_balanced_schedules_whatever_the_overheads_weigh(batch, overhead, constant, per_sequence):
     """Both execution models give a valid schedule (``schedule`` validates it) for cost models from token-bound
     to overhead-bound."""
     cost = CostModel(quadratic=1e-9, linear=1e-6, constant=constant, cp_comm=1e-7, per_microbatch=overhead,
-                     cp_block=overhead / 2, name="swept")
+                     cp_block=overhead / 2, per_sequence=per_sequence, name="swept")
     for ex in (INDEPENDENT, SYNCHRONOUS):
         schedule(batch.lengths, cost=cost, execution=ex, **batch.kwargs())

@@ -26,6 +26,7 @@ COSTS = [CostModel.megatron(), CostModel.from_model_shape(num_layers=2, hidden_s
                                                           num_attention_heads=4, cp_comm_flops_per_byte=500.0,
                                                           per_microbatch_flops=1e6)]
 COSTS.append(__import__("dataclasses").replace(COSTS[1], cp_block=3e7, name="with a fixed cost per CP block"))
+COSTS.append(__import__("dataclasses").replace(COSTS[1], per_sequence=2e7, name="with a fixed cost per sequence and rank"))
 
 
 def _algorithms(impl: str) -> list[str]:

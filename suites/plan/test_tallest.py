@@ -72,7 +72,8 @@ def _optimum(lengths: list[int], n: int, mslpr: int, cost: CostModel, min_cp: in
 COSTS = [CostModel.megatron(), gpt_benchmark_cost(),
          CostModel(quadratic=1.0, linear=3.0, cp_comm=2.0),
          CostModel(quadratic=1.0, linear=1.0, constant=5.0, cp_comm=0.5, per_microbatch=4.0, cp_block=3.0),
-         CostModel(quadratic=0.0, linear=1.0, cp_comm=1.0)]
+         CostModel(quadratic=0.0, linear=1.0, cp_comm=1.0),
+         CostModel(quadratic=1.0, linear=1.0, cp_comm=0.5, per_microbatch=2.0, per_sequence=6.0)]
 
 
 @st.composite

@@ -11,17 +11,18 @@ from harness.plan.megatron_common import Blocks
 
 
 class Item:
-    __slots__ = ("gid", "L", "cp", "work", "comm", "own")
+    __slots__ = ("gid", "L", "cp", "work", "comm", "fixed", "own")
 
     def __init__(self, gid: int, L: int, cp: int, cost: CostModel):
         self.gid, self.L, self.cp = gid, L, cp
         self.work = cost.quadratic * L * L + cost.linear * L + cost.constant
         self.comm = cost.cp_comm * L
+        self.fixed = cost.per_sequence
         self.own = self.cost(cp)  # at its cp_min, where most plans run it
 
     def cost(self, s: int) -> float:
         """Same arithmetic as ``CostModel.seq_cost`` (so predictions match the simulator)."""
-        return self.work / s + (self.comm * (s - 1) / s if s > 1 else 0.0)
+        return self.work / s + (self.comm * (s - 1) / s if s > 1 else 0.0) + self.fixed
 
 
 class Infeasible(Exception):
