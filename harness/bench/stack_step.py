@@ -16,7 +16,9 @@ arm: the median step of each run, the median over runs; speedups are ratios of t
 their median over runs. MFU: the model's FLOPs of the real tokens (no padding, causal attention, no recompute) /
 step time / GPUs / the device's dense bf16 peak. With ``profile_iters`` > 0 (the default) the last run profiles one
 more step per arm: where rank 0's wall time went (``harness.bench.trace``: attention, linear, other, exposed
-communication, idle - no kernel running, the host-bound gaps).
+communication, idle - no kernel running, the host-bound gaps). Before its runs the job measures the stack's cost
+per sequence and rank and its FLOP rate (``harness.bench.stack_calibrate``) for ``balanced``'s cost model, unless
+``--no-calibrate`` or ``--cost-model``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ import time
 
 import numpy as np
 
-from harness.bench.step.config import StepBenchConfig
+from harness.bench.stack_calibrate import (
+    calibration_batches,
+    calibration_line,
+    calibration_time,
+    fit_stack_cost,
+    stack_cost,
+)
+from harness.bench.step.config import StepBenchConfig, cost_model_from
 from harness.bench.step.workload import global_batch_lengths, model_cost, model_flops, peak_tflops
 from harness.jobs.entry import register
 from harness.runtime.model_config import MODELS
@@ -66,10 +75,18 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
                               heads=m.heads, kv_heads=m.kv_heads, lr=cfg.lr, ffn=m.ffn,
                               **cfg_dict.get("stack_options", {}))
     stack.build(cfg.seed)
-    cost = model_cost(cfg)
+    cost = cost_model_from(cfg.cost_model) if cfg.cost_model else model_cost(cfg)
     steps = cfg.warmup + cfg.iters
-    out = {"rank": rank, "device": torch.cuda.get_device_name(0), "runs": []}
+    out = {"rank": rank, "device": torch.cuda.get_device_name(0), "runs": [], "calibration": None}
     dev = torch.device("cuda")
+    if cfg.calibrate and cfg.cost_model is None and "balanced" in cfg_dict["stack_arms"]:
+        beat.beat(force=True, phase="calibrating the stack's cost")
+        times = {name: calibration_time(stack, lengths, world, cfg, m.vocab, dev)
+                 for name, lengths in calibration_batches(world, cfg.max_seqlen_per_rank).items()}
+        out["calibration"] = fit_stack_cost(times, model_cost(cfg, comm=False), cfg.max_seqlen_per_rank)
+        cost = stack_cost(cost, out["calibration"], peak_tflops(cfg, out["device"]))
+        if rank == 0:
+            print(calibration_line(out["calibration"]), flush=True)
     for run in range(cfg.runs):
         per_arm = {}
         for arm in cfg_dict["stack_arms"]:
@@ -156,7 +173,8 @@ def summarize(res: dict, cfg: StepBenchConfig, world: int, arms: list[str]) -> d
             row[arm] = {"median_ms": med, "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
                         "sequences_by_cp": v["sequences_by_cp"]}
         per_run.append(row)
-    out = {"device": r0["device"], "gpus": world, "arms": {}, "ratios": {}, "per_run": per_run}
+    out = {"device": r0["device"], "gpus": world, "arms": {}, "ratios": {}, "per_run": per_run,
+           "calibration": r0.get("calibration")}
     for arm in arms:
         out["arms"][arm] = {k: statistics.median(r[arm][k] for r in per_run) if per_run[0][arm][k] is not None else None
                             for k in ("median_ms", "tflops_per_gpu", "mfu")}
@@ -214,6 +232,8 @@ def main(*, nproc: int | None, out, overrides: dict, stall_s: float | None, arms
                        ("tflops_per_gpu", "TFLOP/s per GPU", ".1f"), ("mfu", "MFU", ".3f")]))
     for name, r in summary["ratios"].items():
         print(f"  {name}: {r['median']:.3f}x (runs: {', '.join(f'{x:.3f}' for x in r['per_run'])})")
+    if summary.get("calibration"):
+        print(f"  balanced's cost model: {calibration_line(summary['calibration'])}")
     parts = [{"arm": a, **v["breakdown"]} for a, v in summary["arms"].items() if v.get("breakdown")]
     if parts:
         print("one profiled step of the last run (rank 0, ms; idle: no kernel running - host-bound gaps):")

@@ -103,3 +103,30 @@ def test_the_stack_benchmark_profiles_a_call_into_where_its_time_went():
     assert out["source"] == "host" and out["linear"] > 0
     total = sum(out[k] for k in ("attention", "linear", "other", "communication", "idle"))
     assert total == pytest.approx(out["wall"], rel=1e-6)
+
+
+def test_the_stack_benchmark_reads_a_cost_per_sequence_and_a_rate_from_its_calibration_steps():
+    """``fit_stack_cost`` recovers the fixed cost per step, the cost per sequence and rank and the FLOP rate of
+    step times made by that model; ``stack_cost`` prices a 1K-token sequence at its FLOPs / rate + the per-sequence
+    cost; a long step no slower than a short one leaves the rate unresolved (the overheads are all there is)."""
+    from harness.bench.stack_calibrate import CALIBRATION_COUNT, calibration_batches, fit_stack_cost, stack_cost
+    from harness.plan.cost import gpt_benchmark_cost
+
+    flops = gpt_benchmark_cost()
+    batches = calibration_batches(4, 2048)
+    assert batches == {"one_short": [256] * 4, "more_short": [256] * (4 * CALIBRATION_COUNT), "one_long": [2048] * 4}
+    fixed, per_seq, rate = 0.05, 0.2, 3e14
+    f = {L: flops.seq_cost(L, 1) for L in (256, 2048)}
+    times = {"one_short": fixed + per_seq + f[256] / rate,
+             "more_short": fixed + CALIBRATION_COUNT * (per_seq + f[256] / rate),
+             "one_long": fixed + per_seq + f[2048] / rate}
+    fit = fit_stack_cost(times, flops, 2048)
+    assert fit["per_sequence_s"] == pytest.approx(per_seq) and fit["flops_per_s"] == pytest.approx(rate)
+    assert fit["fixed_s"] == pytest.approx(fixed)
+    cost = stack_cost(flops, fit, 989.0)
+    assert cost.per_sequence == pytest.approx(per_seq)
+    assert cost.seq_cost(1024, 1) == pytest.approx(per_seq + flops.seq_cost(1024, 1) / rate)
+    assert cost.seq_cost(4096, 2) == pytest.approx(per_seq + flops.seq_cost(4096, 2) / rate)
+    flat = fit_stack_cost({**times, "one_long": times["one_short"]}, flops, 2048)
+    assert flat["flops_per_s"] is None and flat["per_sequence_s"] == pytest.approx(per_seq + f[256] / rate)
+    assert stack_cost(flops, flat, 989.0).linear == pytest.approx(flops.linear / (0.5 * 989e12))
