@@ -32,20 +32,23 @@ def calibration_batches(world: int, mslpr: int) -> dict[str, list[int]]:
 
 
 def calibration_time(stack, lengths, world, cfg, vocab, dev, reps: int = 3) -> float:
-    """Median seconds (slowest rank) of ``reps`` steps of ``lengths`` at static CP 1, after one untimed step."""
+    """Median seconds (slowest rank) of ``reps`` steps of about ``lengths`` at static CP 1, after one untimed step.
+    Each step shortens its sequences by a few tokens (at most 30) that change from step to step, so a step's shapes
+    are not the last one's: a stack that prepares something per new shape pays it here as in a real step."""
     import torch
     import torch.distributed as dist
 
     from harness.stack.protocol import StepRequest
     from harness.train.layouts import LayoutConfig, plan
 
-    sched, padding, fixed = plan("thd", lengths, LayoutConfig(n_ranks=world, max_seqlen_per_rank=cfg.max_seqlen_per_rank,
-                                                               static_cp=1))
+    lcfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=cfg.max_seqlen_per_rank, static_cp=1)
     rng = np.random.default_rng(cfg.seed + len(lengths))
-    req = StepRequest(step=0, layout="dcp", batch=[rng.integers(0, vocab, size=L + 1) for L in lengths],
-                      schedule=sched, padding=padding, fixed_length=fixed, want=frozenset())
     times = []
-    for _ in range(reps + 1):
+    for rep in range(reps + 1):
+        these = [max(16, L - (i + rep * len(lengths) + 1) % 31) for i, L in enumerate(lengths)]
+        sched, padding, fixed = plan("thd", these, lcfg)
+        req = StepRequest(step=rep, layout="dcp", batch=[rng.integers(0, vocab, size=L + 1) for L in these],
+                          schedule=sched, padding=padding, fixed_length=fixed, want=frozenset())
         torch.cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()

@@ -115,7 +115,8 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
             per_arm[arm] = {"ms": [t * 1e3 for t in times], "flops": flops, "sequences_by_cp": sizes}
             if run == cfg.runs - 1 and cfg.profile_iters:  # the last run profiles one more step of the arm
                 beat.beat(run=run + 1, arm=arm, phase="profiled step")
-                per_arm[arm]["breakdown"] = profile_call(lambda: stack.step(req), dev)
+                keep = (f"{cfg.trace_dir}/trace_{arm}_rank0.json.gz" if cfg.trace_dir and rank == 0 else None)
+                per_arm[arm]["breakdown"] = profile_call(lambda: stack.step(req), dev, keep)
             if rank == 0:
                 print(f"run {run + 1} {arm}: median {statistics.median(times) * 1e3:.1f} ms over {len(times)} steps",
                       flush=True)
@@ -124,10 +125,10 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
     return out
 
 
-def profile_call(fn, device) -> dict:
+def profile_call(fn, device, keep: str | None = None) -> dict:
     """``fn()`` once under ``torch.profiler`` (after a barrier, synchronised): where its wall time went
     (``harness.bench.trace.breakdown``: attention, linear, other, exposed communication, idle; kernels on CUDA, host
-    operators on CPU)."""
+    operators on CPU). ``keep``: also write the Chrome trace there, gzipped (for Perfetto)."""
     import os
     import tempfile
 
@@ -152,6 +153,14 @@ def profile_call(fn, device) -> dict:
     try:
         prof.export_chrome_trace(path)
         trace = load_trace(path)
+        if keep:
+            import gzip
+            from pathlib import Path
+
+            from harness.io import atomic_write_bytes
+
+            Path(keep).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(keep, gzip.compress(Path(path).read_bytes(), mtime=0))
     finally:
         os.unlink(path)
     windows = annotations(trace, MARK)
@@ -195,6 +204,7 @@ def main(*, nproc: int | None, out, overrides: dict, stall_s: float | None, arms
          workarounds: str = "all", stack_options: dict | None = None) -> int:
     """Run the job on ``nproc`` GPUs (default min(4, GPUs)), print the arms and ratios, write the JSON."""
     import tempfile
+    from dataclasses import replace
     from pathlib import Path
 
     import torch
@@ -214,7 +224,9 @@ def main(*, nproc: int | None, out, overrides: dict, stall_s: float | None, arms
                                f"{', '.join(ARMS)}")
     cfg = StepBenchConfig.from_dict({**overrides, "device": "cuda"})
     cfg.validate(n)
-    out = out or REPORTS / "bench_step_megatron_core.json"
+    out = Path(out or REPORTS / "bench_step_megatron_core.json")
+    if cfg.trace_dir == "":
+        cfg = replace(cfg, trace_dir=str(out.parent / f"{out.stem}_traces"))
     print(f"bench step --stack megatron-core: {n} x {torch.cuda.get_device_name(0)}, model {cfg.model}, "
           f"{cfg.global_batch} global batches, arms {', '.join(arms)}, {cfg.runs} runs of {cfg.warmup} + {cfg.iters} "
           f"steps (workarounds {workarounds}{''.join(f', {k}={v}' for k, v in (stack_options or {}).items())})",
@@ -246,5 +258,6 @@ def main(*, nproc: int | None, out, overrides: dict, stall_s: float | None, arms
     path = write_report("step_megatron_core", {**cfg.to_dict(), "gpus": n, "stack_arms": arms,
                                                "workarounds": workarounds, "stack_options": stack_options or {}},
                         summary, out=out)
-    print(f"wrote {path}")
+    print(f"wrote {path}" + (f"\nrank 0's profiled steps (Chrome traces, for Perfetto): {cfg.trace_dir}"
+                             if cfg.profile_iters else ""))
     return 0

@@ -18,7 +18,9 @@ instant is also charged to one kernel of that category (the earliest started of 
 ``host_syncs`` / ``host_sync_ms`` count the host's blocking waits for the device in the window (CUDA
 runtime calls ``cuda*Synchronize`` and blocking ``cudaMemcpy``: ``.item()``, ``.tolist()``, ``.cpu()``
 of device tensors, explicit synchronisation) and the host time they took: a host-bound step with many
-of them waits for its kernels to drain before it can launch the next ones.
+of them waits for its kernels to drain before it can launch the next ones. ``host`` charges the host's
+time to operators and runtime calls by self time (an event's time less its children's, per thread):
+where a host-bound step's host went.
 
 On a CPU-only run (gloo, no kernels) the host operator events are classified the same way
 (``aten::mm`` and friends -> linear, attention ops -> attention, gloo / c10d -> communication, any
@@ -133,7 +135,43 @@ def breakdown(trace: dict, window: tuple[float, float]) -> dict:
     out["host_sync_ms"] = sum(min(float(e["dur"]), t1 - float(e["ts"])) for e in syncs) / 1e3
     kept = sorted(charged.items(), key=lambda kv: -kv[1][1])[:KEEP_KERNELS]
     out["kernels"] = {n: [cat, us / 1e3, len(ids)] for n, (cat, us, ids) in kept}
+    if source == "device":
+        out["host"] = host_self_times(evs, window)
     return out
+
+
+_HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver", "python_function")
+
+
+def host_self_times(evs: list[dict], window: tuple[float, float], keep: int = 40) -> dict:
+    """{name: [self ms, calls]} of the host events (operators, CUDA runtime calls) that start in ``window``: each
+    event's duration less its children's on the same thread, the most first (``keep`` of them)."""
+    t0, t1 = window
+    by_thread: dict = {}
+    for e in evs:
+        if e.get("cat") in _HOST_CATS and t0 <= float(e["ts"]) < t1:
+            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    totals: dict[str, list] = {}
+
+    def close(item: list) -> None:
+        _, name, children, dur = item
+        t = totals.setdefault(name, [0.0, 0])
+        t[0] += max(0.0, dur - children) / 1e3
+        t[1] += 1
+
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        stack: list[list] = []  # [end, name, children's time, duration]
+        for e in thread:
+            ts, dur = float(e["ts"]), float(e["dur"])
+            while stack and stack[-1][0] <= ts:
+                close(stack.pop())
+            if stack:
+                stack[-1][2] += dur
+            stack.append([ts + dur, str(e.get("name", "")), 0.0, dur])
+        while stack:
+            close(stack.pop())
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1][0])[:keep])
 
 
 KEEP_KERNELS = 40
@@ -142,7 +180,7 @@ KEEP_KERNELS = 40
 
 def short_name(name: str) -> str:
     """A kernel's name without its return type, template arguments and parameters (at most 64 chars)."""
-    n = name.strip()
+    n = name.strip().replace("(anonymous namespace)::", "")
     if n.startswith("void "):
         n = n[5:]
     for stop in ("<", "("):
@@ -170,6 +208,10 @@ def kernel_lines(breakdowns: dict, n: int = 4) -> list[str]:
         for cat, label in (("other", "other"), ("communication", "comm (exposed)")):
             if top[cat]:
                 out.append(f"  {k} {label}: " + ", ".join(f"{name} {ms:.1f} ms x{c:.0f}" for name, ms, c in top[cat]))
+        host = sorted(((b or {}).get("host") or {}).items(), key=lambda kv: -kv[1][0])[:n + 2]
+        if host:
+            out.append(f"  {k} host (self time): " + ", ".join(f"{name[:48]} {ms:.1f} ms x{c:.0f}"
+                                                              for name, (ms, c) in host))
     return out
 
 
@@ -187,4 +229,12 @@ def mean_breakdown(parts: list[dict]) -> dict:
             k[1] += ms / len(parts)
             k[2] += count / len(parts)
     out["kernels"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1][1])[:KEEP_KERNELS])
+    host: dict[str, list] = {}
+    for p in parts:
+        for name, (ms, count) in (p.get("host") or {}).items():
+            h = host.setdefault(name, [0.0, 0.0])
+            h[0] += ms / len(parts)
+            h[1] += count / len(parts)
+    if host:
+        out["host"] = dict(sorted(host.items(), key=lambda kv: -kv[1][0])[:KEEP_KERNELS])
     return out

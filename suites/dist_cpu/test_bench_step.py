@@ -189,13 +189,26 @@ def test_breakdown_charges_each_instant_to_one_kernel_of_its_category():
         _ev("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 12, 20),  # exposed 15-32
         _ev("sm90_xmma_gemm_bf16", 20, 5),                      # hides the all-gather 20-25
         _ev("triton_poi_fused_add_mul_0", 40, 4),               # a second launch of the same kernel
-        _ev("cudaStreamSynchronize", 14, 18, "cuda_runtime"),   # the host blocked on the device: counted
+        {**_ev("cudaStreamSynchronize", 14, 18, "cuda_runtime"), "tid": 3},  # the host blocked: counted
         _ev("cudaMemcpy", 36, 2, "cuda_runtime"),               # a blocking copy: counted
         _ev("cudaLaunchKernel", 38, 1, "cuda_runtime"),         # not a synchronisation
         _ev("cudaDeviceSynchronize", 60, 5, "cuda_runtime"),    # outside the window
     ]}
+    trace["traceEvents"] += [
+        _ev("aten::copy_", 0, 20, "cpu_op"),                     # host: 20 less its child's 18
+        _ev("cudaStreamSynchronize", 1, 18, "cuda_runtime"),    # (also a synchronisation, counted)
+        _ev("aten::mm", 25, 4, "cpu_op"),
+        {**_ev("autograd::engine::evaluate_function: MmBackward0", 30, 10, "cpu_op"), "tid": 2},  # another thread
+        {**_ev("aten::mm", 31, 6, "cpu_op"), "tid": 2},
+        _ev("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float>(int)", 45, 1),
+    ]
     b = breakdown(trace, (0.0, 50.0))
-    assert b["host_syncs"] == 2 and b["host_sync_ms"] == pytest.approx(20e-3)
+    assert b["host_syncs"] == 3 and b["host_sync_ms"] == pytest.approx(38e-3)
+    assert b["host"]["cudaStreamSynchronize"] == [pytest.approx(36e-3), 2]
+    assert b["host"]["aten::mm"] == [pytest.approx(10e-3), 2]
+    assert b["host"]["aten::copy_"] == [pytest.approx(2e-3), 1]
+    assert b["host"]["autograd::engine::evaluate_function: MmBackward0"] == [pytest.approx(4e-3), 1]
+    assert "at::native::CatArrayBatchedCopy" in b["kernels"]
     k = b["kernels"]
     assert k["at::native::vectorized_elementwise_kernel"] == ["other", pytest.approx(10e-3), 1]
     assert k["triton_poi_fused_add_mul_0"] == ["other", pytest.approx(9e-3), 2]
@@ -204,9 +217,9 @@ def test_breakdown_charges_each_instant_to_one_kernel_of_its_category():
     top = top_kernels(mean_breakdown([b, b]), n=1)
     assert top["other"] == [("at::native::vectorized_elementwise_kernel", pytest.approx(10e-3), 1.0)]
     assert top["communication"] == [("ncclDevKernel_AllGather_RING_LL", pytest.approx(12e-3), 1.0)]
-    lines = kernel_lines({"dcp:balanced": b, "none": None})
+    lines = kernel_lines({"dcp:balanced": {**b, "host": None}, "none": None})
     assert lines == ["  dcp:balanced other: at::native::vectorized_elementwise_kernel 0.0 ms x1, "
-                     "triton_poi_fused_add_mul_0 0.0 ms x2",
+                     "triton_poi_fused_add_mul_0 0.0 ms x2, at::native::CatArrayBatchedCopy 0.0 ms x1",
                      "  dcp:balanced comm (exposed): ncclDevKernel_AllGather_RING_LL 0.0 ms x1"]
 
 
