@@ -80,9 +80,10 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
     out = {"rank": rank, "device": torch.cuda.get_device_name(0), "runs": [], "calibration": None}
     dev = torch.device("cuda")
     if cfg.calibrate and cfg.cost_model is None and "balanced" in cfg_dict["stack_arms"]:
-        beat.beat(force=True, phase="calibrating the stack's cost")
-        times = {name: calibration_time(stack, lengths, world, cfg, m.vocab, dev)
-                 for name, lengths in calibration_batches(world, cfg.max_seqlen_per_rank).items()}
+        times = {}  # every rank's are the slowest rank's: the fit and the schedules agree on every rank
+        for name, lengths in calibration_batches(world, cfg.max_seqlen_per_rank).items():
+            beat.beat(force=True, phase=f"calibrating the stack's cost ({name})")
+            times[name] = calibration_time(stack, lengths, world, cfg, m.vocab, dev)
         out["calibration"] = fit_stack_cost(times, model_cost(cfg, comm=False), cfg.max_seqlen_per_rank)
         cost = stack_cost(cost, out["calibration"], peak_tflops(cfg, out["device"]))
         if rank == 0:
