@@ -14,6 +14,7 @@ attention runs; its own efficiency column; the backend must have a log-sum-exp, 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -159,10 +160,11 @@ def main(*, out: Path | None = None, nproc: int | None = None, cfg: dict | None 
 
     backend = (cfg or {}).get("backend", DEFAULT["backend"])
     if backend != "auto" and backend not in BACKENDS:
-        print(f"dcp-harness bench attention: unknown backend {backend!r}; choose one of auto, {', '.join(BACKENDS)}")
+        print(f"dcp-harness bench attention: unknown backend {backend!r}; choose one of auto, {', '.join(BACKENDS)}",
+              file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("dcp-harness bench attention: needs CUDA GPUs (run it on a GPU node)")
+        print("dcp-harness bench attention: needs CUDA GPUs (run it on a GPU node)", file=sys.stderr)
         return 2
     n = nproc or min(4, torch.cuda.device_count())
     print(f"bench attention: {n} GPUs ({torch.cuda.get_device_name(0)}), torch {torch.__version__}, backend {backend}")

@@ -149,6 +149,10 @@ def _peer_watch(job: str, cfg: dict, rank: int, world: int, heartbeat):
     return peers.PeerWatch(rank, world, local, stall, heartbeat, on_peer=leave).start()
 
 
+class JobConfigError(PlanInputError):
+    """A job's bound (``stall_s``, ``timeout_s``) that no job can run under."""
+
+
 class LaunchedWorldError(PlanInputError):
     """The world a user's launcher started does not match what the command asks for, or lacks what it needs."""
 
@@ -217,7 +221,12 @@ def launch(job: str, nproc: int, out: Path, cfg: dict | None = None, timeout_s: 
     others None; bounded by the collectives' timeout, twice ``stall_s``), and a one-rank side job (a reference)
     runs on rank 0 alone under a torchrun of its own."""
     cfg = dict(cfg or {})
-    stall = float(stall_s or DEFAULT_STALL_S["cuda" if cfg.get("device", "cuda") == "cuda" and _has_cuda() else "cpu"])
+    for name, v in (("stall_s", stall_s), ("timeout_s", timeout_s)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+            raise JobConfigError(f"launch({name}={v!r}): give a finite number of seconds > 0 (or None: the "
+                                 f"default {name})")
+    stall = float(stall_s if stall_s is not None else
+                  DEFAULT_STALL_S["cuda" if cfg.get("device", "cuda") == "cuda" and _has_cuda() else "cpu"])
     here = launched_world()
     if here is not None:
         want = nproc * (nodes.nnodes if nodes else 1)

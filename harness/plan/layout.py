@@ -110,7 +110,10 @@ class Schedule:
 
     def packed_tokens(self, m: int) -> list[float]:
         """Per-rank tokens of micro-batch ``m``: the block's tokens / its size (before padding)."""
-        return [self.block_tokens(b) / b.size for b in self.layout[m] for _ in range(b.size)]
+        out: list[float] = []
+        for b in self.layout[m]:  # each block's tokens once, then one entry per rank of it
+            out += [self.block_tokens(b) / b.size] * b.size
+        return out
 
     def block_cost(self, block: Block, cost: CostModel | None = None) -> float:
         c = cost or self.cost
@@ -118,7 +121,10 @@ class Schedule:
 
     def load(self, m: int, cost: CostModel | None = None) -> list[float]:
         """Estimated per-rank load of micro-batch ``m`` under ``cost`` (default: the schedule's)."""
-        return [self.block_cost(b, cost) for b in self.layout[m] for _ in range(b.size)]
+        out: list[float] = []
+        for b in self.layout[m]:  # each block's cost once, then one entry per rank of it
+            out += [self.block_cost(b, cost)] * b.size
+        return out
 
     def cp_size_of(self) -> dict[int, int]:
         """gid -> the size of the block that runs it."""

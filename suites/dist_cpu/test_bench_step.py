@@ -473,7 +473,8 @@ def test_cli_refuses_gpu_run_without_gpus_and_bad_arms(capsys):
 
     if not torch.cuda.is_available():
         assert main(["bench", "step"]) == 2
-        assert "--cpu" in capsys.readouterr().out
+        got = capsys.readouterr()
+        assert "--cpu" in got.err and not got.out
     assert main(["bench", "step", "--cpu", "--arms", "thd:balanced"]) == 2
     assert "thd:dp-balanced" in capsys.readouterr().err
     assert main(["bench", "step", "--cpu", "--nproc", "3"]) == 2  # dynamic groups need a power of two

@@ -5,6 +5,7 @@ outlives it (a stopped rank included)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -88,3 +89,16 @@ def test_the_watchdog_names_the_stopped_rank_and_waits_for_startup(tmp_path):
         assert rank == 1 and "its process is stopped" in msg and "its last report: step 4" in msg
     finally:
         sleeper.kill()
+
+
+@pytest.mark.parametrize("bound", [{"stall_s": -1}, {"stall_s": 0}, {"stall_s": float("nan")}, {"timeout_s": 0},
+                                   {"timeout_s": float("inf")}, {"stall_s": True}, {"stall_s": "60"}])
+def test_a_bound_no_job_can_run_under_is_refused_before_anything_starts(tmp_path, bound):
+    """The library refuses what the command line refuses (``harness.cli_types``): a stall or timeout bound that is
+    not a finite number of seconds > 0, naming the value, before any process starts."""
+    from harness.jobs.entry import JobConfigError
+
+    name, value = next(iter(bound.items()))
+    with pytest.raises(JobConfigError, match=re.escape(f"launch({name}={value!r})")):
+        launch("selftest", 2, tmp_path / "out.json", {"device": "cpu", "steps": 1}, **bound)
+    assert not (tmp_path / "out.json").exists()

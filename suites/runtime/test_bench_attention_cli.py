@@ -13,14 +13,15 @@ from harness.cli import main
 
 def test_unknown_backend_exits_2_naming_it_and_the_choices(capsys):
     assert main(["bench", "attention", "--backend", "flash3"]) == 2
-    out = capsys.readouterr().out
-    assert "'flash3'" in out and "flash, varlen" in out
+    got = capsys.readouterr()
+    assert "'flash3'" in got.err and "flash, varlen" in got.err and not got.out  # errors go to stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without GPUs")
 def test_refuses_without_gpus(capsys):
     assert main(["bench", "attention"]) == 2
-    assert "needs CUDA" in capsys.readouterr().out
+    got = capsys.readouterr()
+    assert "needs CUDA" in got.err and not got.out
 
 
 def test_summary_takes_the_slowest_rank_and_divides_by_cp_times_time():

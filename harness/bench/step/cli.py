@@ -8,6 +8,7 @@ HTML report, which imports nothing of the benchmark).
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -54,7 +55,8 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
 
     cuda = torch.cuda.is_available() and not cpu
     if not cuda and not cpu:
-        print("dcp-harness bench step: needs CUDA GPUs; --cpu runs a smoke configuration on gloo", flush=True)
+        print("dcp-harness bench step: needs CUDA GPUs; --cpu runs a smoke configuration on gloo", file=sys.stderr,
+              flush=True)
         return 2
     cfg = StepBenchConfig.from_dict({**(CPU_SMOKE if cpu else {}), **(overrides or {}),
                                      "device": "cuda" if cuda else "cpu"})
