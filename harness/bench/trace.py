@@ -81,6 +81,15 @@ def annotations(trace: dict, name: str) -> list[tuple[float, float]]:
                   if e.get("name") == name and e.get("cat") in ("user_annotation", "cpu_op", None))
 
 
+def span(trace: dict) -> tuple[float, float]:
+    """[start of the first, end of the last) event of a trace: the window of a device-only profile, which has
+    no host annotation to bracket the step."""
+    evs = events(trace)
+    if not evs:
+        raise ValueError("the trace has no events")
+    return min(float(e["ts"]) for e in evs), max(float(e["ts"]) + float(e["dur"]) for e in evs)
+
+
 def breakdown(trace: dict, window: tuple[float, float]) -> dict:
     """Milliseconds per part (``PARTS``) of ``window``, plus ``wall`` and ``source`` (``device``
     when the trace has kernels in the window, else ``host``)."""
@@ -213,6 +222,14 @@ def kernel_lines(breakdowns: dict, n: int = 4) -> list[str]:
             out.append(f"  {k} host (self time): " + ", ".join(f"{name[:48]} {ms:.1f} ms x{c:.0f}"
                                                               for name, (ms, c) in host))
     return out
+
+
+def device_only_line(name: str, b: dict) -> str:
+    """One line of a device-only breakdown (``span`` window): how much of it kernels computed."""
+    busy = b["attention"] + b["linear"] + b["other"]
+    return (f"  {name}, profiled without host activity: {b['wall']:.1f} ms from the first CUDA call to the last "
+            f"kernel, computing {busy / b['wall']:.0%} of it (attention {b['attention']:.1f}, linear {b['linear']:.1f}, "
+            f"other {b['other']:.1f}; exposed comm {b['communication']:.1f}, idle {b['idle']:.1f})")
 
 
 def mean_breakdown(parts: list[dict]) -> dict:

@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from harness.bench import step
-from harness.bench.trace import PARTS, breakdown, classify, kernel_lines, mean_breakdown, top_kernels
+from harness.bench.trace import (
+    PARTS,
+    breakdown,
+    classify,
+    device_only_line,
+    kernel_lines,
+    mean_breakdown,
+    span,
+    top_kernels,
+)
 from harness.jobs.launch import run_on_ranks
 from harness.plan import CostModel
 
@@ -221,6 +230,26 @@ def test_breakdown_charges_each_instant_to_one_kernel_of_its_category():
     assert lines == ["  dcp:balanced other: at::native::vectorized_elementwise_kernel 0.0 ms x1, "
                      "triton_poi_fused_add_mul_0 0.0 ms x2, at::native::CatArrayBatchedCopy 0.0 ms x1",
                      "  dcp:balanced comm (exposed): ncclDevKernel_AllGather_RING_LL 0.0 ms x1"]
+
+
+def test_a_device_only_profile_is_read_over_its_span():
+    """A profile of the device alone has no host annotation: its window runs from the first CUDA call to the
+    last kernel's end, and the line says how much of that the kernels computed."""
+    trace = {"traceEvents": [
+        _ev("cudaLaunchKernel", 0, 2000, "cuda_runtime"),
+        _ev("sm90_xmma_gemm_bf16", 5000, 10000),
+        _ev("ncclDevKernel_AllGather_RING_LL", 15000, 5000),
+        _ev("triton_poi_fused_gelu_0", 30000, 10000),
+    ]}
+    window = span(trace)
+    assert window == (0.0, 40000.0)
+    b = breakdown(trace, window)
+    assert (b["linear"], b["other"], b["communication"], b["idle"]) == (10.0, 10.0, 5.0, 15.0)
+    assert device_only_line("dcp:balanced", b) == (
+        "  dcp:balanced, profiled without host activity: 40.0 ms from the first CUDA call to the last kernel, "
+        "computing 50% of it (attention 0.0, linear 10.0, other 10.0; exposed comm 5.0, idle 15.0)")
+    with pytest.raises(ValueError, match="no events"):
+        span({"traceEvents": []})
 
 
 def test_breakdown_falls_back_to_host_operators_without_kernels():

@@ -290,11 +290,11 @@ def _arm_result(ctx: RankContext, arm: Arm, x: dict, ws: list, opt, run: int, pe
     dist.all_reduce(last, op=dist.ReduceOp.MAX, group=ctx.everyone)
     digest = weights_digest(ws)  # after the timed steps, before the profiled ones
     _load(ctx, ws)
-    parts, error = _profile(ctx, arm, opt, run)
+    parts, device_parts, error = _profile(ctx, arm, opt, run)
     out = {"rank": ctx.rank, "times_s": x["times"], "step_s": slowest.tolist(),
            "processed_tokens": tok.tolist(), "plan_ms": x["plan_ms"], "plan_wait_ms": x["plan_wait_ms"],
            "phase_marks_ms": last.tolist(),
-           "breakdown": parts,
+           "breakdown": parts, "breakdown_device": device_parts,
            "breakdown_error": error, "peak_memory_gb": peak, "weights_digest": digest,
            "slots": x["slots"]}
     if ctx.rank == 0:
@@ -302,8 +302,9 @@ def _arm_result(ctx: RankContext, arm: Arm, x: dict, ws: list, opt, run: int, pe
     return out
 
 
-def _profile(ctx: RankContext, arm: Arm, opt, run: int) -> tuple[list[dict], str | None]:
-    """The arm's profiled steps' breakdowns and why they are missing (None when none failed).
+def _profile(ctx: RankContext, arm: Arm, opt, run: int) -> tuple[list[dict], list[dict], str | None]:
+    """The arm's profiled steps' breakdowns, on CUDA the breakdown of one more step profiled without host
+    activity (``profiled_step(device_only=True)``), and why they are missing (None when none failed).
 
     Only the last run profiles: a torch.profiler session leaves host overhead behind in the
     process (the schedule phase grows run after run), so it would slow every later run."""
@@ -327,8 +328,19 @@ def _profile(ctx: RankContext, arm: Arm, opt, run: int) -> tuple[list[dict], str
         ok = torch.tensor([0.0 if error else 1.0], dtype=torch.float64, device=dev)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctx.everyone)
         if ok.item() == 0.0:
-            return [], error or "another rank's profiled step failed"
-    return parts, error
+            return [], [], error or "another rank's profiled step failed"
+    device_parts = []
+    if parts and dev.type == "cuda":
+        lengths, _, local = ctx.batches[cfg.warmup]
+        try:
+            device_parts.append(profiled_step(ctx, arm, lengths, local, opt, None, device_only=True))
+        except Exception as e:  # diagnostic, as above
+            error = f"device-only profile: {type(e).__name__}: {e}"
+        ok = torch.tensor([0.0 if error else 1.0], dtype=torch.float64, device=dev)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctx.everyone)
+        if ok.item() == 0.0:
+            return parts, [], error or "another rank's device-only profiled step failed"
+    return parts, device_parts, error
 
 
 def _schedule_figures(sched, cost: CostModel) -> dict:

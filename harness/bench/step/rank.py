@@ -139,9 +139,14 @@ def train_step(ctx: RankContext, arm: Arm, lengths: list[int], local: dict, opt,
             "marks": marks}
 
 
-def profiled_step(ctx: RankContext, arm: Arm, lengths, local, opt, keep_trace: Path | None) -> dict:
+def profiled_step(ctx: RankContext, arm: Arm, lengths, local, opt, keep_trace: Path | None,
+                  device_only: bool = False) -> dict:
     """One step under ``torch.profiler``, as a timed step runs it; returns its time breakdown
-    (``harness.bench.trace.breakdown``) and keeps the Chrome trace in ``keep_trace`` (gzipped)."""
+    (``harness.bench.trace.breakdown``) and keeps the Chrome trace in ``keep_trace`` (gzipped).
+
+    ``device_only`` (CUDA): record the device's activity alone, without the host operators whose recording
+    lengthens a host-bound step by half; the window is then the trace's span (first CUDA call to the last
+    kernel's end, ``trace.span``), which leaves out host work before the first launch."""
     import gzip
     import os
     import tempfile
@@ -150,9 +155,11 @@ def profiled_step(ctx: RankContext, arm: Arm, lengths, local, opt, keep_trace: P
     from torch.profiler import ProfilerActivity, profile, record_function
 
     # looked up at each call, not at import: a test replaces harness.bench.trace.load_trace in one rank
-    from harness.bench.trace import annotations, breakdown, load_trace
+    from harness.bench.trace import annotations, breakdown, load_trace, span
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    if device_only:
+        acts = [ProfilerActivity.CUDA]
     planned = None
     if ctx.cfg.plan == "ahead":  # as in the timed steps: the schedule is ready when the step starts
         t = time.perf_counter()
@@ -173,6 +180,8 @@ def profiled_step(ctx: RankContext, arm: Arm, lengths, local, opt, keep_trace: P
             atomic_write_bytes(keep_trace, gzip.compress(Path(path).read_bytes(), mtime=0))
     finally:
         os.unlink(path)
+    if device_only:
+        return breakdown(trace, span(trace))
     windows = annotations(trace, "dcp_harness_step")
     if not windows:
         raise RuntimeError("the profiler trace has no dcp_harness_step annotation")

@@ -103,7 +103,7 @@ RATIOS = {"speedup_vs_static": _ratio("baseline", "ours"), "ours_vs_upstream": _
 the first (not a target: it says how much room the measured costs leave any scheduler)."""
 
 
-BREAKDOWN_FIELDS = ("breakdown", "breakdown_per_rank", "compute_imbalance_ms", "breakdown_error")
+BREAKDOWN_FIELDS = ("breakdown", "breakdown_per_rank", "compute_imbalance_ms", "breakdown_error", "breakdown_device")
 """An arm's figures from the profiled steps (only the last run profiles)."""
 
 
@@ -165,7 +165,9 @@ def _breakdown_summary(mine: list[dict]) -> dict:
     parts = [p for m in mine for p in m["breakdown"]]
     per_rank = [mean_breakdown(m["breakdown"]) for m in mine if m["breakdown"]]
     compute = [sum(p[x] for x in ("attention", "linear", "other")) for p in per_rank]
+    device = [p for m in mine for p in m.get("breakdown_device") or []]
     return {"breakdown": mean_breakdown(parts) if parts else None,
+            "breakdown_device": mean_breakdown(device) if device else None,
             "breakdown_per_rank": per_rank,
             "compute_imbalance_ms": (max(compute) - statistics.fmean(compute)) if compute else None,
             "breakdown_error": next((m["breakdown_error"] for m in mine if m["breakdown_error"]), None)}
