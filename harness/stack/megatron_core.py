@@ -163,6 +163,7 @@ class MegatronCoreStack:
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                                      context_parallel_size=1, hybrid_context_parallel=self.hybrid)
         self._group = None  # the CP group of the micro-batch in flight (the rope-cp-group workaround reads it)
+        self._padded: dict[int, int] = {}  # sequence id -> its padded length, this step (set by _groups)
         if "rope-cp-group" in self.fixes:
             self._patch_rope()
 
@@ -216,7 +217,7 @@ class MegatronCoreStack:
     @staticmethod
     def _sample(seq: np.ndarray, cp: int) -> dict:
         n = len(seq) - 1
-        padded = n if cp == 1 else -(-n // (2 * cp)) * 2 * cp
+        padded = padded_length(n, cp)
         dev = torch.device("cuda")
         tokens = torch.zeros(1, padded, dtype=torch.int64, device=dev)
         labels = torch.zeros(1, padded, dtype=torch.int64, device=dev)
@@ -244,7 +245,8 @@ class MegatronCoreStack:
         group = sample.get("hybrid_cp_group") if local > 1 else None
         self._group = group
         cu, cup = sample["cu_seqlens"], sample["cu_seqlens_padded"]
-        padded = int(cup[-1].item())
+        padded = self._padded[gid]  # known on the host: reading cup[-1] would synchronise once per sequence
+        record["padded"].append((gid, padded, cup[-1]))  # checked once, after the step
         if "tail-padding" in self.fixes:
             cu = cup
         bound = seqlen_bound(padded, self.max_seqlen)
@@ -278,6 +280,7 @@ class MegatronCoreStack:
         groups, where = hybrid_groups(request.schedule.layout, self.ctx.world, self.hybrid)
         sizes = {g: b.size for mb in request.schedule.layout for b in mb for g in b.gids}
         samples = {g: {**self._sample(request.batch[g], sizes[g]), "gid": g} for g in where}
+        self._padded = {g: padded_length(len(request.batch[g]) - 1, sizes[g]) for g in where}
         return groups, samples, where
 
     def step(self, request: StepRequest) -> StepReport:
@@ -285,7 +288,8 @@ class MegatronCoreStack:
 
         me = self.ctx.rank
         groups, samples, where = self._groups(request)
-        record = {"groups": {}, "tokens": [], "n": [], "ce": [], "want_tokens": "token_losses" in request.want}
+        record = {"groups": {}, "tokens": [], "n": [], "ce": [], "padded": [],
+                  "want_tokens": "token_losses" in request.want}
         if self.hybrid:
             data, n = iter([(samples, groups)]), len(groups)
         else:
@@ -306,6 +310,7 @@ class MegatronCoreStack:
             dist.all_reduce(flat)
             dist.all_reduce(counts)
         total = float(counts[0])
+        check_padded(record["padded"])
         flat /= total
         for p, g in zip(params, flat.split([p.numel() for p in params])):  # the reduced gradients, in place
             p.grad = g.view_as(p).to(p.dtype).clone()
@@ -326,6 +331,25 @@ class MegatronCoreStack:
     def close(self) -> None:
         if self.ps.model_parallel_is_initialized():
             self.ps.destroy_model_parallel()
+
+
+def padded_length(n: int, cp: int) -> int:
+    """Tokens of a sequence of ``n`` padded for CP ``cp``: unpadded at CP 1, else to a multiple of ``2 cp`` (zig-zag
+    halves of equal length on every rank)."""
+    return n if cp == 1 else -(-n // (2 * cp)) * 2 * cp
+
+
+def check_padded(seen: list) -> None:
+    """Every sub-sample's padded length as the harness built it equals the ``cu_seqlens_padded[-1]`` megatron-core
+    handed the forward (one synchronisation for the whole step); raises ``RuntimeError`` naming the first that
+    differs."""
+    if not seen:
+        return
+    got = torch.stack([t.reshape(()).to(torch.int64) for _, _, t in seen]).tolist()
+    for (gid, want, _), g in zip(seen, got):
+        if g != want:
+            raise RuntimeError(f"sequence {gid}: megatron-core's cu_seqlens_padded ends at {g}, the harness padded it "
+                               f"to {want}: the sample reached the forward changed")
 
 
 def make(ctx: StackContext, **options) -> MegatronCoreStack:

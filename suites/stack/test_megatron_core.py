@@ -130,3 +130,19 @@ def test_the_stack_benchmark_reads_a_cost_per_sequence_and_a_rate_from_its_calib
     flat = fit_stack_cost({**times, "one_long": times["one_short"]}, flops, 2048)
     assert flat["flops_per_s"] is None and flat["per_sequence_s"] == pytest.approx(per_seq + f[256] / rate)
     assert stack_cost(flops, flat, 989.0).linear == pytest.approx(flops.linear / (0.5 * 989e12))
+
+
+def test_the_stack_knows_each_padded_length_on_the_host_and_checks_megatron_cores_once_a_step():
+    """The forward reads a sequence's padded length from the harness's own record (no synchronisation per sequence);
+    ``check_padded`` compares every one with megatron-core's ``cu_seqlens_padded[-1]`` once after the step and names
+    the first that differs."""
+    import torch
+
+    from harness.stack.megatron_core import check_padded, padded_length
+
+    assert [padded_length(n, cp) for n, cp in ((37, 1), (37, 2), (37, 4), (48, 4), (1, 8))] == [37, 40, 40, 48, 16]
+    check_padded([])
+    check_padded([(0, 40, torch.tensor([0, 40], dtype=torch.int32)[-1]), (3, 37, torch.tensor(37))])
+    with pytest.raises(RuntimeError, match="sequence 3: megatron-core's cu_seqlens_padded ends at 36, the harness "
+                                           "padded it to 37"):
+        check_padded([(0, 40, torch.tensor(40)), (3, 37, torch.tensor(36))])
