@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,18 +12,39 @@ from harness.pytest_plugin import GPU_PARTS, gpu_part
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _collected(*args: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                          "suites/gpu", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+PROBE = """
+from harness.pytest_plugin import gpu_part
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        print(f"PART {gpu_part(item.nodeid, params)} {item.nodeid}")
+"""
+
+
+def _collected(tmp_path, *args: str) -> list[str]:
+    """The GPU suite's collected lines (``--collect-only -q``), with a probe plugin printing each test's part."""
+    (tmp_path / "dcp_parts_probe.py").write_text(PROBE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "-p", "dcp_parts_probe", "-m", "gpu", "suites/gpu", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    return [line for line in out.stdout.splitlines() if "::" in line]
+    return out.stdout.splitlines()
 
 
-def test_the_parts_split_the_gpu_suite_exactly():
-    every = _collected()
-    parts = {p: _collected("--gpu-part", p) for p in GPU_PARTS}
-    assert all(parts.values()), {p: len(v) for p, v in parts.items()}
-    assert sorted(t for v in parts.values() for t in v) == sorted(every)  # each test once, none left out
+def test_the_parts_split_the_gpu_suite_exactly(tmp_path):
+    """Every GPU test has one part and every part has tests; ``--gpu-part`` keeps exactly one part's tests (checked
+    for a part chosen by file and one chosen by parameters)."""
+    lines = _collected(tmp_path)
+    every = [line for line in lines if "::" in line and not line.startswith("PART ")]
+    part_of = {nodeid: part for _, part, nodeid in (line.split(" ", 2) for line in lines if line.startswith("PART "))}
+    assert sorted(part_of) == sorted(every) and every
+    assert set(part_of.values()) == set(GPU_PARTS), sorted(set(part_of.values()))  # none None, none empty
+    for part in ("attention", "converge-4"):
+        kept = [line for line in _collected(tmp_path, "--gpu-part", part) if "::" in line and not line.startswith("PART ")]
+        assert sorted(kept) == sorted(t for t, p in part_of.items() if p == part), part
 
 
 def test_a_test_goes_to_its_part_by_file_and_parameters():
