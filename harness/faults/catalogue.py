@@ -149,6 +149,14 @@ FAULTS: tuple[Fault, ...] = (
           url=MEGATRON + "2000", layer="plan", seam="harness.plan.tallest:lowest_height",
           make=sf.make_tallest_at_cp_min, check="bound-soundness", expect=r"below the lower bound",
           scenario="plan"),
+    Fault(name="per-sequence-cost-shared", title="balanced shares a sequence's fixed per-rank cost across its CP group",
+          source="megatron-core 0.19.2 runs each hybrid-CP sequence as its own forward and backward on every rank of "
+                 "its group (hybrid_cp_schedule.py:586-611); a cost model that divides that cost by the CP size "
+                 "widened sequences and lost to megatron-core's own scheduler by 12-17% on 4 x H200",
+          url="https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/core/pipeline_parallel/hybrid_cp_schedule.py",
+          layer="plan", seam="harness.plan.balanced:Item",
+          make=sf.make_per_sequence_cost_shared, check="prediction-agreement", expect=r"balanced predicts",
+          scenario="plan"),
     Fault(name="fewer-sequences-than-ranks", title="CP silently off for a batch smaller than the domain",
           source="verl PR #5869: dynamic_cp_split_batch returned early when sequences < dp_size",
           url=VERL + "5869", layer="plan", seam="harness.train.layouts:deliver",

@@ -36,6 +36,8 @@ CHECKS: dict[str, str] = {
     "replay-gradients": "replayed loss and gradients equal a single-process replayed reference (relative)",
     "bound-soundness": "no schedule the scheduler makes runs faster than the lower bound of its batch (simulated, "
                        "under its execution model)",
+    "prediction-agreement": "the step time balanced predicts for its schedule is the simulator's under the same cost "
+                            "(every term of the cost model priced as CostModel.seq_cost prices it)",
     "stepwise-advantages": "every response token gets its own trajectory's advantage, or the batch is refused",
 }
 TOLERANCES = {"token-loss": 1e-5, "step1-gradients": 1e-5, "clipped-gradients": 1e-5, "grad-norm": 1e-5, "loss-curve": 1e-5,

@@ -205,6 +205,11 @@ TALL_TRIGGER = {"lengths": [329, 1597, 1011, 985, 3769, 64, 130, 64, 283, 1487, 
 """A batch ``balanced`` leads with one tall micro-batch under the synchronous model (GPT cost), where a long
 sequence joins a full block when the tall packer does not check its room."""
 
+PER_SEQUENCE_TRIGGER = {"lengths": [5000, 3000, 900, 700, 600, 300, 200, 150], "n_ranks": 4,
+                        "max_seqlen_per_rank": 2048}
+"""Megatron's batch size (8 sequences on 4 ranks), two of them needing CP > 1, under the GPT cost with a fixed cost
+per sequence and rank of 40 times a 1K-token sequence's FLOPs (megatron-core's step measured on 4 x H200)."""
+
 TALLEST_TRIGGER = {"lengths": [40, 6, 6, 6, 6], "n_ranks": 2, "max_seqlen_per_rank": 64}
 """One long sequence beside short ones (L**2 plus a K/V exchange of 10 per token): the best schedule runs it on
 both ranks (step 1072); a bound that keeps it on one rank says 1600."""
@@ -242,6 +247,30 @@ def run_plan(fault: str | None, workdir=None) -> list[Alarm]:
                                              f"in {step:.6g}, below the lower bound {bound:.6g} of its batch "
                                              f"({sched.execution.describe()})",
                           {"step_time": step, "lower_bound": bound}, observed=bound / step)]
+    return _prediction_alarm(fault)
+
+
+def _prediction_alarm(fault: str | None) -> list[Alarm]:
+    """``balanced``'s own prediction for its schedule of ``PER_SEQUENCE_TRIGGER`` against the simulator's step time."""
+    from dataclasses import replace
+
+    from harness.plan.balanced import plan_balanced
+    from harness.plan.execution import resolve_execution
+
+    t, flops = PER_SEQUENCE_TRIGGER, gpt_benchmark_cost()
+    cost = replace(flops, per_sequence=40 * flops.seq_cost(1024, 1))
+    with _fault(fault):
+        _, predicted = plan_balanced(list(enumerate(t["lengths"])), t["n_ranks"], t["max_seqlen_per_rank"], 1, None,
+                                     cost, resolve_execution("synchronous"))
+        s = schedule(t["lengths"], n_ranks=t["n_ranks"], max_seqlen_per_rank=t["max_seqlen_per_rank"], cost=cost,
+                     execution="synchronous")
+    step = simulate(s).step_time
+    if abs(predicted - step) > 1e-9 * step:
+        return [Alarm("prediction-agreement", f"for its schedule of {len(t['lengths'])} sequences on {t['n_ranks']} "
+                                              f"ranks balanced predicts {predicted:.6g}, the simulator says {step:.6g} "
+                                              f"under the same cost (a fixed cost per sequence and rank)",
+                      {"predicted": float(f"{predicted:.4g}"), "simulated": float(f"{step:.4g}")},
+                      observed=abs(predicted - step) / step, tolerance=1e-9)]
     return []
 
 

@@ -95,3 +95,16 @@ def make_tallest_at_cp_min(original):
         first = np.isfinite(cost).argmax(axis=0)
         return float(cost[first, np.arange(cost.shape[1])].max())
     return lowest_height
+
+
+def make_per_sequence_cost_shared(original):
+    """A sequence's fixed cost per rank (``CostModel.per_sequence``: megatron-core's hybrid CP runs every sequence as
+    its own forward and backward on each rank of its group) shared by the group like its FLOPs, as a cost model
+    with only a per-sequence ``constant / cp`` term prices it: balanced then thinks a wide sequence cheap on each of
+    its ranks and widens sequences the stack pays for on every rank."""
+    class SharedFixedCost(original):
+        __slots__ = ()
+
+        def cost(self, s: int) -> float:
+            return self.work / s + (self.comm * (s - 1) / s if s > 1 else 0.0) + self.fixed / s
+    return SharedFixedCost
