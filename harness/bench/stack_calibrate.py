@@ -41,6 +41,7 @@ def calibration_time(stack, lengths, world, cfg, vocab, dev, reps: int = 3) -> f
     from harness.stack.protocol import StepRequest
     from harness.train.layouts import LayoutConfig, plan
 
+    sync = torch.cuda.synchronize if torch.device(dev).type == "cuda" else (lambda: None)
     lcfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=cfg.max_seqlen_per_rank, static_cp=1)
     rng = np.random.default_rng(cfg.seed + len(lengths))
     times = []
@@ -49,11 +50,11 @@ def calibration_time(stack, lengths, world, cfg, vocab, dev, reps: int = 3) -> f
         sched, padding, fixed = plan("thd", these, lcfg)
         req = StepRequest(step=rep, layout="dcp", batch=[rng.integers(0, vocab, size=L + 1) for L in these],
                           schedule=sched, padding=padding, fixed_length=fixed, want=frozenset())
-        torch.cuda.synchronize()
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
         stack.step(req)
-        torch.cuda.synchronize()
+        sync()
         took = torch.tensor([time.perf_counter() - t0], device=dev)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         times.append(float(took))

@@ -146,3 +146,34 @@ def test_the_stack_knows_each_padded_length_on_the_host_and_checks_megatron_core
     with pytest.raises(RuntimeError, match="sequence 3: megatron-core's cu_seqlens_padded ends at 36, the harness "
                                            "padded it to 37"):
         check_padded([(0, 40, torch.tensor(40)), (3, 37, torch.tensor(36))])
+
+
+def test_the_stack_calibration_changes_every_shape_from_step_to_step(tmp_path):
+    """``calibration_time`` (one gloo rank, a stack that records what it is asked): after the untimed step every step
+    gives each sequence a length the step before did not, at most 30 tokens short, every sequence at CP 1; the time
+    is the median of the timed steps."""
+    import time
+
+    import torch.distributed as dist
+
+    from harness.bench.stack_calibrate import calibration_time
+    from harness.bench.step.config import StepBenchConfig
+
+    class Recording:
+        def __init__(self):
+            self.steps = []
+
+        def step(self, req):
+            self.steps.append(([len(b) - 1 for b in req.batch], {b.size for mb in req.schedule.layout for b in mb}))
+            time.sleep(0.01 * len(self.steps))  # 10, 20, 30, 40 ms: the timed ones' median is 30 ms
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        stack = Recording()
+        took = calibration_time(stack, [256] * 3, 1, StepBenchConfig(max_seqlen_per_rank=2048), 100, "cpu", reps=3)
+    finally:
+        dist.destroy_process_group()
+    assert len(stack.steps) == 4 and all(sizes == {1} for _, sizes in stack.steps)
+    assert 0.03 <= took < 0.045
+    for (before, _), (after, _) in zip(stack.steps, stack.steps[1:]):
+        assert all(a != b for a, b in zip(after, before)) and all(226 <= x <= 256 for x in after)
