@@ -15,6 +15,7 @@ from pathlib import Path
 
 from harness.plan import PlanInputError
 from harness.report.html import esc, figure_png, page, table
+from harness.report.text import aligned
 
 TARGET = 1.4
 """The step benchmark's speedup target at 4 GPUs, drawn as a line."""
@@ -89,11 +90,7 @@ def rows(points: list[dict]) -> list[list]:
 
 def console(points: list[dict]) -> str:
     """The curve as an aligned text table."""
-    cells = [HEADER] + rows(points)
-    widths = [max(len(str(r[i])) for r in cells) for i in range(len(HEADER))]
-    lines = ["  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return aligned(HEADER, rows(points))
 
 
 def figure(points: list[dict]):

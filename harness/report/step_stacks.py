@@ -15,6 +15,7 @@ from pathlib import Path
 
 from harness.plan import PlanInputError
 from harness.report.html import esc, page, table
+from harness.report.text import aligned
 
 RUNTIME = {"static": "thd:dp-balanced", "upstream": "dcp:megatron-dev", "balanced": "dcp:balanced"}
 STACK = {"static": "static", "upstream": "megatron-core", "balanced": "balanced"}
@@ -87,11 +88,7 @@ def cells(rows: list[dict]) -> list[list]:
 
 def console(rows: list[dict]) -> str:
     """The rows as an aligned text table."""
-    grid = [HEADER] + cells(rows)
-    widths = [max(len(str(r[i])) for r in grid) for i in range(len(HEADER))]
-    lines = ["  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in grid]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return aligned(HEADER, cells(rows))
 
 
 def html_page(rows: list[dict]) -> str:

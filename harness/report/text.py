@@ -52,3 +52,12 @@ def summary(s: Schedule) -> str:
     return (f"micro-batches {st.num_microbatches} | simulated step {st.step_time:.4g} | lower bound "
             f"{st.lower_bound:.4g} | quality {st.quality:.3f} | token fill {st.token_fill:.2f}\n"
             f"sequences per CP size: {hist}")
+
+
+def aligned(header: list[str], rows: list[list]) -> str:
+    """``header`` and ``rows`` (cells already formatted) as a right-aligned text table with a rule under the header."""
+    grid = [header] + rows
+    widths = [max(len(str(r[i])) for r in grid) for i in range(len(header))]
+    lines = ["  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in grid]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
