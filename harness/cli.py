@@ -13,17 +13,21 @@
   dcp-harness bench step               training step time, dynamic vs static CP (GPUs; --cpu smoke) -> reports/
   dcp-harness bench microbatch         host vs device time of one micro-batch per compile mode and backend -> reports/
   dcp-harness bench opaque             host overhead per call of the opaque attention operator -> reports/
+  dcp-harness bench curve A.json ...   bench step's speedup over the global batch's size -> reports/
+  dcp-harness bench compare A.json ... the harness's runtime and megatron-core's step side by side -> reports/
   dcp-harness fixtures wikipedia ...   regenerate the committed Wikipedia length sample
 
 Exit codes: 0 success, 1 a verdict or benchmark target failed, 2 bad input (one line on stderr naming the
 value, the limit and why; every size, count, seed and wait is bounded: harness.cli_types, harness.plan.limits),
 3 a multi-process job failed: a rank raised, died or made no progress (one line names the rank and the log);
-130 / 143 interrupted by Ctrl-C / SIGTERM (one line names the log of the job's output so far).
+130 / 143 interrupted by Ctrl-C / SIGTERM (one line names the log of the job's output so far); 141 the reader of
+the output left (dcp-harness ... | head), silently.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -69,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         killed = "; the job's processes were killed" if hasattr(e, "log") else ""
         print(f"dcp-harness: interrupted{killed}{_output(e)}", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout left (``dcp-harness ... | head``): stop quietly, as a shell tool
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would raise again
+        return 141
 
 
 def _line(e: BaseException) -> str:

@@ -69,3 +69,19 @@ def test_the_recorded_reports_read_as_recorded():
     assert [(r["stack"], r["gpus"]) for r in rows] == [("harness", 4), ("megatron-core", 4)]
     assert round(rows[0]["balanced_vs_static"], 3) == 1.123
     assert round(rows[1]["upstream_vs_static"], 3) == 2.993 and round(rows[1]["balanced_vs_upstream"], 3) == 0.994
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
+    """``dcp-harness bench compare ... | head -1``: the reader closes the pipe after one line while the table (more
+    than a pipe's buffer: 400 reports) is still being written; the command stops with 141 and no traceback, as a
+    shell tool does."""
+    import subprocess
+    import sys
+
+    reports = [str(_runtime(tmp_path, name=f"runtime-{i:03d}-{'x' * 150}.json")) for i in range(400)]
+    cmd = [sys.executable, "-m", "harness", "bench", "compare", *reports, "--out", str(tmp_path / "cmp.json")]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[2])
+    first = p.stdout.readline()
+    p.stdout.close()  # the reader leaves after one line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141 and "Traceback" not in err and first.strip().startswith(b"model"), err[-2000:]
