@@ -65,7 +65,13 @@ def fit_stack_cost(times: dict[str, float], flops, mslpr: int) -> dict:
     """The stack's step as ``fixed + sequences per rank x per_sequence + FLOPs per rank / rate`` from the three
     ``calibration_batches`` times (seconds): the extra short sequences give ``per_sequence`` plus their compute,
     the long one against one short one gives the rate. ``flops``: the model's FLOP ``CostModel``. A rate the
-    times cannot resolve (the long step no slower: compute lost in the overheads) is None."""
+    times cannot resolve (the long step no slower: compute lost in the overheads) is None. A time that is missing,
+    not finite or not > 0 is a ``ValueError`` naming it (``max(0, nan)`` would otherwise price the stack at 0)."""
+    for name in ("one_short", "more_short", "one_long"):
+        t = times.get(name)
+        if not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"the stack's calibration step '{name}' took {t!r} s: every calibration step must take a "
+                             f"finite time > 0 (a failed or unsynchronised step?)")
     short = min(CALIBRATION_SHORT, mslpr)
     f_short, f_long = flops.seq_cost(short, 1), flops.seq_cost(mslpr, 1)
     each = (times["more_short"] - times["one_short"]) / (CALIBRATION_COUNT - 1)

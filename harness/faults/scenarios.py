@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import tempfile
 from contextlib import nullcontext
 
@@ -265,7 +266,7 @@ def _prediction_alarm(fault: str | None) -> list[Alarm]:
         s = schedule(t["lengths"], n_ranks=t["n_ranks"], max_seqlen_per_rank=t["max_seqlen_per_rank"], cost=cost,
                      execution="synchronous")
     step = simulate(s).step_time
-    if abs(predicted - step) > 1e-9 * step:
+    if not (math.isfinite(predicted) and math.isfinite(step) and abs(predicted - step) <= 1e-9 * step):  # NaN, inf fire
         return [Alarm("prediction-agreement", f"for its schedule of {len(t['lengths'])} sequences on {t['n_ranks']} "
                                               f"ranks balanced predicts {predicted:.6g}, the simulator says {step:.6g} "
                                               f"under the same cost (a fixed cost per sequence and rank)",

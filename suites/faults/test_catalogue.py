@@ -156,3 +156,16 @@ def test_padding_chunk_rows_are_the_rank_chunks_that_hold_only_padding():
     assert padding_chunk_rows(mb([5], [8], 2, 1)).size == 0
     # the second sequence's rows start at its padded offset / cp: 16 / 2 = 8
     assert padding_chunk_rows(mb([13, 5], [16, 8], 2, 0)).tolist() == [10, 11]
+
+
+@pytest.mark.parametrize("step", [float("nan"), float("inf")])
+def test_prediction_agreement_fires_on_a_non_finite_step(monkeypatch, step):
+    """The plan scenario's prediction check compares with ``<=``: a NaN or infinite simulated step is an alarm, not a
+    silent pass."""
+    from types import SimpleNamespace
+
+    from harness.faults import scenarios
+
+    monkeypatch.setattr(scenarios, "simulate", lambda s: SimpleNamespace(step_time=step))
+    (alarm,) = scenarios._prediction_alarm(None)
+    assert alarm.check == "prediction-agreement" and "balanced predicts" in alarm.message

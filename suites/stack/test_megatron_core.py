@@ -130,6 +130,9 @@ def test_the_stack_benchmark_reads_a_cost_per_sequence_and_a_rate_from_its_calib
     flat = fit_stack_cost({**times, "one_long": times["one_short"]}, flops, 2048)
     assert flat["flops_per_s"] is None and flat["per_sequence_s"] == pytest.approx(per_seq + f[256] / rate)
     assert stack_cost(flops, flat, 989.0).linear == pytest.approx(flops.linear / (0.5 * 989e12))
+    for bad in (float("nan"), float("inf"), 0.0, -1.0, None):
+        with pytest.raises(ValueError, match="'more_short' took"):
+            fit_stack_cost({**times, "more_short": bad}, flops, 2048)
 
 
 def test_the_stack_knows_each_padded_length_on_the_host_and_checks_megatron_cores_once_a_step():
@@ -148,16 +151,19 @@ def test_the_stack_knows_each_padded_length_on_the_host_and_checks_megatron_core
         check_padded([(0, 40, torch.tensor(40)), (3, 37, torch.tensor(36))])
 
 
-def test_the_stack_calibration_changes_every_shape_from_step_to_step(tmp_path):
-    """``calibration_time`` (one gloo rank, a stack that records what it is asked): after the untimed step every step
-    gives each sequence a length the step before did not, at most 30 tokens short, every sequence at CP 1; the time
-    is the median of the timed steps."""
-    import time
+def test_the_stack_calibration_changes_every_shape_from_step_to_step(tmp_path, monkeypatch):
+    """``calibration_time`` (one gloo rank, a stack that records what it is asked, on a clock the stack advances):
+    after the untimed step every step gives each sequence a length the step before did not, at most 30 tokens
+    short, every sequence at CP 1; the time is the median of the timed steps."""
+    from types import SimpleNamespace
 
     import torch.distributed as dist
 
-    from harness.bench.stack_calibrate import calibration_time
+    from harness.bench import stack_calibrate
     from harness.bench.step.config import StepBenchConfig
+
+    now = [0.0]
+    monkeypatch.setattr(stack_calibrate, "time", SimpleNamespace(perf_counter=lambda: now[0]))
 
     class Recording:
         def __init__(self):
@@ -165,15 +171,16 @@ def test_the_stack_calibration_changes_every_shape_from_step_to_step(tmp_path):
 
         def step(self, req):
             self.steps.append(([len(b) - 1 for b in req.batch], {b.size for mb in req.schedule.layout for b in mb}))
-            time.sleep(0.01 * len(self.steps))  # 10, 20, 30, 40 ms: the timed ones' median is 30 ms
+            now[0] += 0.01 * len(self.steps)  # 10, 20, 30, 40 ms: the timed ones' median is 30 ms
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
     try:
         stack = Recording()
-        took = calibration_time(stack, [256] * 3, 1, StepBenchConfig(max_seqlen_per_rank=2048), 100, "cpu", reps=3)
+        took = stack_calibrate.calibration_time(stack, [256] * 3, 1, StepBenchConfig(max_seqlen_per_rank=2048), 100,
+                                                "cpu", reps=3)
     finally:
         dist.destroy_process_group()
     assert len(stack.steps) == 4 and all(sizes == {1} for _, sizes in stack.steps)
-    assert 0.03 <= took < 0.045
+    assert took == pytest.approx(0.03)
     for (before, _), (after, _) in zip(stack.steps, stack.steps[1:]):
         assert all(a != b for a, b in zip(after, before)) and all(226 <= x <= 256 for x in after)
