@@ -51,9 +51,13 @@ def _schedule(arm: str, lengths: list[int], world: int, mslpr: int, cost):
     if arm == "static":
         lcfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=mslpr, static_cp=world)
         return plan("thd", lengths, lcfg, cost)
-    # megatron-core's step ends every group with a barrier of the DP x CP domain: the synchronous execution model
+    # megatron-core's step ends every group with a barrier of the DP x CP domain: the synchronous execution model.
+    # It runs each sequence of a group as its own forward and backward, so a group holds any number of sequences
+    # per rank (max_seqlen_per_rank bounds each one): balanced packs by the batch's tokens, as megatron-core's own
+    # scheduler overfills a rank (harness.train.layouts.UPSTREAM_LIBERTIES).
+    cap = max(mslpr, sum(lengths)) if arm == "balanced" else None
     lcfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=mslpr, static_cp=world, scheduler=arm,
-                        execution="synchronous")
+                        execution="synchronous", microbatch_tokens_per_rank=cap)
     return plan("dcp", lengths, lcfg, cost)
 
 

@@ -21,6 +21,7 @@ import io
 import math
 import tempfile
 from contextlib import nullcontext
+from dataclasses import replace
 
 from harness.faults.catalogue import get
 from harness.faults.checks import TOLERANCES, TRAIN_CHECKS, Alarm
@@ -211,6 +212,15 @@ PER_SEQUENCE_TRIGGER = {"lengths": [5000, 3000, 900, 700, 600, 300, 200, 150], "
 """Megatron's batch size (8 sequences on 4 ranks), two of them needing CP > 1, under the GPT cost with a fixed cost
 per sequence and rank of 40 times a 1K-token sequence's FLOPs (megatron-core's step measured on 4 x H200)."""
 
+STACK_TRIGGER = {"lengths": [5000, 3000, 900, 700, 600, 300, 200, 150, 1800, 1200, 400, 128], "n_ranks": 4,
+                 "max_seqlen_per_rank": 2048, "microbatch_tokens_per_rank": 16384}
+"""megatron-core's stack: a micro-batch holds any number of sequences per rank, each bounded by
+``max_seqlen_per_rank`` (two of them need CP > 1); the GPT cost with a fixed cost per sequence and rank."""
+
+SHELF_TRIGGER = {"lengths": [4000, 2100, 2000, 500, 300], "n_ranks": 4, "max_seqlen_per_rank": 2048}
+"""Two sequences of 2-rank size, one much shorter than the other, and a narrow one (2000 tokens) that fits the
+shorter block's slack but not its room (1996 tokens a block): the shelves' top-up must leave it out."""
+
 TALLEST_TRIGGER = {"lengths": [40, 6, 6, 6, 6], "n_ranks": 2, "max_seqlen_per_rank": 64}
 """One long sequence beside short ones (L**2 plus a K/V exchange of 10 per token): the best schedule runs it on
 both ranks (step 1072); a bound that keeps it on one rank says 1600."""
@@ -218,8 +228,9 @@ both ranks (step 1072); a bound that keeps it on one rank says 1600."""
 
 def run_plan(fault: str | None, workdir=None) -> list[Alarm]:
     """PR #2000's driver on its trigger input (a refusal, an error before any schedule exists, is the correct
-    outcome there), then ``balanced`` under the synchronous model on ``LEVELS_TRIGGER``, ``TALL_TRIGGER`` and
-    ``TALLEST_TRIGGER``; an invalid schedule, or one faster than its batch's lower bound, is an alarm."""
+    outcome there), then ``balanced`` under the synchronous model on ``LEVELS_TRIGGER``, ``TALL_TRIGGER``,
+    ``TALLEST_TRIGGER`` and ``STACK_TRIGGER`` (a micro-batch capacity above ``max_seqlen_per_rank``); an invalid
+    schedule, or one faster than its batch's lower bound, is an alarm."""
     t = PLAN_TRIGGER
     pairs = list(enumerate(t["lengths"]))
     scheds = []
@@ -231,12 +242,15 @@ def run_plan(fault: str | None, workdir=None) -> list[Alarm]:
         except (AssertionError, ValueError):
             pass
         bounded = []
-        for t, cost in ((LEVELS_TRIGGER, gpt_benchmark_cost()), (TALL_TRIGGER, gpt_benchmark_cost()),
-                        (TALLEST_TRIGGER, CostModel(quadratic=1.0, cp_comm=10.0))):
+        flops = gpt_benchmark_cost()
+        for t, cost in ((LEVELS_TRIGGER, flops), (TALL_TRIGGER, flops),
+                        (TALLEST_TRIGGER, CostModel(quadratic=1.0, cp_comm=10.0)),
+                        (STACK_TRIGGER, replace(flops, per_sequence=40 * flops.seq_cost(1024, 1)))):
             s = schedule(t["lengths"], n_ranks=t["n_ranks"], max_seqlen_per_rank=t["max_seqlen_per_rank"], cost=cost,
-                         execution="synchronous")
+                         execution="synchronous", microbatch_tokens_per_rank=t.get("microbatch_tokens_per_rank"))
             scheds.append(s)
             bounded.append((s, simulate(s).step_time, schedule_lower_bound(s)))
+        scheds += _level_candidates(LEVELS_TRIGGER, flops) + _shelf_candidates(SHELF_TRIGGER, flops)
     for sched in scheds:
         bad = check_schedule(sched)
         if bad:
@@ -249,6 +263,31 @@ def run_plan(fault: str | None, workdir=None) -> list[Alarm]:
                                              f"({sched.execution.describe()})",
                           {"step_time": step, "lower_bound": bound}, observed=bound / step)]
     return _prediction_alarm(fault)
+
+
+def _level_candidates(t: dict, cost) -> list[Schedule]:
+    """``balanced``'s rows by levels for batch ``t`` as schedules, whether or not ``balanced`` picks one (another kind
+    of candidate may win there): each must be valid on its own."""
+    from harness.plan.balanced.candidates import by_levels
+    from harness.plan.balanced.items import Item
+    from harness.plan.cost import cp_min
+
+    n, mslpr = t["n_ranks"], t["max_seqlen_per_rank"]
+    items = [Item(g, L, cp_min(L, mslpr), cost) for g, L in enumerate(t["lengths"])]
+    return [Schedule(tuple(layout_from_sizes(r) for r in rows), dict(enumerate(t["lengths"])), n, mslpr)
+            for rows in by_levels(items, n, mslpr, 1, cost)]
+
+
+def _shelf_candidates(t: dict, cost) -> list[Schedule]:
+    """``balanced``'s rows by shelves for batch ``t`` as a schedule (valid whether or not ``balanced`` picks it)."""
+    from harness.plan.balanced.items import Item
+    from harness.plan.balanced.shelves import shelf_rows
+    from harness.plan.cost import cp_min
+
+    n, mslpr = t["n_ranks"], t["max_seqlen_per_rank"]
+    items = [Item(g, L, cp_min(L, mslpr), cost) for g, L in enumerate(t["lengths"])]
+    rows = shelf_rows(items, n, mslpr, 1, cost)
+    return [Schedule(tuple(layout_from_sizes(r) for r in rows), dict(enumerate(t["lengths"])), n, mslpr)] if rows else []
 
 
 def _prediction_alarm(fault: str | None) -> list[Alarm]:

@@ -108,3 +108,34 @@ def make_per_sequence_cost_shared(original):
         def cost(self, s: int) -> float:
             return self.work / s + (self.comm * (s - 1) / s if s > 1 else 0.0) + self.fixed / s
     return SharedFixedCost
+
+
+def make_capacity_narrows_sequences(original):
+    """``balanced`` given a micro-batch capacity above ``max_seqlen_per_rank`` (a stack that runs each sequence as its
+    own pass) takes that capacity for each sequence's bound too: its ``cp_min`` falls, and a sequence longer than a
+    rank may hold runs on too few ranks."""
+    def items(pairs, max_seqlen_per_rank, capacity, min_cp_size, cost):
+        return original(pairs, capacity, capacity, min_cp_size, cost)
+    return items
+
+
+def make_shelves_room_unchecked(original):
+    """``balanced``'s shelves top a wide block up with narrow sequences while they fit under the micro-batch's slowest
+    block, but take the longest that fits that slack without checking the block's token room (PR #2000's unchecked
+    capacity, in the shelves): a block then holds more tokens per rank than a rank may."""
+    import bisect
+
+    def top_up(row, narrow, taken, cost):
+        level = max(b[1] for b in row)
+        for b in sorted(row, key=lambda b: b[1]):
+            size = b[0]
+            while narrow:
+                k = bisect.bisect_right(narrow, level - b[1], key=lambda it: it.cost(size)) - 1
+                if k < 0:
+                    break
+                it = narrow.pop(k)
+                taken.add(it.gid)
+                b[1] += it.cost(size)
+                b[2].append(it)
+                b[3] -= it.L
+    return top_up

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from harness.plan.balanced import schedule_balanced
-from harness.plan.cost import CostModel
+from harness.plan.cost import CostModel, check_microbatch_tokens
 from harness.plan.dp_balanced import schedule_dp_balanced
-from harness.plan.errors import UnknownAlgorithmError
+from harness.plan.errors import PlanInputError, UnknownAlgorithmError
 from harness.plan.execution import Execution, ExecutionError, resolve_execution
 from harness.plan.layout import Schedule, layout_from_sizes
 from harness.plan.lengths import check_domain, check_fits, normalize_lengths
@@ -39,7 +39,8 @@ ALGORITHMS: dict[str, tuple[Callable, str]] = {
 
 def schedule(lengths, *, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
              vpp_group: int | None = None, algorithm: str = "balanced",
-             cost: CostModel | None = None, execution: Execution | str | None = None) -> Schedule:
+             cost: CostModel | None = None, execution: Execution | str | None = None,
+             microbatch_tokens_per_rank: int | None = None) -> Schedule:
     """Schedule a global batch onto a DP x CP domain of ``n_ranks`` positions.
 
     Args:
@@ -60,6 +61,10 @@ def schedule(lengths, *, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
             is the default ``vpp_group``. The Megatron algorithms place sequences as upstream does whatever it
             is (exact parity). Stored on the schedule (``Schedule.execution``): ``simulate``, ``quality``,
             ``stats`` judge it by this model unless told otherwise.
+        microbatch_tokens_per_rank: tokens a rank may hold in one micro-batch over its block's sequences (``balanced``
+            only; default ``max_seqlen_per_rank``). A stack that runs every sequence of a micro-batch as its own
+            forward and backward (megatron-core's hybrid CP) bounds only each sequence: give it a larger capacity
+            (the batch's tokens: none) and ``max_seqlen_per_rank`` still sets each sequence's smallest CP.
     Raises:
         PlanInputError (a ``ValueError``) subclasses naming the value and the fix; ``SizeLimitError`` for sizes
         past ``harness.plan.limits`` (ranks, sequences, sequences x ranks).
@@ -77,13 +82,21 @@ def schedule(lengths, *, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
     pairs = normalize_lengths(lengths)
     check_work(len(pairs), n_ranks)
     check_fits(pairs, n_ranks, max_seqlen_per_rank)
+    check_microbatch_tokens(microbatch_tokens_per_rank, max_seqlen_per_rank)
+    if microbatch_tokens_per_rank is not None and algorithm != "balanced":
+        raise PlanInputError(f"microbatch_tokens_per_rank is a capacity of algorithm 'balanced'; {algorithm!r} "
+                             f"packs by max_seqlen_per_rank as upstream does: leave it None or use balanced")
     cost = cost or CostModel.megatron()
     vpp = vpp_group if vpp_group and vpp_group > 1 else None
     fn, _ = ALGORITHMS[algorithm]
     with cyclic_gc_paused():
-        mbs = fn(pairs, n_ranks, max_seqlen_per_rank, min_cp_size, vpp, cost, ex) if pairs else []
+        if microbatch_tokens_per_rank is not None:
+            mbs = schedule_balanced(pairs, n_ranks, max_seqlen_per_rank, min_cp_size, vpp, cost, ex,
+                                    microbatch_tokens_per_rank) if pairs else []
+        else:
+            mbs = fn(pairs, n_ranks, max_seqlen_per_rank, min_cp_size, vpp, cost, ex) if pairs else []
         return Schedule(tuple(layout_from_sizes(mb) for mb in mbs), dict(pairs), n_ranks,
-                        max_seqlen_per_rank, min_cp_size, vpp_group, algorithm, cost, ex)
+                        max_seqlen_per_rank, min_cp_size, vpp_group, algorithm, cost, ex, microbatch_tokens_per_rank)
 
 
 @contextmanager

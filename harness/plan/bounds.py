@@ -63,7 +63,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.plan.binpack import min_bins, simple_bound
-from harness.plan.cost import CostModel, cp_min
+from harness.plan.cost import CostModel, check_microbatch_tokens, cp_min
 from harness.plan.execution import (
     INDEPENDENT,
     BoundTerms,
@@ -94,11 +94,15 @@ def simulate_step_time(schedule: Schedule, cost: CostModel | None = None,
 
 def lower_bound(lengths, *, n_ranks: int, max_seqlen_per_rank: int, cost: CostModel | None = None,
                 min_cp_size: int = 1, vpp_group: int | None = None,
-                execution: Execution | str | None = None) -> float:
+                execution: Execution | str | None = None, microbatch_tokens_per_rank: int | None = None) -> float:
     """A lower bound on the step time of any valid schedule of ``lengths`` under ``execution`` (an ``Execution``
     or its name; default independent; see module doc). An interleaved pipeline's micro-batch group counts as
-    ``vpp_group`` when that is not given."""
+    ``vpp_group`` when that is not given. With ``microbatch_tokens_per_rank`` (a micro-batch's capacity per rank
+    above ``max_seqlen_per_rank``) the terms that count micro-batches or rank-blocks by tokens use it (the
+    tallest micro-batch's argument and the CP rows are those of the problem with both at that capacity: a
+    relaxation, so still a bound); each sequence's ``cp_min`` stays ``max_seqlen_per_rank``'s."""
     check_domain(n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group)
+    cap = check_microbatch_tokens(microbatch_tokens_per_rank, max_seqlen_per_rank)
     execution = resolve_execution(execution)
     c = cost or CostModel.megatron()
     pairs = normalize_lengths(lengths)
@@ -113,20 +117,20 @@ def lower_bound(lengths, *, n_ranks: int, max_seqlen_per_rank: int, cost: CostMo
         sizes = [s0 << k for k in range((n_ranks // s0).bit_length())]
         single = max(single, min(c.seq_cost(L, s) for s in sizes) + (c.cp_block if s0 > 1 else 0.0))
         tokens += L
-    mb_min = -(-tokens // (n_ranks * max_seqlen_per_rank))
+    mb_min = -(-tokens // (n_ranks * cap))
     if group and group > 1:
         mb_min = -(-mb_min // group) * group
     # rank-blocks of CP blocks: tokens that need one (cp_min > 1) fill at most mslpr per rank-block
-    cp_blocks = wide / max_seqlen_per_rank / n_ranks
+    cp_blocks = wide / cap / n_ranks
     busy = max(area / n_ranks + c.per_microbatch * mb_min + c.cp_block * cp_blocks, single + c.per_microbatch,
-               c.per_microbatch * mb_min + c.cp_block * cp_rows_min(pairs, n_ranks, max_seqlen_per_rank, min_cp_size))
+               c.per_microbatch * mb_min + c.cp_block * cp_rows_min(pairs, n_ranks, cap, min_cp_size))
     if execution == INDEPENDENT:
         return busy
     terms = BoundTerms(busy=busy, chain=single + c.per_microbatch,
                        smallest_block=smallest_block(pairs, n_ranks, max_seqlen_per_rank, c, min_cp_size))
     bound = execution_bound(terms, execution)
     if execution.kind == "synchronous":  # the tallest micro-batch's argument (``harness.plan.tallest``)
-        bound = max(bound, tallest_bound([L for _, L in pairs], n_ranks, max_seqlen_per_rank, c, min_cp_size,
+        bound = max(bound, tallest_bound([L for _, L in pairs], n_ranks, cap, c, min_cp_size,
                                          mb_min, ceiling=2 * bound))
     return bound
 
@@ -180,7 +184,8 @@ def schedule_lower_bound(schedule: Schedule, cost: CostModel | None = None,
     execution = resolve_execution(execution, schedule.execution)
     return lower_bound(list(schedule.lengths.items()), n_ranks=schedule.n_ranks,
                        max_seqlen_per_rank=schedule.max_seqlen_per_rank, cost=cost or schedule.cost,
-                       min_cp_size=schedule.min_cp_size, vpp_group=schedule.vpp_group, execution=execution)
+                       min_cp_size=schedule.min_cp_size, vpp_group=schedule.vpp_group, execution=execution,
+                       microbatch_tokens_per_rank=schedule.microbatch_tokens_per_rank)
 
 
 def quality(schedule: Schedule, cost: CostModel | None = None, execution: Execution | str | None = None) -> float:
@@ -205,7 +210,7 @@ class ScheduleStats:
     mean_imbalance: float
     """Mean over micro-batches of max/mean per-rank load."""
     token_fill: float
-    """Tokens / (micro-batches * N * max_seqlen_per_rank)."""
+    """Tokens / (micro-batches * N * the capacity of a rank in a micro-batch, ``Schedule.capacity``)."""
     cp_histogram: dict[int, int]
     """Block size -> number of sequences run at that size."""
     bubble_fraction: float = 0.0
@@ -228,7 +233,7 @@ def stats(schedule: Schedule, cost: CostModel | None = None,
     for s in schedule.cp_size_of().values():
         hist[s] = hist.get(s, 0) + 1
     nmb = schedule.num_microbatches
-    cap = nmb * schedule.n_ranks * schedule.max_seqlen_per_rank
+    cap = nmb * schedule.n_ranks * schedule.capacity
     return ScheduleStats(
         num_microbatches=nmb, step_time=step, lower_bound=lb, quality=step / lb if lb else 1.0,
         sync_makespan=sum(max(x) for x in loads), mean_imbalance=sum(imb) / len(imb) if imb else 1.0,

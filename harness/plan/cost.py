@@ -48,6 +48,20 @@ def check_positive_int(name: str, value: int) -> None:
         raise PlanInputError(f"{name} must be a positive int, got {value!r}")
 
 
+def check_microbatch_tokens(microbatch_tokens_per_rank: int | None, max_seqlen_per_rank: int) -> int:
+    """The capacity of a rank in one micro-batch: ``microbatch_tokens_per_rank`` (an int >= ``max_seqlen_per_rank``:
+    a micro-batch holds at least one sequence of a rank's share), or ``max_seqlen_per_rank`` when it is None;
+    anything else is a ``PlanInputError`` naming it."""
+    if microbatch_tokens_per_rank is None:
+        return max_seqlen_per_rank
+    if (not isinstance(microbatch_tokens_per_rank, int) or isinstance(microbatch_tokens_per_rank, bool)
+            or microbatch_tokens_per_rank < max_seqlen_per_rank):
+        raise PlanInputError(f"microbatch_tokens_per_rank must be an int >= max_seqlen_per_rank "
+                             f"({max_seqlen_per_rank}), got {microbatch_tokens_per_rank!r}; leave it None for "
+                             f"max_seqlen_per_rank")
+    return microbatch_tokens_per_rank
+
+
 def cp_min(L: int, max_seqlen_per_rank: int, min_cp_size: int = 1) -> int:
     """Smallest power of two ``p >= min_cp_size`` with ``p * max_seqlen_per_rank >= L``."""
     if L <= 0:

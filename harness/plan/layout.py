@@ -80,6 +80,15 @@ class Schedule:
     execution: Execution = INDEPENDENT
     """The execution model the schedule was made for; ``simulate`` / ``quality`` / ``stats`` judge it by this
     one unless told otherwise (``harness.plan.execution``)."""
+    microbatch_tokens_per_rank: int | None = None
+    """Tokens a rank may hold in one micro-batch over its block's sequences; None: ``max_seqlen_per_rank``, which
+    always bounds each sequence (its ``cp_min``). Larger for a stack that runs every sequence of a micro-batch as
+    its own forward and backward (megatron-core's hybrid CP)."""
+
+    @property
+    def capacity(self) -> int:
+        """Tokens a rank may hold in one micro-batch (``microbatch_tokens_per_rank`` or ``max_seqlen_per_rank``)."""
+        return self.microbatch_tokens_per_rank or self.max_seqlen_per_rank
 
     @classmethod
     def from_blocks(cls, layout, *, lengths, **kw) -> Schedule:
@@ -140,6 +149,8 @@ class Schedule:
             "vpp_group": self.vpp_group,
             "cost": self.cost.to_dict(),
             "execution": self.execution.to_dict(),
+            **({"microbatch_tokens_per_rank": self.microbatch_tokens_per_rank}
+               if self.microbatch_tokens_per_rank else {}),
             "lengths": [[g, L] for g, L in self.lengths.items()],
             "microbatches": [
                 [{"start": b.start, "size": b.size, "gids": list(b.gids)} for b in mb] for mb in self.layout
@@ -154,4 +165,5 @@ class Schedule:
             max_seqlen_per_rank=d["max_seqlen_per_rank"], min_cp_size=d["min_cp_size"],
             vpp_group=d["vpp_group"], algorithm=d["algorithm"], cost=CostModel(**d["cost"]),
             execution=Execution.from_dict(d["execution"]) if "execution" in d else INDEPENDENT,
+            microbatch_tokens_per_rank=d.get("microbatch_tokens_per_rank"),
         )

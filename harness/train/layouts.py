@@ -45,6 +45,9 @@ class LayoutConfig:
     execution: object = None
     """The execution model the thd and dcp schedules are made for (``harness.plan.Execution`` or its name;
     None: independent); ``TrainConfig.execution_model`` picks it."""
+    microbatch_tokens_per_rank: int | None = None
+    """``balanced``'s capacity of a rank in one micro-batch (``harness.plan.api.schedule``); None:
+    ``max_seqlen_per_rank``. For a stack that runs each sequence of a micro-batch as its own pass."""
     expert_parallel: bool = False
     """MoE experts sharded over the domain (``harness.parallel.expert_parallel``): their gradients are complete
     on their owner and are not all-reduced."""
@@ -72,7 +75,8 @@ def plan(layout: str, lengths: list[int], cfg: LayoutConfig, cost: CostModel | N
         return upstream_schedule(lengths, cfg), cfg.dcp_padding, 0
     if layout == "dcp":
         return schedule(lengths, n_ranks=N, max_seqlen_per_rank=cfg.max_seqlen_per_rank, algorithm=cfg.scheduler,
-                        vpp_group=cfg.vpp_group, cost=cost, execution=cfg.execution), cfg.dcp_padding, 0
+                        vpp_group=cfg.vpp_group, cost=cost, execution=cfg.execution,
+                        microbatch_tokens_per_rank=cfg.microbatch_tokens_per_rank), cfg.dcp_padding, 0
     dp, mbs, n = N // C, cfg.micro_batch_size, len(lengths)
     if n % (dp * mbs):
         raise LayoutError(f"bshd splits the global batch into {dp} data-parallel replicas x micro-batches of "

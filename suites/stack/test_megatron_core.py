@@ -184,3 +184,26 @@ def test_the_stack_calibration_changes_every_shape_from_step_to_step(tmp_path, m
     assert took == pytest.approx(0.03)
     for (before, _), (after, _) in zip(stack.steps, stack.steps[1:]):
         assert all(a != b for a, b in zip(after, before)) and all(226 <= x <= 256 for x in after)
+
+
+def test_the_stack_benchmark_packs_balanced_by_the_batch_and_megatron_cores_arm_as_upstream():
+    """``bench step --stack megatron-core``'s schedules: ``balanced`` may hold any number of sequences per rank in a
+    group (megatron-core runs each as its own pass; ``max_seqlen_per_rank`` bounds each sequence), is valid on its
+    own terms and, under a per-sequence cost, no slower than upstream's scheduler's shape (its parity,
+    ``megatron-dev``) under the synchronous model; the static arm keeps the plain capacity."""
+    from dataclasses import replace
+
+    from harness.bench.stack_step import _schedule
+    from harness.plan import check_schedule, gpt_benchmark_cost, schedule, simulate
+
+    flops = gpt_benchmark_cost()
+    cost = replace(flops, per_sequence=40 * flops.seq_cost(1024, 1))
+    lengths = [5000, 3000, 2500, 1800, 1200, 900, 700, 600, 500, 400, 300, 300, 200, 150, 128, 128] * 3
+    sched, _, _ = _schedule("balanced", lengths, 4, 2048, cost)
+    assert sched.capacity == sum(lengths) and sched.max_seqlen_per_rank == 2048 and not check_schedule(sched)
+    assert all(b.size >= 2 for mb in sched.layout for b in mb if any(lengths[g] > 2048 for g in b.gids))
+    dev = schedule(lengths, n_ranks=4, max_seqlen_per_rank=2048, algorithm="megatron-dev")
+    assert simulate(sched, cost, execution="synchronous").step_time <= \
+        simulate(dev, cost, execution="synchronous").step_time
+    static, _, _ = _schedule("static", lengths, 4, 2048, cost)
+    assert static.microbatch_tokens_per_rank is None and static.capacity == 2048

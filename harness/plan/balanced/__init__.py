@@ -36,6 +36,7 @@ from harness.plan.balanced.evaluate import Judge
 from harness.plan.balanced.items import Item
 from harness.plan.balanced.phased import PhasedBuilder
 from harness.plan.balanced.rows import rewiden
+from harness.plan.balanced.shelves import shelf_rows
 from harness.plan.cost import CostModel, cp_min
 from harness.plan.errors import VPPAlignmentError
 from harness.plan.execution import INDEPENDENT, Execution
@@ -68,9 +69,10 @@ one tall micro-batch (``candidates.by_tall``) are skipped whatever the count per
 
 def schedule_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
                       vpp_group: int | None = None, cost: CostModel | None = None,
-                      execution: Execution | None = None) -> list[Blocks]:
+                      execution: Execution | None = None, microbatch_tokens_per_rank: int | None = None) -> list[Blocks]:
     """Our scheduler; inputs assumed validated (see ``harness.plan.api.schedule``)."""
-    return plan_balanced(pairs, n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group, cost, execution)[0]
+    return plan_balanced(pairs, n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group, cost, execution,
+                         microbatch_tokens_per_rank)[0]
 
 
 class _Best:
@@ -88,17 +90,26 @@ class _Best:
             self.rows, self.time = rows, t
 
 
+def _items(pairs, max_seqlen_per_rank: int, capacity: int, min_cp_size: int, cost: CostModel) -> list[Item]:
+    """The sequences as the candidates see them, each at the ``cp_min`` of ``max_seqlen_per_rank`` (a micro-batch's
+    ``capacity`` bounds a block's tokens, never one sequence's CP size)."""
+    return [Item(g, L, cp_min(L, max_seqlen_per_rank, min_cp_size), cost) for g, L in pairs]
+
+
 def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
                   vpp_group: int | None = None, cost: CostModel | None = None,
-                  execution: Execution | None = None) -> tuple[list[Blocks], float]:
-    """(micro-batches, simulated step time under ``cost`` and ``execution``) of the best candidate."""
+                  execution: Execution | None = None,
+                  microbatch_tokens_per_rank: int | None = None) -> tuple[list[Blocks], float]:
+    """(micro-batches, simulated step time under ``cost`` and ``execution``) of the best candidate.
+    ``microbatch_tokens_per_rank``: what a rank may hold in one micro-batch over its block's sequences (default
+    ``max_seqlen_per_rank``, which always sets each sequence's smallest CP)."""
     cost = cost or CostModel.megatron()
     ex = execution or INDEPENDENT
     independent = ex.kind == "independent"
-    n, mslpr = n_ranks, max_seqlen_per_rank
+    n, mslpr = n_ranks, microbatch_tokens_per_rank or max_seqlen_per_rank
     pairs = sorted(pairs)  # by gid: the input order never matters (``megatron-dev`` keeps it among ties)
-    items = [Item(g, L, cp_min(L, mslpr, min_cp_size), cost) for g, L in pairs]
-    judge = Judge(items, n, mslpr, cost, ex, min_cp_size, vpp_group)
+    items = _items(pairs, max_seqlen_per_rank, mslpr, min_cp_size, cost)
+    judge = Judge(items, n, max_seqlen_per_rank, cost, ex, min_cp_size, vpp_group)
     best = _Best(judge)
     small = len(items) <= EXTRA_MAX_SEQUENCES
     few = len(items) <= FEW_PER_RANK * n
@@ -112,6 +123,7 @@ def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
         if best.time > enough:  # the longest sequences dominate: one tall micro-batch takes them first
             for rows in cands.by_tall(items, n, mslpr, min_cp_size, cost):
                 best.offer(rows)
+        best.offer(shelf_rows(items, n, mslpr, min_cp_size, cost))  # a micro-batch per size, topped up
     skip = barriers and not few and best.time <= enough
     per_mb = [] if independent or skip else cands.per_microbatch(items, n, mslpr, min_cp_size, vpp_group, cost,
                                                                  small, roomy=True)
@@ -129,18 +141,18 @@ def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
         if independent and best.rows is not None and (best.time <= area * (1 + GOOD_ENOUGH) or not small):
             return best.rows, best.time
         if independent and not few and best.time <= area * (1 + FAIR):
-            for rows in cands.megatron(pairs, n, mslpr, min_cp_size, vpp_group):
+            for rows in cands.megatron(pairs, n, max_seqlen_per_rank, min_cp_size, vpp_group):
                 best.offer(rows)
             return best.rows, best.time
         if independent:
             per_mb = cands.per_microbatch(items, n, mslpr, min_cp_size, vpp_group, cost, small)
-        for rows in per_mb + cands.megatron(pairs, n, mslpr, min_cp_size, vpp_group):
+        for rows in per_mb + cands.megatron(pairs, n, max_seqlen_per_rank, min_cp_size, vpp_group):
             best.offer(rows)
             best.offer(rewiden(rows, judge.by_gid, n, mslpr, min_cp_size, cost))
     elif small:  # barriers, many sequences per rank: the per-micro-batch rows re-sized, and megatron-dev's
         for rows in per_mb:
             best.offer(rewiden(rows, judge.by_gid, n, mslpr, min_cp_size, cost))
-        for rows in cands.megatron(pairs, n, mslpr, min_cp_size, vpp_group):
+        for rows in cands.megatron(pairs, n, max_seqlen_per_rank, min_cp_size, vpp_group):
             best.offer(rows)
             best.offer(rewiden(rows, judge.by_gid, n, mslpr, min_cp_size, cost))
     if best.rows is not None:

@@ -75,5 +75,10 @@ class Judge:
         return simulate_execution(s, self.cost, self.execution).step_time
 
     def feasible(self, rows: list[Blocks]) -> bool:
-        """Micro-batch count a multiple of the VPP group (the candidates guarantee the other invariants)."""
-        return bool(rows) and (not self.vpp or len(rows) % self.vpp == 0)
+        """Micro-batch count a multiple of the VPP group, and every sequence in a block of at least its ``cp_min``
+        (the candidates guarantee the other invariants; a candidate that packs by a micro-batch capacity above
+        ``max_seqlen_per_rank`` must not narrow a sequence below it)."""
+        if not rows or (self.vpp and len(rows) % self.vpp):
+            return False
+        by = self.by_gid
+        return all(size >= by[g].cp for row in rows for size, gids in row for g in gids)
