@@ -49,6 +49,10 @@ FEW_PER_RANK, FAIR = 4, 0.05
 """... or, beside megatron-dev's schedule, within ``FAIR`` of it with more than ``FEW_PER_RANK`` sequences per
 rank (the rows balanced per micro-batch win where sequences are few per rank)."""
 
+SHELVES = "up to EXTRA_MAX_SEQUENCES sequences, and at any size with a micro-batch capacity above max_seqlen_per_rank"
+"""Where the synchronous model builds the shelves (``shelves.shelf_rows``): at scale with the plain capacity the rows
+by levels are within ~4% of the bound and the shelves would cost ~200 ms at 4096 ranks x 32768 sequences."""
+
 EXTRA_MAX_SEQUENCES = 1024
 """Sequences up to which every kind of candidate is built (``megatron-dev`` only below its own bound,
 ``candidates.DEV_MAX_WORK``; with barriers and more than ``FEW_PER_RANK`` sequences per rank, no phased
@@ -123,7 +127,8 @@ def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
         if best.time > enough:  # the longest sequences dominate: one tall micro-batch takes them first
             for rows in cands.by_tall(items, n, mslpr, min_cp_size, cost):
                 best.offer(rows)
-        best.offer(shelf_rows(items, n, mslpr, min_cp_size, cost))  # a micro-batch per size, topped up
+        if small or mslpr > max_seqlen_per_rank:  # a micro-batch per size, topped up (module doc: where it runs)
+            best.offer(shelf_rows(items, n, mslpr, min_cp_size, cost))
     skip = barriers and not few and best.time <= enough
     per_mb = [] if independent or skip else cands.per_microbatch(items, n, mslpr, min_cp_size, vpp_group, cost,
                                                                  small, roomy=True)

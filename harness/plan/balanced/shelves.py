@@ -24,6 +24,7 @@ megatron-core's own scheduler's shape, balanced by the calibrated cost.
 from __future__ import annotations
 
 import bisect
+import heapq
 
 from harness.plan.balanced.items import Item
 from harness.plan.balanced.rows import _filled
@@ -38,67 +39,98 @@ def shelf_rows(items: list[Item], n: int, cap: int, leaf: int, cost: CostModel) 
     by_size: dict[int, list[Item]] = {}
     for it in items:
         by_size.setdefault(max(it.cp, leaf), []).append(it)
-    narrow = sorted((it for s, its in by_size.items() if s == leaf for it in its), key=lambda it: (it.L, it.gid))
-    taken: set[int] = set()
+    narrow = _Narrow(by_size.get(leaf, []))
     rows: list[list[list]] = []  # blocks as [size, load, items, room]
     for s in sorted(by_size, reverse=True):
         if s == leaf:
             break
         shelf = _shelf(by_size[s], n, s, cap, cost)
         for row in shelf:
-            _top_up(row, narrow, taken, cost)
+            narrow.top_up(row)
         rows += shelf
-    rest = [it for it in by_size.get(leaf, []) if it.gid not in taken]
+    rest = narrow.left()
     if rest:
         rows += _shelf(rest, n, leaf, cap, cost)
     out = []
     for row in rows:
         blocks = [[b[0], b[1], b[2]] for b in row if b[2]]
-        if not blocks:
-            continue
-        out.append(_filled(blocks, n - sum(b[0] for b in blocks), cost))
+        if blocks:
+            out.append(_filled(blocks, n - sum(b[0] for b in blocks), cost))
     return out or None
 
 
 def _shelf(items: list[Item], n: int, s: int, cap: int, cost: CostModel) -> list[list[list]]:
     """The sequences of one size on as few micro-batches of ``n // s`` blocks of size ``s`` as their tokens allow,
-    each (by decreasing load) to the least loaded block with room."""
-    order = sorted(items, key=lambda it: (-it.cost(s), it.gid))
+    each (by decreasing load) to the least loaded block with room. Blocks short of room for the current sequence
+    wait aside (a heap by room) until a shorter one comes: a sequence costs O(log blocks) amortised."""
+    order = sorted(items, key=lambda it: (-it.cost(s), it.gid))  # at one size: by decreasing length too
     over = cost.block_overhead(s)
     k = max(1, -(-sum(it.L for it in items) // (n * cap)))
     while True:
-        rows = [[[s, over, [], s * cap] for _ in range(n // s)] for _ in range(k)]
-        blocks = [b for row in rows for b in row]
+        blocks = [[s, over, [], s * cap] for _ in range(k * (n // s))]
+        heap = [(over, j) for j in range(len(blocks))]  # (load, block) of the blocks with room for the current one
+        aside: list[tuple[int, int]] = []  # (-room, block)
         ok = True
         for it in order:
-            fit = [b for b in blocks if b[3] >= it.L]
-            if not fit:
+            while aside and -aside[0][0] >= it.L:
+                _, j = heapq.heappop(aside)
+                heapq.heappush(heap, (blocks[j][1], j))
+            while heap and blocks[heap[0][1]][3] < it.L:
+                _, j = heapq.heappop(heap)
+                heapq.heappush(aside, (-blocks[j][3], j))
+            if not heap:
                 ok = False
                 break
-            b = min(fit, key=lambda b: b[1])
+            _, j = heapq.heappop(heap)
+            b = blocks[j]
             b[1] += it.cost(s)
             b[2].append(it)
             b[3] -= it.L
+            heapq.heappush(heap, (b[1], j))
         if ok:
-            return rows
+            per = n // s
+            return [blocks[r * per:(r + 1) * per] for r in range(k)]
         k += 1
 
 
-def _top_up(row: list[list], narrow: list[Item], taken: set[int], cost: CostModel) -> None:
-    """Fill the blocks of a wide shelf's micro-batch with narrow sequences widened to their size, up to its slowest
-    block (``narrow``: sorted by length; a sequence's per-rank cost at a fixed size grows with its length)."""
-    level = max(b[1] for b in row)
-    lengths = [it.L for it in narrow]
-    for b in sorted(row, key=lambda b: b[1]):
-        size = b[0]
-        while narrow:
-            hi = bisect.bisect_right(lengths, b[3])  # those with room
-            k = bisect.bisect_right(narrow, level - b[1], hi=hi, key=lambda it: it.cost(size)) - 1
-            if k < 0:  # the longest that fits the slack and the room, if any
-                break
-            it = narrow.pop(k)
-            del lengths[k]
-            taken.add(it.gid)
-            b[1] += it.cost(size)
-            b[2].append(it)
-            b[3] -= it.L
+class _Narrow:
+    """The ``leaf``-size sequences not yet taken, by length: the longest one whose cost at a size fits a slack and
+    whose tokens fit a room, in O(log) (a union-find over the taken ones skips them)."""
+
+    def __init__(self, items: list[Item]):
+        self.items = sorted(items, key=lambda it: (it.L, it.gid))
+        self.lengths = [it.L for it in self.items]
+        self.prev = list(range(len(self.items)))  # prev[k]: the largest untaken index <= k (path-compressed)
+        self.taken: set[int] = set()
+
+    def _find(self, k: int) -> int:
+        root = k
+        while root >= 0 and self.prev[root] != root:
+            root = self.prev[root]
+        while k >= 0 and self.prev[k] != k:  # compress
+            self.prev[k], k = root, self.prev[k]
+        return root
+
+    def top_up(self, row: list[list]) -> None:
+        """Fill the blocks of a wide shelf's micro-batch with these sequences widened to their size, up to its slowest
+        block (a sequence's per-rank cost at a fixed size grows with its length)."""
+        if not self.items:
+            return
+        level = max(b[1] for b in row)
+        for b in sorted(row, key=lambda b: b[1]):
+            size = b[0]
+            while True:
+                room = bisect.bisect_right(self.lengths, b[3]) - 1
+                fits = bisect.bisect_right(self.items, level - b[1], key=lambda it: it.cost(size)) - 1
+                k = self._find(min(room, fits))
+                if k < 0:
+                    break
+                it = self.items[k]
+                self.prev[k] = k - 1
+                self.taken.add(it.gid)
+                b[1] += it.cost(size)
+                b[2].append(it)
+                b[3] -= it.L
+
+    def left(self) -> list[Item]:
+        return [it for it in self.items if it.gid not in self.taken]
