@@ -62,13 +62,13 @@ def test_a_report_of_neither_stack_or_without_an_arm_is_refused_naming_it(tmp_pa
 
 
 def test_the_recorded_reports_read_as_recorded():
-    """Megatron's batch on 4 x H200: the harness's runtime 1.123x over static CP, megatron-core's step 2.993x with
-    its own scheduler and 0.994x for balanced against it (reports/recorded/README.md)."""
+    """Megatron's batch on 4 x H200: the harness's runtime 1.123x over static CP, megatron-core's step 3.030x with
+    its own scheduler and 1.353x for balanced (calibrated cost) against it (reports/recorded/README.md)."""
     rows = load_rows([RECORDED / "bench_step.h200x4.megatron-batch.json",
                       RECORDED / "bench_step_megatron_core.h200x4.megatron-batch.json"])
     assert [(r["stack"], r["gpus"]) for r in rows] == [("harness", 4), ("megatron-core", 4)]
     assert round(rows[0]["balanced_vs_static"], 3) == 1.123
-    assert round(rows[1]["upstream_vs_static"], 3) == 2.993 and round(rows[1]["balanced_vs_upstream"], 3) == 0.994
+    assert round(rows[1]["upstream_vs_static"], 3) == 3.030 and round(rows[1]["balanced_vs_upstream"], 3) == 1.353
 
 
 def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
