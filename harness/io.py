@@ -94,3 +94,17 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 def atomic_write_json(path: str | Path, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
+
+
+def read_report(path: str | Path, benchmarks: tuple[str, ...], error: type[Exception], what: str) -> dict:
+    """The JSON report at ``path`` whose ``benchmark`` is one of ``benchmarks``, with a ``results`` object; anything
+    else (unreadable, not JSON, another report) is ``error`` naming the file and ``what`` it should be."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise error(f"cannot read {p}: {e}") from None
+    kind = doc.get("benchmark") if isinstance(doc, dict) else None
+    if kind not in benchmarks or not isinstance(doc.get("results"), dict):
+        raise error(f"{p} is not {what} (its 'benchmark' is {kind!r})")
+    return doc

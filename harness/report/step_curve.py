@@ -10,9 +10,9 @@ own); points of another model, world or device are refused, naming the file.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from harness.io import read_report
 from harness.plan import PlanInputError
 from harness.report.html import esc, figure_png, page, table
 from harness.report.text import aligned
@@ -36,13 +36,7 @@ def load_point(path: str | Path, arm: str = "dcp:balanced") -> dict:
     """One point of the curve from a ``bench step`` JSON (raises ``CurveInputError`` naming the file and what it
     lacks)."""
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise CurveInputError(f"cannot read {p}: {e}") from None
-    if not isinstance(doc, dict) or doc.get("benchmark") != "step" or not isinstance(doc.get("results"), dict):
-        raise CurveInputError(f"{p} is not a 'dcp-harness bench step' report (its 'benchmark' is "
-                              f"{doc.get('benchmark') if isinstance(doc, dict) else None!r})")
+    doc = read_report(p, ("step",), CurveInputError, "a 'dcp-harness bench step' report")
     res, cfg = doc["results"], doc.get("config") or {}
     arms = res.get("arms") or {}
     if arm not in arms:

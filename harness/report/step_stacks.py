@@ -10,9 +10,9 @@ count sit together so the two stacks read side by side.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from harness.io import read_report
 from harness.plan import PlanInputError
 from harness.report.html import esc, page, table
 from harness.report.text import aligned
@@ -35,14 +35,9 @@ def _median(results: dict, key: str):
 def load_row(path: str | Path) -> dict:
     """One report as a row: its stack, workload and the three arms' step times, speedups and ``balanced``'s MFU."""
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise CompareInputError(f"cannot read {p}: {e}") from None
-    kind = doc.get("benchmark") if isinstance(doc, dict) else None
-    if kind not in ("step", "step_megatron_core") or not isinstance(doc.get("results"), dict):
-        raise CompareInputError(f"{p} is not a 'dcp-harness bench step' report of either stack (its 'benchmark' is "
-                                f"{kind!r})")
+    doc = read_report(p, ("step", "step_megatron_core"), CompareInputError,
+                      "a 'dcp-harness bench step' report of either stack")
+    kind = doc["benchmark"]
     res, cfg = doc["results"], doc.get("config") or {}
     names = RUNTIME if kind == "step" else STACK
     arms = res.get("arms") or {}
