@@ -46,19 +46,17 @@ JOB = register("bench-stack-step", "harness.bench.stack_step:measure")
 
 
 def _schedule(arm: str, lengths: list[int], world: int, mslpr: int, cost):
-    from harness.train.layouts import LayoutConfig, plan  # lazy: imports torch
+    from harness.train.layouts import LayoutConfig, for_stack, plan  # lazy: imports torch
 
     if arm == "static":
         lcfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=mslpr, static_cp=world)
         return plan("thd", lengths, lcfg, cost)
     # megatron-core's step ends every group with a barrier of the DP x CP domain: the synchronous execution model.
-    # It runs each sequence of a group as its own forward and backward, so a group holds any number of sequences
-    # per rank (max_seqlen_per_rank bounds each one): balanced packs by the batch's tokens, as megatron-core's own
-    # scheduler overfills a rank (harness.train.layouts.UPSTREAM_LIBERTIES).
-    cap = max(mslpr, sum(lengths)) if arm == "balanced" else None
+    # It runs each sequence of a group as its own forward and backward (MegatronCoreStack.sequence_passes), so
+    # balanced packs a group by the batch's tokens, as megatron-core's own scheduler overfills a rank.
     lcfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=mslpr, static_cp=world, scheduler=arm,
-                        execution="synchronous", microbatch_tokens_per_rank=cap)
-    return plan("dcp", lengths, lcfg, cost)
+                        execution="synchronous")
+    return plan("dcp", lengths, for_stack(lcfg, lengths, sequence_passes=True), cost)
 
 
 def measure(rank: int, world: int, cfg_dict: dict) -> dict:

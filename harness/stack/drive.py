@@ -22,7 +22,15 @@ import numpy as np
 
 from harness.data.corpus import global_batch
 from harness.heartbeat import Heartbeat
-from harness.stack.protocol import WANTS, StackContext, StackError, StepRequest, checked_report, checked_stack
+from harness.stack.protocol import (
+    WANTS,
+    StackContext,
+    StackError,
+    StepRequest,
+    checked_report,
+    checked_stack,
+    sequence_passes,
+)
 from harness.train import layouts
 from harness.train.config import TrainConfig, model_cost
 
@@ -81,6 +89,7 @@ def job(rank: int, world: int, cfg: dict) -> str | dict:
                        vocab=tcfg.corpus.vocab)
     origin = f"stack {cfg['stack']!r}"
     stack = checked_stack(load_factory(cfg["stack"])(ctx, **cfg.get("options", {})), origin)
+    passes = sequence_passes(stack)  # each sequence its own pass: balanced packs micro-batches by the batch
     out = {"stack": stack.name, "layouts": {}}
     beat = Heartbeat.from_cfg(cfg, rank)  # progress for the launcher's watchdog (no-op outside a launched job)
     for layout in tcfg.layouts:
@@ -91,7 +100,7 @@ def job(rank: int, world: int, cfg: dict) -> str | dict:
             beat.beat(force=True, layout=layout, step=k + 1, of=tcfg.steps)
             batch = global_batch(tcfg.corpus, k)
             ls = [len(x) - 1 for x in batch]
-            sched, padding, fixed = layouts.plan(layout, ls, lcfg, cost)
+            sched, padding, fixed = layouts.plan(layout, ls, layouts.for_stack(lcfg, ls, passes), cost)
             req = StepRequest(step=k, layout=layout, batch=batch, schedule=sched, padding=padding,
                               fixed_length=fixed, want=frozenset(WANTS) if k == 0 else frozenset({"cp_groups"}))
             reps.append(_portable(checked_report(stack, stack.step(req), req)))

@@ -136,6 +136,9 @@ def hybrid_groups(layout, world: int, hybrid: bool = True) -> tuple[list[list[li
 class MegatronCoreStack:
     """megatron-core's GPTModel and hybrid-CP step (see the module doc)."""
 
+    sequence_passes = True
+    """Every sequence of a group is its own forward and backward (``hybrid_context_parallel_forward_backward``)."""
+
     def __init__(self, ctx: StackContext, workarounds=None, layers: int = 2, hidden: int = 64, heads: int = 4,
                  kv_heads: int = 2, lr: float = 3e-3, cp_comm: str = "p2p", ffn: int | None = None,
                  max_seqlen="own"):

@@ -17,6 +17,11 @@ about one step, never by how the stack computes it. On every rank of the stack's
   ``request.want`` names them - every parameter's reduced gradient, the per-token losses of the tokens this
   rank computed, and the ranks of the CP group each of this rank's micro-batches ran in.
 
+A stack that runs every sequence of a micro-batch as its own forward and backward (megatron-core's hybrid CP) says
+so with ``sequence_passes = True`` (optional; default False): a micro-batch may then hold any number of sequences
+per rank, and ``balanced`` packs the stack's micro-batches by the batch's tokens (``harness.train.layouts.
+for_stack``) - the schedule the stack's benchmark measures is the one ``verify`` checks.
+
 ``harness.stack.runtime.HarnessStack`` is the harness's own runtime behind this protocol;
 ``docs/examples/own_trainer.py`` is a plain-PyTorch trainer behind it; ``dcp-harness verify`` checks any of them
 (``harness.stack.checks``).
@@ -124,9 +129,20 @@ def checked_report(stack, report, request: StepRequest) -> StepReport:
     return report
 
 
+def sequence_passes(stack) -> bool:
+    """Whether ``stack`` runs each sequence of a micro-batch as its own pass (its optional ``sequence_passes``,
+    default False); anything but a bool there is a ``StackError`` naming it."""
+    v = getattr(stack, "sequence_passes", False)
+    if not isinstance(v, bool):
+        raise StackError(f"stack {getattr(stack, 'name', type(stack).__name__)!r}: sequence_passes must be a bool "
+                         f"(True: each sequence of a micro-batch is its own forward and backward), got {v!r}")
+    return v
+
+
 def checked_stack(stack, origin: str):
     """``stack`` if it has the protocol's methods; else ``StackError`` naming what is missing."""
     missing = [m for m in ("build", "step") if not callable(getattr(stack, m, None))]
+    sequence_passes(stack)
     if missing or not isinstance(getattr(stack, "name", None), str):
         what = ", ".join([f"{m}()" for m in missing] + ([] if isinstance(getattr(stack, "name", None), str)
                                                          else ["a str attribute 'name'"]))

@@ -96,6 +96,16 @@ def plan(layout: str, lengths: list[int], cfg: LayoutConfig, cost: CostModel | N
                                 execution=resolve_execution(cfg.execution)), "fixed", longest
 
 
+def for_stack(cfg: LayoutConfig, lengths, sequence_passes: bool) -> LayoutConfig:
+    """The config a stack's batch of ``lengths`` is planned with: for a stack that runs every sequence of a micro-batch
+    as its own pass (``harness.stack.protocol.sequence_passes``) ``balanced`` packs a micro-batch by the batch's tokens
+    (``max_seqlen_per_rank`` bounds each sequence, as in megatron-core's hybrid CP, whose own scheduler overfills a
+    rank); any other stack or scheduler plans as ``cfg`` says."""
+    if not sequence_passes or cfg.scheduler != "balanced":
+        return cfg
+    return replace(cfg, microbatch_tokens_per_rank=max(cfg.max_seqlen_per_rank, sum(int(L) for L in lengths)))
+
+
 UPSTREAM_LIBERTIES = frozenset({"capacity", "cp-min", "coverage", "block-order"})
 """Invariants of the harness's schedulers that megatron-core's own scheduler does not keep (it may overfill a
 rank, leave one idle in a micro-batch, order blocks freely): a run of it goes as upstream's would. Every other

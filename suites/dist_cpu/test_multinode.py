@@ -197,7 +197,10 @@ def test_a_launched_world_the_command_does_not_fit_is_one_line_per_rank(tmp_path
                         "--rdzv-endpoint", "localhost:0", "-m", "harness", "converge", *SMALL, "--out", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     errors = [line for line in r.stderr.splitlines() if line.startswith("dcp-harness: error:")]
-    assert r.returncode != 0 and len(errors) == 2 and all("give --world 2" in e for e in errors), r.stderr[-2000:]
+    # every rank that reports says it in one line; torchrun stops the others when the first exits (SIGTERM), so a
+    # slower rank may be stopped before it reports: one or two lines, never a harness traceback
+    assert r.returncode != 0 and 1 <= len(errors) <= 2 and all("give --world 2" in e for e in errors), r.stderr[-2000:]
+    assert 'File "' + str(ROOT / "harness") not in r.stderr, r.stderr[-2000:]
     env = _srun_env(0, 1)
     del env["MASTER_ADDR"], env["MASTER_PORT"]
     r = subprocess.run([sys.executable, "-m", "harness", "converge", *TWO, "--out", str(tmp_path)], cwd=ROOT, env=env,

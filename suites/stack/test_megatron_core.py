@@ -207,3 +207,32 @@ def test_the_stack_benchmark_packs_balanced_by_the_batch_and_megatron_cores_arm_
         simulate(dev, cost, execution="synchronous").step_time
     static, _, _ = _schedule("static", lengths, 4, 2048, cost)
     assert static.microbatch_tokens_per_rank is None and static.capacity == 2048
+
+
+def test_a_stack_of_sequence_passes_gets_balanced_packed_by_the_batch_in_verify_and_the_benchmark():
+    """``verify`` and ``bench step --stack`` plan a stack's batches through ``for_stack``: megatron-core
+    (``sequence_passes``) gets ``balanced``'s micro-batches packed by the batch's tokens - the schedule its benchmark
+    measures is the one verify checks -; any other stack or scheduler plans as configured; a non-bool declaration is
+    refused naming it."""
+    from harness.stack.megatron_core import MegatronCoreStack
+    from harness.stack.protocol import sequence_passes
+    from harness.train.layouts import LayoutConfig, for_stack
+
+    assert MegatronCoreStack.sequence_passes is True
+    cfg = LayoutConfig(n_ranks=4, max_seqlen_per_rank=2048, static_cp=4)
+    lengths = [5000, 3000, 900, 700, 128]
+    assert for_stack(cfg, lengths, True).microbatch_tokens_per_rank == sum(lengths)
+    assert for_stack(cfg, [100], True).microbatch_tokens_per_rank == 2048  # never below max_seqlen_per_rank
+    assert for_stack(cfg, lengths, False) is cfg
+    dev = LayoutConfig(n_ranks=4, max_seqlen_per_rank=2048, static_cp=4, scheduler="megatron-dev")
+    assert for_stack(dev, lengths, True) is dev
+
+    class Plain:
+        name = "plain"
+
+    class Odd:
+        name, sequence_passes = "odd", "yes"
+
+    assert sequence_passes(Plain()) is False
+    with pytest.raises(StackError, match=r"stack 'odd': sequence_passes must be a bool .* got 'yes'"):
+        sequence_passes(Odd())
