@@ -15,7 +15,7 @@
   dcp-harness bench opaque             host overhead per call of the opaque attention operator -> reports/
   dcp-harness bench curve A.json ...   bench step's speedup over the global batch's size -> reports/
   dcp-harness bench compare A.json ... the harness's runtime and megatron-core's step side by side -> reports/
-  dcp-harness bench replay R.json      a megatron-core stack report's batches scheduled again, priced by its calibration
+  dcp-harness bench replay R.json      a bench step report's batches scheduled again, priced by its calibrated cost
   dcp-harness fixtures wikipedia ...   regenerate the committed Wikipedia length sample
 
 Exit codes: 0 success, 1 a verdict or benchmark target failed, 2 bad input (one line on stderr naming the

@@ -1,18 +1,25 @@
-"""``dcp-harness bench replay``: a recorded ``bench step --stack megatron-core`` report's batches, scheduled again.
+"""``dcp-harness bench replay``: a recorded ``bench step`` report's batches, scheduled again and priced by its cost.
 
-A stack report holds everything its schedules came from: the workload (``config``: lengths, seed, global batch,
-``max_seqlen_per_rank``), the world and the cost its calibration measured (``results.calibration``). ``replay``
-regenerates every measured batch of every run, schedules it with each arm as the installed code does now (static
-CP, megatron-core's own scheduler, ``balanced`` with the stack's capacity) and prices each schedule with the
-simulator under the calibrated cost and the synchronous model megatron-core's group barriers make. It prints, per
-arm, the predicted median step against the measured one and, per pair of arms, the predicted ratio against the
-measured ratio: whether the model ranks the arms as the GPUs did, and what a scheduler change would do on the same
-batches before it spends GPU time. The prediction is a model's (its absolute times are the calibration's, 2-3x the
-measured steps when the calibration's count fit is steep); the ratios are what it is for.
+A step report holds everything its schedules came from: the workload (``config``: lengths, seed, global batch,
+``max_seqlen_per_rank``, the arms), the world and the cost its calibration measured. ``replay`` regenerates every
+measured batch of every run, schedules it with each arm as the installed code does now and prices each schedule with
+the simulator under that run's calibrated cost:
 
-Needs megatron-core importable for its scheduler's arm (the CPU machine's 0.16.1 gives the same schedules as the
-GPU machine's 0.19.2 on the recorded batches: the replay of the 2026-11-27 default-workload report reproduces every
-measured step's CP-size counts).
+- a ``bench step --stack megatron-core`` report: arms static CP, megatron-core's own scheduler, ``balanced`` (packed
+  by the batch's tokens: megatron-core runs each sequence as its own pass), the stack's calibration, the synchronous
+  model megatron-core's group barriers make;
+- a ``bench step`` report (the harness's runtime): its arms (``layout:scheduler[:padding[:execution]]``), each run's
+  calibrated cost model, each arm's execution model.
+
+It prints per batch each arm's predicted step (and micro-batches) beside the batch's lower bound, per arm the
+predicted median against the measured one, and per pair of arms the predicted ratio (totals over the batches)
+against the measured one (the median over runs of the per-run ratios): whether the model ranks the arms as the GPUs
+did, and what a scheduler change does on the same batches before it spends GPU time. Absolute times are the model's;
+the ratios are what it is for.
+
+The megatron-core scheduler's arm needs megatron-core importable (the CPU machine's 0.16.1 gives the same schedules
+as the GPU machine's 0.19.2 on the recorded batches: the replay of the 2026-11-27 default-workload report reproduces
+every measured step's CP-size counts).
 """
 
 from __future__ import annotations
@@ -22,10 +29,7 @@ from pathlib import Path
 
 from harness.plan import PlanInputError
 
-ARMS = ("static", "megatron-core", "balanced")
-PAIRS = {("static", "megatron-core"): "megatron-core dynamic CP vs static CP", ("static", "balanced"): "balanced vs static CP",
-         ("megatron-core", "balanced"): "balanced vs megatron-core's scheduler"}
-"""(slower arm, faster arm) -> the report's name of their measured ratio (``harness.bench.stack_step``)."""
+STACK_ARMS = ("static", "megatron-core", "balanced")
 
 
 class ReplayInputError(PlanInputError):
@@ -33,62 +37,118 @@ class ReplayInputError(PlanInputError):
 
 
 def load_report(path) -> dict:
+    """A ``bench step`` or ``bench step --stack megatron-core`` report with its calibration."""
     from harness.io import read_report
 
     p = Path(path)
-    d = read_report(p, ("step_megatron_core",), ReplayInputError,
-                    "a 'dcp-harness bench step --stack megatron-core' report (replay reads the stack's reports: they "
-                    "hold the calibration)")
-    if not d["results"].get("calibration"):
+    d = read_report(p, ("step", "step_megatron_core"), ReplayInputError,
+                    "a 'dcp-harness bench step' report of either stack (replay reads its config and calibration)")
+    if d["benchmark"] == "step_megatron_core" and not d["results"].get("calibration"):
         raise ReplayInputError(f"{p} has no calibration (run without --no-calibrate or --cost-model): replay prices "
                                f"the schedules with the stack's calibrated cost")
+    if d["benchmark"] == "step" and not all(isinstance(r, dict) and r.get("cost_model")
+                                            for r in d["results"].get("runs") or [None]):
+        raise ReplayInputError(f"{p}: a run has no cost model (results.runs[].cost_model); rerun bench step to write it")
     return d
 
 
-def replay(report: dict, arms=ARMS) -> dict:
-    """Every measured batch of ``report`` scheduled by ``arms`` and simulated under its calibrated cost (module doc)."""
+def replay(report: dict, arms=None) -> dict:
+    """Every measured batch of ``report`` scheduled by ``arms`` (default: the report's) and simulated under its
+    calibrated cost (module doc)."""
+    stack = report["benchmark"] == "step_megatron_core"
+    known = STACK_ARMS if stack else tuple(report["config"]["arms"])
+    arms = tuple(arms or known)
+    unknown = [a for a in arms if a not in known]
+    if unknown:
+        raise ReplayInputError(f"unknown arm(s) {unknown}; this report's arms are {', '.join(known)}")
+    batches, measured = (_stack if stack else _runtime)(report, arms)
+    per_arm = {a: {"predicted_ms": statistics.median(b["arms"][a]["ms"] for b in batches),
+                   "measured_ms": statistics.median(m[a] for m in measured) if measured else None,
+                   "of_bound": statistics.median(b["arms"][a]["ms"] / b["bound_ms"] for b in batches)} for a in arms}
+    ratios = {}
+    for i, a in enumerate(arms):
+        for b in arms[i + 1:]:
+            ratios[f"{b} vs {a}"] = {
+                "predicted": sum(x["arms"][a]["ms"] for x in batches) / sum(x["arms"][b]["ms"] for x in batches),
+                "measured": statistics.median(m[a] / m[b] for m in measured) if measured else None}
+    world = report["results"]["gpus"] if stack else report["results"]["world"]
+    return {"stack": "megatron-core" if stack else "harness", "world": int(world),
+            "measured_at": (report.get("producer") or {}).get("git_rev"), "batches": batches, "arms": per_arm,
+            "ratios": ratios}
+
+
+def _sizes(s) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for mb in s.layout:
+        for b in mb:
+            out[b.size] = out.get(b.size, 0) + len(b.gids)
+    return dict(sorted(out.items()))
+
+
+def _priced(bound: float, run: int, step: int, lengths, arms_ms: dict) -> dict:
+    return {"run": run, "step": step, "sequences": len(lengths), "arms": arms_ms, "bound_ms": bound * 1e3}
+
+
+def _stack(report: dict, arms) -> tuple[list[dict], list[dict]]:
+    """megatron-core's report: (batches priced, measured per-run step medians per arm)."""
     from harness.bench.stack_calibrate import stack_cost
     from harness.bench.stack_step import _schedule
     from harness.bench.step.config import StepBenchConfig
     from harness.bench.step.workload import global_batch_lengths, model_cost
     from harness.plan import lower_bound, simulate
 
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        raise ReplayInputError(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
     cfg = StepBenchConfig.from_dict(dict(report["config"]))
     world = int(report["results"]["gpus"])
     cost = stack_cost(model_cost(cfg), report["results"]["calibration"], None)
-    steps = cfg.warmup + cfg.iters
-    batches = []
+    steps, batches = cfg.warmup + cfg.iters, []
     for run in range(cfg.runs):
         for i in range(cfg.warmup, steps):
             lengths, _ = global_batch_lengths(cfg, world, run * steps + i)
-            row = {"run": run + 1, "step": i + 1, "sequences": len(lengths), "arms": {}}
+            got = {}
             for arm in arms:
                 s, _, _ = _schedule(arm, lengths, world, cfg.max_seqlen_per_rank, cost)
-                sizes: dict[int, int] = {}
-                for mb in s.layout:
-                    for b in mb:
-                        sizes[b.size] = sizes.get(b.size, 0) + len(b.gids)
-                row["arms"][arm] = {"ms": simulate(s, cost, execution="synchronous").step_time * 1e3,
-                                    "microbatches": s.num_microbatches, "sequences_by_cp": dict(sorted(sizes.items()))}
-            row["bound_ms"] = lower_bound(lengths, n_ranks=world, max_seqlen_per_rank=cfg.max_seqlen_per_rank, cost=cost,
-                                          execution="synchronous", microbatch_tokens_per_rank=sum(lengths)) * 1e3
-            batches.append(row)
-    measured = report["results"].get("arms", {})
-    per_arm = {a: {"predicted_ms": statistics.median(b["arms"][a]["ms"] for b in batches),
-                   "measured_ms": (measured.get(a) or {}).get("median_ms"),
-                   "of_bound": statistics.median(b["arms"][a]["ms"] / b["bound_ms"] for b in batches)} for a in arms}
-    ratios = {}
-    for (a, b), name in PAIRS.items():
-        if a in arms and b in arms:
-            key = f"{b} vs {a}"
-            got = (report["results"].get("ratios") or {}).get(name)
-            ratios[key] = {"predicted": sum(x["arms"][a]["ms"] for x in batches) / sum(x["arms"][b]["ms"] for x in batches),
-                           "measured": (got or {}).get("median")}
-    return {"world": world, "measured_at": (report.get("producer") or {}).get("git_rev"),
-            "calibration": report["results"]["calibration"], "batches": batches, "arms": per_arm, "ratios": ratios}
+                got[arm] = {"ms": simulate(s, cost, execution="synchronous").step_time * 1e3,
+                            "microbatches": s.num_microbatches, "sequences_by_cp": _sizes(s)}
+            bound = lower_bound(lengths, n_ranks=world, max_seqlen_per_rank=cfg.max_seqlen_per_rank, cost=cost,
+                                execution="synchronous", microbatch_tokens_per_rank=sum(lengths))
+            batches.append(_priced(bound, run + 1, i + 1, lengths, got))
+    measured = [{a: r[a]["median_ms"] for a in arms} for r in report["results"].get("per_run", [])
+                if all(a in r for a in arms)]
+    return batches, measured
+
+
+def _runtime(report: dict, arms) -> tuple[list[dict], list[dict]]:
+    """The harness runtime's report: (batches priced per run's cost, measured per-run trimmed means per arm)."""
+    from harness.bench.step.config import StepBenchConfig, cost_model_from, parse_arm
+    from harness.bench.step.workload import global_batch_lengths
+    from harness.plan import lower_bound, simulate
+    from harness.plan.execution import resolve_execution
+    from harness.train.layouts import LayoutConfig, plan
+
+    cfg = StepBenchConfig.from_dict(dict(report["config"]))
+    world = int(report["results"]["world"])
+    parsed = {a: parse_arm(a) for a in arms}
+    kinds = {resolve_execution(p.execution).kind for p in parsed.values()}
+    bound_ex = kinds.pop() if len(kinds) == 1 else "independent"
+    batches = []
+    for run, r in enumerate(report["results"]["runs"]):
+        cost = cost_model_from(r["cost_model"])
+        for i in range(cfg.warmup, cfg.warmup + cfg.iters):
+            lengths, _ = global_batch_lengths(cfg, world, i)
+            got = {}
+            for a, arm in parsed.items():
+                lcfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=cfg.max_seqlen_per_rank,
+                                    static_cp=cfg.static_cp or world, scheduler=arm.scheduler, dcp_padding=arm.padding,
+                                    execution=arm.execution, expert_parallel=cfg.expert_parallel)
+                s, _, _ = plan(arm.layout, lengths, lcfg, cost)
+                got[a] = {"ms": simulate(s, cost).step_time * 1e3, "microbatches": s.num_microbatches,
+                          "sequences_by_cp": _sizes(s)}
+            bound = lower_bound(lengths, n_ranks=world, max_seqlen_per_rank=cfg.max_seqlen_per_rank, cost=cost,
+                                execution=bound_ex)
+            batches.append(_priced(bound, run + 1, i + 1, lengths, got))
+    measured = [{a: r["arms"][a]["trimmed_mean_ms"] for a in arms} for r in report["results"]["runs"]
+                if all(a in r.get("arms", {}) for a in arms)]
+    return batches, measured
 
 
 def console(result: dict, name: str = "") -> str:
@@ -96,10 +156,10 @@ def console(result: dict, name: str = "") -> str:
 
     arms = list(result["arms"])
     rows = [[str(b["run"]), str(b["step"]), str(b["sequences"])]
-            + [f"{b['arms'][a]['ms']:.0f} ({b['arms'][a]['microbatches']})" for a in arms] + [f"{b['bound_ms']:.0f}"]
+            + [f"{b['arms'][a]['ms']:.1f} ({b['arms'][a]['microbatches']})" for a in arms] + [f"{b['bound_ms']:.1f}"]
             for b in result["batches"]]
-    out = [f"replay of {name or 'the report'}: {len(result['batches'])} batches on {result['world']} ranks, predicted step ms "
-           f"(micro-batches) under the calibrated cost, synchronous model",
+    out = [f"replay of {name or 'the report'} ({result['stack']}'s step): {len(result['batches'])} batches on "
+           f"{result['world']} ranks, predicted step ms (micro-batches) under the calibrated cost",
            aligned(["run", "step", "sequences", *arms, "lower bound"], rows), ""]
     out.append(aligned(["arm", "predicted ms (median)", "measured ms (median of runs)", "of the bound (median)"],
                        [[a, f"{v['predicted_ms']:.1f}", "-" if v["measured_ms"] is None else f"{v['measured_ms']:.1f}",

@@ -1,6 +1,7 @@
-"""``dcp-harness bench replay``: a recorded megatron-core stack report's batches regenerated, scheduled again and
-priced under its calibration. The reference is the GPU run itself: the replay must regenerate the batches the
-GPUs trained (each arm's CP-size counts of the measured run equal the recorded ones)."""
+"""``dcp-harness bench replay``: a recorded ``bench step`` report's batches (megatron-core's stack or the harness's
+runtime) regenerated, scheduled again and priced under its calibration. The reference is the GPU run itself: the
+replay must regenerate the batches and schedules the GPUs trained (each arm's CP-size counts per run equal the
+recorded ones)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,23 @@ def test_the_replay_regenerates_the_batches_the_gpus_trained():
     assert len(last) == cfg["iters"] and all(b["sequences"] > 0 for b in last)
 
 
+def test_the_replay_of_a_runtime_report_regenerates_every_runs_schedules():
+    """The harness runtime's 8-sequence report: per run (each its own calibrated cost), every arm's CP-size counts
+    over the measured steps equal the recorded ones, and the measured ratios are the report's."""
+    report = load_report(RECORDED / "bench_step.h200x4.sequences8.json")
+    got = replay(report)
+    for k, run in enumerate(report["results"]["runs"], start=1):
+        for arm in report["config"]["arms"]:
+            counts: dict[str, int] = {}
+            for b in got["batches"]:
+                if b["run"] == k:
+                    for size, n in b["arms"][arm]["sequences_by_cp"].items():
+                        counts[str(size)] = counts.get(str(size), 0) + n
+            assert counts == run["arms"][arm]["cp_histogram"], (k, arm)
+    assert abs(got["ratios"]["dcp:balanced vs thd:dp-balanced"]["measured"]
+               - report["results"]["ratios"]["speedup_vs_static"]["median"]) < 1e-9
+
+
 def test_balanced_with_the_stacks_capacity_is_predicted_ahead_of_megatron_cores_scheduler_on_the_recorded_batches():
     """The record that motivated the capacity: balanced measured 0.839x megatron-core's scheduler, packed by
     max_seqlen_per_rank; replayed with today's scheduler it is predicted >= 1 (and the model put the old one below 1:
@@ -68,7 +86,7 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path):
 
 def test_bad_reports_and_arms_are_refused_naming_them(tmp_path):
     curve = RECORDED / "bench_step_curve.h200x4.json"
-    with pytest.raises(ReplayInputError, match=r"is not a 'dcp-harness bench step --stack megatron-core' report"):
+    with pytest.raises(ReplayInputError, match=r"is not a 'dcp-harness bench step' report of either stack"):
         load_report(curve)
     with pytest.raises(ReplayInputError, match="cannot read"):
         load_report(tmp_path / "missing.json")
@@ -77,7 +95,7 @@ def test_bad_reports_and_arms_are_refused_naming_them(tmp_path):
     (tmp_path / "nocal.json").write_text(json.dumps(no_cal))
     with pytest.raises(ReplayInputError, match="has no calibration"):
         load_report(tmp_path / "nocal.json")
-    with pytest.raises(ReplayInputError, match=r"unknown arm\(s\) \['fast'\]"):
+    with pytest.raises(ReplayInputError, match=r"unknown arm\(s\) \['fast'\]; this report's arms are static"):
         replay(load_report(DEFAULT4), ("fast",))
     r = subprocess.run([sys.executable, "-m", "harness", "bench", "replay", str(curve)], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
