@@ -27,6 +27,10 @@ def add_arguments(p) -> None:
                    help=f"DP x CP positions (a power of two, at most {T.MAX_RANKS}; with the sequences at most "
                         f"{MAX_WORK} sequences x ranks)")
     p.add_argument("--max-seqlen-per-rank", type=T.TOKENS, required=True)
+    p.add_argument("--microbatch-tokens-per-rank", type=T.TOKENS, default=None, metavar="TOKENS",
+                   help="balanced only: tokens a rank may hold in one micro-batch over its block's sequences (default "
+                        "--max-seqlen-per-rank, which always bounds each sequence): larger for a stack that runs each "
+                        "sequence as its own pass, e.g. megatron-core's hybrid CP")
     p.add_argument("--min-cp", type=T.MIN_CP, default=1, help="smallest CP block (default 1)")
     p.add_argument("--vpp", type=T.VPP, default=None, help="make the micro-batch count a multiple of this")
     p.add_argument("--algorithm", choices=sorted(ALGORITHMS), default="balanced")
@@ -52,10 +56,13 @@ def run(a) -> int:
         lengths, source = sample(a.dist, a.num_sequences, a.seed), f"{a.dist} (seed {a.seed})"
     cost = gpt_benchmark_cost() if a.cost == "gpt" else CostModel.megatron()
     s = schedule(lengths, n_ranks=a.ranks, max_seqlen_per_rank=a.max_seqlen_per_rank, min_cp_size=a.min_cp,
-                 vpp_group=a.vpp, algorithm=a.algorithm, cost=cost, execution=a.execution)
+                 vpp_group=a.vpp, algorithm=a.algorithm, cost=cost, execution=a.execution,
+                 microbatch_tokens_per_rank=a.microbatch_tokens_per_rank)
     bad = check_schedule(s)
     print(f"{a.algorithm}: {len(lengths)} sequences, {sum(lengths)} tokens from {source}; {a.ranks} ranks, "
-          f"max_seqlen_per_rank {a.max_seqlen_per_rank}, min_cp {a.min_cp}, vpp {a.vpp}, cost {cost.name}, "
+          f"max_seqlen_per_rank {a.max_seqlen_per_rank}"
+          + (f", {a.microbatch_tokens_per_rank} tokens a rank per micro-batch" if a.microbatch_tokens_per_rank else "")
+          + f", min_cp {a.min_cp}, vpp {a.vpp}, cost {cost.name}, "
           f"execution {s.execution.describe()}")
     print(microbatch_table(s, a.rows))
     print()

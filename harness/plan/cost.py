@@ -57,8 +57,8 @@ def check_microbatch_tokens(microbatch_tokens_per_rank: int | None, max_seqlen_p
     if (not isinstance(microbatch_tokens_per_rank, int) or isinstance(microbatch_tokens_per_rank, bool)
             or microbatch_tokens_per_rank < max_seqlen_per_rank):
         raise PlanInputError(f"microbatch_tokens_per_rank must be an int >= max_seqlen_per_rank "
-                             f"({max_seqlen_per_rank}), got {microbatch_tokens_per_rank!r}; leave it None for "
-                             f"max_seqlen_per_rank")
+                             f"({max_seqlen_per_rank}), got {microbatch_tokens_per_rank!r}; give at least "
+                             f"{max_seqlen_per_rank}, or leave it out for max_seqlen_per_rank")
     return microbatch_tokens_per_rank
 
 

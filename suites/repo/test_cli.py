@@ -47,6 +47,24 @@ def test_bad_input_exits_2_with_the_fix():
     assert r.returncode == 2 and "unknown length distribution 'zipf'" in r.stderr
 
 
+def test_schedule_takes_a_micro_batch_capacity_for_balanced_and_refuses_a_bad_one(tmp_path):
+    out = tmp_path / "s.json"
+    r = cli("schedule", "--dist", "lognormal:mean=1024,sigma=1.5,min=128,max=8192", "-n", "70", "--ranks", "4",
+            "--max-seqlen-per-rank", "2048", "--execution", "synchronous", "--microbatch-tokens-per-rank", "65536",
+            "--json", str(out))
+    assert r.returncode == 0 and "65536 tokens a rank per micro-batch" in r.stdout, r.stderr[-2000:]
+    s = Schedule.from_dict(json.loads(out.read_text())["schedule"])
+    validate_schedule(s)
+    assert s.capacity == 65536 and max(s.block_tokens(b) / b.size for mb in s.layout for b in mb) > 2048
+    for args, says in ((["--microbatch-tokens-per-rank", "1024"], "give at least 2048"),
+                       (["--microbatch-tokens-per-rank", "4096", "--algorithm", "megatron-dev"],
+                        "capacity of algorithm 'balanced'")):
+        r = cli("schedule", "--dist", "const:value=100", "-n", "8", "--ranks", "4", "--max-seqlen-per-rank", "2048",
+                *args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r.stderr
+
+
 def test_bench_schedule_quick_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     r = cli("bench", "schedule", "--quick", "--batches", "1", "--out", str(out))
