@@ -156,3 +156,29 @@ def test_shelves_give_each_size_one_micro_batch_with_ranks_within_one_sequence()
         assert max(counts) - min(counts) <= 1, row
     # the 2-rank shelf holds 5 sequences on two blocks (3 and 2): one 1-rank sequence, widened, evens it
     assert sum(len(g) for _, g in rows[1]) == 6
+
+
+@given(batch=batches(vpp=False), times=st.sampled_from([1, 4, 1000]), k=st.integers(0, len(COSTS) - 1))
+def test_shelves_are_valid_deterministic_and_never_beat_the_schedule_that_offered_them(batch, times, k):
+    """Every shelf candidate (not only a winning one) keeps every invariant at its capacity, is the same on a second
+    call, and ``balanced`` under barriers, which offers it, is never slower than it."""
+    from harness.plan.balanced.items import Item
+    from harness.plan.balanced.shelves import shelf_rows
+    from harness.plan.cost import cp_min
+    from harness.plan.execution import SYNCHRONOUS
+    from harness.plan.layout import layout_from_sizes
+
+    if not batch.lengths:
+        return
+    cost, n, mslpr = COSTS[k], batch.n_ranks, batch.max_seqlen_per_rank
+    cap = mslpr * times
+    items = [Item(g, L, cp_min(L, mslpr, batch.min_cp_size), cost) for g, L in sorted(batch.lengths)]
+    rows = shelf_rows(items, n, cap, batch.min_cp_size, cost)
+    assert rows is not None and rows == shelf_rows(items, n, cap, batch.min_cp_size, cost)
+    mine = Schedule(tuple(layout_from_sizes(r) for r in rows), dict(batch.lengths), n, mslpr, batch.min_cp_size,
+                    None, "shelves", cost, SYNCHRONOUS, cap)
+    bad = check_schedule(mine)
+    assert not bad, "\n".join(v.error().args[0] for v in bad[:5])
+    ours = schedule(batch.lengths, n_ranks=n, max_seqlen_per_rank=mslpr, min_cp_size=batch.min_cp_size, cost=cost,
+                    execution="synchronous", microbatch_tokens_per_rank=cap)
+    assert simulate(ours).step_time <= simulate(mine).step_time * (1 + 1e-12)
