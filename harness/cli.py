@@ -16,6 +16,7 @@
   dcp-harness bench curve A.json ...   bench step's speedup over the global batch's size -> reports/
   dcp-harness bench compare A.json ... the harness's runtime and megatron-core's step side by side -> reports/
   dcp-harness bench replay R.json      a bench step report's batches scheduled again, priced by its calibrated cost
+  dcp-harness bench fit A.json ...     bench step's cost model fitted to its reports' measured steps, each held out in turn
   dcp-harness fixtures wikipedia ...   regenerate the committed Wikipedia length sample
 
 Exit codes: 0 success, 1 a verdict or benchmark target failed, 2 bad input (one line on stderr naming the
