@@ -51,12 +51,10 @@ def _schedule(arm: str, lengths: list[int], world: int, mslpr: int, cost):
     if arm == "static":
         lcfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=mslpr, static_cp=world)
         return plan("thd", lengths, lcfg, cost)
-    # megatron-core's step ends every group with a barrier of the DP x CP domain: the synchronous execution model.
-    # It runs each sequence of a group as its own forward and backward (MegatronCoreStack.sequence_passes), so
-    # balanced packs a group by the batch's tokens, as megatron-core's own scheduler overfills a rank.
-    lcfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=mslpr, static_cp=world, scheduler=arm,
-                        execution="synchronous")
-    return plan("dcp", lengths, for_stack(lcfg, lengths, sequence_passes=True), cost)
+    # megatron-core's step ends every group with a barrier of the DP x CP domain (MegatronCoreStack.execution) and runs
+    # each sequence of a group as its own forward and backward (.sequence_passes): planned as verify plans it
+    lcfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=mslpr, static_cp=world, scheduler=arm)
+    return plan("dcp", lengths, for_stack(lcfg, lengths, sequence_passes=True, execution="synchronous"), cost)
 
 
 def measure(rank: int, world: int, cfg_dict: dict) -> dict:

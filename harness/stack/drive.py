@@ -29,6 +29,7 @@ from harness.stack.protocol import (
     StepRequest,
     checked_report,
     checked_stack,
+    declared_execution,
     sequence_passes,
 )
 from harness.train import layouts
@@ -90,6 +91,7 @@ def job(rank: int, world: int, cfg: dict) -> str | dict:
     origin = f"stack {cfg['stack']!r}"
     stack = checked_stack(load_factory(cfg["stack"])(ctx, **cfg.get("options", {})), origin)
     passes = sequence_passes(stack)  # each sequence its own pass: balanced packs micro-batches by the batch
+    execution = declared_execution(stack)  # its barriers, as the benchmark schedules it
     out = {"stack": stack.name, "layouts": {}}
     beat = Heartbeat.from_cfg(cfg, rank)  # progress for the launcher's watchdog (no-op outside a launched job)
     for layout in tcfg.layouts:
@@ -100,7 +102,7 @@ def job(rank: int, world: int, cfg: dict) -> str | dict:
             beat.beat(force=True, layout=layout, step=k + 1, of=tcfg.steps)
             batch = global_batch(tcfg.corpus, k)
             ls = [len(x) - 1 for x in batch]
-            sched, padding, fixed = layouts.plan(layout, ls, layouts.for_stack(lcfg, ls, passes), cost)
+            sched, padding, fixed = layouts.plan(layout, ls, layouts.for_stack(lcfg, ls, passes, execution), cost)
             req = StepRequest(step=k, layout=layout, batch=batch, schedule=sched, padding=padding,
                               fixed_length=fixed, want=frozenset(WANTS) if k == 0 else frozenset({"cp_groups"}))
             reps.append(_portable(checked_report(stack, stack.step(req), req)))

@@ -138,6 +138,8 @@ class MegatronCoreStack:
 
     sequence_passes = True
     """Every sequence of a group is its own forward and backward (``hybrid_context_parallel_forward_backward``)."""
+    execution = "synchronous"
+    """Every group ends with a barrier of the DP x CP domain (``hybrid_cp_schedule.py``)."""
 
     def __init__(self, ctx: StackContext, workarounds=None, layers: int = 2, hidden: int = 64, heads: int = 4,
                  kv_heads: int = 2, lr: float = 3e-3, cp_comm: str = "p2p", ffn: int | None = None,

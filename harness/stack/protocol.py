@@ -20,7 +20,9 @@ about one step, never by how the stack computes it. On every rank of the stack's
 A stack that runs every sequence of a micro-batch as its own forward and backward (megatron-core's hybrid CP) says
 so with ``sequence_passes = True`` (optional; default False): a micro-batch may then hold any number of sequences
 per rank, and ``balanced`` packs the stack's micro-batches by the batch's tokens (``harness.train.layouts.
-for_stack``) - the schedule the stack's benchmark measures is the one ``verify`` checks.
+for_stack``). A stack whose steps end every micro-batch with a barrier over the DP x CP domain says so with
+``execution = "synchronous"`` (optional; default ``"independent"``): ``balanced`` then schedules for that model.
+With both, the schedule the stack's benchmark measures is the one ``verify`` checks.
 
 ``harness.stack.runtime.HarnessStack`` is the harness's own runtime behind this protocol;
 ``docs/examples/own_trainer.py`` is a plain-PyTorch trainer behind it; ``dcp-harness verify`` checks any of them
@@ -139,10 +141,25 @@ def sequence_passes(stack) -> bool:
     return v
 
 
+EXECUTIONS = ("independent", "synchronous")
+"""What a stack may declare as its ``execution`` (``harness.plan.execution``'s models without a pipeline)."""
+
+
+def declared_execution(stack) -> str | None:
+    """The execution model ``stack`` declares (its optional ``execution``), None when it declares none; anything
+    but one of ``EXECUTIONS`` is a ``StackError`` naming it."""
+    v = getattr(stack, "execution", None)
+    if v is not None and v not in EXECUTIONS:
+        raise StackError(f"stack {getattr(stack, 'name', type(stack).__name__)!r}: execution must be one of "
+                         f"{', '.join(EXECUTIONS)} (how its steps synchronise the DP x CP domain), got {v!r}")
+    return v
+
+
 def checked_stack(stack, origin: str):
     """``stack`` if it has the protocol's methods; else ``StackError`` naming what is missing."""
     missing = [m for m in ("build", "step") if not callable(getattr(stack, m, None))]
     sequence_passes(stack)
+    declared_execution(stack)
     if missing or not isinstance(getattr(stack, "name", None), str):
         what = ", ".join([f"{m}()" for m in missing] + ([] if isinstance(getattr(stack, "name", None), str)
                                                          else ["a str attribute 'name'"]))

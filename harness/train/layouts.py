@@ -96,11 +96,14 @@ def plan(layout: str, lengths: list[int], cfg: LayoutConfig, cost: CostModel | N
                                 execution=resolve_execution(cfg.execution)), "fixed", longest
 
 
-def for_stack(cfg: LayoutConfig, lengths, sequence_passes: bool) -> LayoutConfig:
+def for_stack(cfg: LayoutConfig, lengths, sequence_passes: bool, execution: str | None = None) -> LayoutConfig:
     """The config a stack's batch of ``lengths`` is planned with: for a stack that runs every sequence of a micro-batch
     as its own pass (``harness.stack.protocol.sequence_passes``) ``balanced`` packs a micro-batch by the batch's tokens
     (``max_seqlen_per_rank`` bounds each sequence, as in megatron-core's hybrid CP, whose own scheduler overfills a
-    rank); any other stack or scheduler plans as ``cfg`` says."""
+    rank); a stack that declares its ``execution`` model (``harness.stack.protocol.declared_execution``) is scheduled
+    for it unless the run has its own (a pipeline, expert parallelism). Any other stack plans as ``cfg`` says."""
+    if execution and resolve_execution(cfg.execution).kind == "independent":
+        cfg = replace(cfg, execution=execution)
     if not sequence_passes or cfg.scheduler != "balanced":
         return cfg
     return replace(cfg, microbatch_tokens_per_rank=max(cfg.max_seqlen_per_rank, sum(int(L) for L in lengths)))

@@ -218,7 +218,7 @@ def test_a_stack_of_sequence_passes_gets_balanced_packed_by_the_batch_in_verify_
     from harness.stack.protocol import sequence_passes
     from harness.train.layouts import LayoutConfig, for_stack
 
-    assert MegatronCoreStack.sequence_passes is True
+    assert MegatronCoreStack.sequence_passes is True and MegatronCoreStack.execution == "synchronous"
     cfg = LayoutConfig(n_ranks=4, max_seqlen_per_rank=2048, static_cp=4)
     lengths = [5000, 3000, 900, 700, 128]
     assert for_stack(cfg, lengths, True).microbatch_tokens_per_rank == sum(lengths)
@@ -236,3 +236,18 @@ def test_a_stack_of_sequence_passes_gets_balanced_packed_by_the_batch_in_verify_
     assert sequence_passes(Plain()) is False
     with pytest.raises(StackError, match=r"stack 'odd': sequence_passes must be a bool .* got 'yes'"):
         sequence_passes(Odd())
+    # a declared execution model is scheduled for, unless the run has its own (a pipeline, expert parallelism)
+    from harness.plan.execution import resolve_execution
+    from harness.stack.protocol import declared_execution
+
+    assert resolve_execution(for_stack(cfg, lengths, True, "synchronous").execution).kind == "synchronous"
+    piped = LayoutConfig(n_ranks=4, max_seqlen_per_rank=2048, static_cp=4, execution="synchronous")
+    assert for_stack(piped, lengths, False, "independent") is piped
+    assert declared_execution(Plain()) is None
+
+    class Wrong:
+        name, execution = "wrong", "lockstep"
+
+    with pytest.raises(StackError, match=r"stack 'wrong': execution must be one of independent, synchronous .* "
+                                         r"got 'lockstep'"):
+        declared_execution(Wrong())
