@@ -24,6 +24,7 @@ every measured step's CP-size counts).
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
@@ -77,6 +78,15 @@ def replay(report: dict, arms=None) -> dict:
             "ratios": ratios}
 
 
+def measured_ms(value, where: str) -> float:
+    """A measured step time from a report: a finite number > 0, else ``ReplayInputError`` naming where it is (a NaN
+    or inf would otherwise pass silently into every ratio and fit)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ReplayInputError(f"{where} is {value!r}, not a finite step time > 0 ms: the report is damaged; rerun "
+                               f"bench step to write it")
+    return float(value)
+
+
 def _sizes(s) -> dict[int, int]:
     out: dict[int, int] = {}
     for mb in s.layout:
@@ -112,8 +122,8 @@ def _stack(report: dict, arms) -> tuple[list[dict], list[dict]]:
             bound = lower_bound(lengths, n_ranks=world, max_seqlen_per_rank=cfg.max_seqlen_per_rank, cost=cost,
                                 execution="synchronous", microbatch_tokens_per_rank=sum(lengths))
             batches.append(_priced(bound, run + 1, i + 1, lengths, got))
-    measured = [{a: r[a]["median_ms"] for a in arms} for r in report["results"].get("per_run", [])
-                if all(a in r for a in arms)]
+    measured = [{a: measured_ms(r[a]["median_ms"], f"results.per_run[{k}].{a}.median_ms") for a in arms}
+                for k, r in enumerate(report["results"].get("per_run", [])) if all(a in r for a in arms)]
     return batches, measured
 
 
@@ -146,8 +156,8 @@ def _runtime(report: dict, arms) -> tuple[list[dict], list[dict]]:
             bound = lower_bound(lengths, n_ranks=world, max_seqlen_per_rank=cfg.max_seqlen_per_rank, cost=cost,
                                 execution=bound_ex)
             batches.append(_priced(bound, run + 1, i + 1, lengths, got))
-    measured = [{a: r["arms"][a]["trimmed_mean_ms"] for a in arms} for r in report["results"]["runs"]
-                if all(a in r.get("arms", {}) for a in arms)]
+    measured = [{a: measured_ms(r["arms"][a]["trimmed_mean_ms"], f"results.runs[{k}].arms.{a}.trimmed_mean_ms")
+                 for a in arms} for k, r in enumerate(report["results"]["runs"]) if all(a in r.get("arms", {}) for a in arms)]
     return batches, measured
 
 

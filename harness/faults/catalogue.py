@@ -167,7 +167,7 @@ FAULTS: tuple[Fault, ...] = (
           scenario="plan"),
     Fault(name="shelves-room-unchecked", title="the shelves top a block up past its token room",
           source=ROOM_CHECK + "the same mechanism in balanced's shelves (a wide block topped up with narrow sequences)",
-          url=MEGATRON + "2000", layer="plan", seam="harness.plan.balanced.shelves:_top_up",
+          url=MEGATRON + "2000", layer="plan", seam="harness.plan.balanced.shelves:_pick",
           make=sf.make_shelves_room_unchecked, check="schedule-invariants", expect=r"invariant 'capacity'",
           scenario="plan"),
     Fault(name="fewer-sequences-than-ranks", title="CP silently off for a batch smaller than the domain",

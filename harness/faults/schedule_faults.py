@@ -125,18 +125,6 @@ def make_shelves_room_unchecked(original):
     capacity, in the shelves): a block then holds more tokens per rank than a rank may."""
     import bisect
 
-    def top_up(narrow, row):
-        if not narrow.items:
-            return
-        level = max(b[1] for b in row)
-        for b in sorted(row, key=lambda b: b[1]):
-            size = b[0]
-            while True:
-                k = narrow.longest(bisect.bisect_right(narrow.items, level - b[1], key=lambda it: it.cost(size)) - 1)
-                if k < 0:
-                    break
-                it = narrow.take(k)
-                b[1] += it.cost(size)
-                b[2].append(it)
-                b[3] -= it.L
-    return top_up
+    def pick(narrow, block, level):
+        return narrow.longest(bisect.bisect_right(narrow.items, level - block[1], key=lambda it: it.cost(block[0])) - 1)
+    return pick

@@ -49,6 +49,7 @@ def test_the_command_fits_holds_each_report_out_and_writes_a_cost_model_bench_st
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "each report held out" in r.stdout and "mean |predicted / measured - 1|" in r.stdout
+    assert "bench fit: holding out" in r.stderr and "(2 of 2)" in r.stderr  # progress of each fit
     d = json.loads(out.read_text())
     assert d["benchmark"] == "fit" and len(d["results"]["held_out"]) == 2
     cost = cost_model_from(load_cost_model(out))  # what bench step --cost-model reads
@@ -62,3 +63,20 @@ def test_bad_reports_are_refused_naming_them():
         fit([EIGHT, EIGHT])
     with pytest.raises(ReplayInputError, match=r"different worlds \(\[2, 4\] ranks\)"):
         fit([EIGHT, RECORDED / "bench_step.h200x2.megatron-batch.json"])
+
+
+@pytest.mark.parametrize("damage", ["nan", "inf", "short"])
+def test_a_damaged_measurement_is_refused_naming_where_it_is(tmp_path, damage):
+    """A NaN or inf step time, or fewer step times than the config's steps, would silently bend the fit."""
+    d = json.loads(EIGHT.read_text())
+    steps = d["results"]["runs"][1]["arms"]["dcp:balanced"]["step_ms"]
+    if damage == "short":
+        steps.pop()
+    else:
+        steps[3] = float(damage)
+    bad = tmp_path / "damaged.json"
+    bad.write_text(json.dumps(d))
+    where = r"results\.runs\[1\]\.arms\.dcp:balanced\.step_ms" + (r"\[3\] is (nan|inf)" if damage != "short" else
+                                                                      r" holds 14 step times, not the 15")
+    with pytest.raises(ReplayInputError, match=where):
+        fit([bad])

@@ -100,3 +100,11 @@ def test_bad_reports_and_arms_are_refused_naming_them(tmp_path):
     r = subprocess.run([sys.executable, "-m", "harness", "bench", "replay", str(curve)], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "step_curve" in r.stderr, r.stderr
+
+
+def test_a_non_finite_measurement_is_refused_naming_where_it_is(tmp_path):
+    d = json.loads((RECORDED / "bench_step.h200x4.sequences8.json").read_text())
+    d["results"]["runs"][2]["arms"]["dcp:megatron-dev"]["trimmed_mean_ms"] = float("nan")
+    (tmp_path / "nan.json").write_text(json.dumps(d))
+    with pytest.raises(ReplayInputError, match=r"results\.runs\[2\]\.arms\.dcp:megatron-dev\.trimmed_mean_ms is nan"):
+        replay(load_report(tmp_path / "nan.json"))

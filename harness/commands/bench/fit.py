@@ -26,7 +26,9 @@ def run(a) -> int:
     from harness.io import atomic_write_json
 
     out = a.out or REPORTS / "bench_fit.json"
-    result = fit(a.reports)
+    import sys
+
+    result = fit(a.reports, progress=lambda text: print(f"bench fit: {text}", file=sys.stderr, flush=True))
     print(console(result))
     atomic_write_json(out, {"benchmark": "fit", "producer": producer("bench fit"), "results": result})
     print(f"wrote {out} (bench step --cost-model {out})")

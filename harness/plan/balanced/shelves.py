@@ -132,6 +132,14 @@ class _Narrow:
         return [it for it in self.items if it.gid not in self.taken]
 
 
+def _pick(narrow: _Narrow, block: list, level: float) -> int:
+    """The index in ``narrow`` of the longest sequence not yet taken whose cost at ``block``'s size fits under
+    ``level`` and whose tokens fit the block's room (-1: none)."""
+    room = bisect.bisect_right(narrow.lengths, block[3]) - 1
+    fits = bisect.bisect_right(narrow.items, level - block[1], key=lambda it: it.cost(block[0])) - 1
+    return narrow.longest(min(room, fits))
+
+
 def _top_up(narrow: _Narrow, row: list[list]) -> None:
     """Fill the blocks of a wide shelf's micro-batch with ``narrow``'s sequences widened to their size, up to its
     slowest block and within each block's room (a sequence's per-rank cost at a fixed size grows with its length)."""
@@ -141,9 +149,7 @@ def _top_up(narrow: _Narrow, row: list[list]) -> None:
     for b in sorted(row, key=lambda b: b[1]):
         size = b[0]
         while True:
-            room = bisect.bisect_right(narrow.lengths, b[3]) - 1
-            fits = bisect.bisect_right(narrow.items, level - b[1], key=lambda it: it.cost(size)) - 1
-            k = narrow.longest(min(room, fits))
+            k = _pick(narrow, b, level)
             if k < 0:
                 break
             it = narrow.take(k)
