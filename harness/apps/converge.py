@@ -253,7 +253,7 @@ def _plan_every_step(cfg: TrainConfig, n: int, static_cp: int, execution=None) -
                 raise LayoutError(f"step {step + 1}, layout {layout}: {e}") from None
 
 
-def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str = "auto", progress=print,
+def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden: str = "auto", progress=print,
         report: bool = True, run_dir: Path | None = None, stall_s: float | None = None,
         plant: str | None = None, reference_mode: str = "run", nodes: Nodes | None = None) -> ConvergeResult | None:
     """Train, check, report. ``golden``: ``auto`` (compare if a golden exists for this case),
@@ -271,6 +271,7 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path = REPORTS, golden: str =
     from harness.jobs.entry import launch
 
     nodes = nodes or Nodes()
+    out_root = Path(out_root)
     here = launched_world()
     if here is not None and here[0] != 0:  # a rank of a world the user's launcher started: rank 0 speaks
         progress = lambda line: None  # noqa: E731

@@ -75,12 +75,13 @@ def _converge(spec: dict, default: dict, run_dir: Path, out_root: Path, stall_s,
                         progress=lambda s: print(s, flush=True), out_root=out_root, stall_s=stall_s)
 
 
-def run(*, quick_batches: int = 3, out_root: Path = REPORTS, convergence: dict | None = DEFAULT_CONVERGENCE,
+def run(*, quick_batches: int = 3, out_root: Path | str = REPORTS, convergence: dict | None = DEFAULT_CONVERGENCE,
         pipeline: dict | None = DEFAULT_PIPELINE, hybrid: dict | None = DEFAULT_HYBRID, faults: bool = True,
         stall_s: float | None = None) -> tuple[int, Path]:
     t0 = time.perf_counter()
     print("dcp-harness run: convergence (one stage, a pipeline, the hybrid SSM model), scheduler comparison, edge "
           "cases and the fault catalogue on the embedded CPU default")
+    out_root = Path(out_root)
     out_root.mkdir(parents=True, exist_ok=True)
     tmp = temporary_folder(".run-", out_root)
     try:

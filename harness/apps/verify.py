@@ -86,9 +86,9 @@ def _run(stack: str, options: dict, cfg: TrainConfig, world: int, folder: Path, 
     return None if res is None else _load(res["ranks"])  # None: a rank other than 0 of a user-launched world
 
 
-def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path, options: dict | None = None, stall_s=None,
+def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path | str, options: dict | None = None, stall_s=None,
            stream=None, spawn: bool = False, plant: str | None = None, golden: str = "off",
-           golden_root: Path | None = None) -> Verified | None:
+           golden_root: Path | str | None = None) -> Verified | None:
     """Run ``stack`` (``harness.stack.drive.load_factory``'s spec) under ``cfg`` (layouts, steps, corpus, dtype,
     device, scheduler, max_seqlen_per_rank) on ``world`` ranks and its one-rank reference; judge and write
     ``out/verify.json``. ``spawn``: run the ranks as forked CPU processes (``harness.jobs.launch.run_on_ranks``)
@@ -96,6 +96,7 @@ def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path, options: dict
     both runs - the harness's runtime only (the faults replace its functions); the verdict must be FAIL.
     ``golden``: ``auto`` (compare with the case's golden on this hardware when there is one), ``require`` (a
     missing golden is a ``GoldenError``), ``update`` (write it from this run, which must PASS), ``off``."""
+    out, golden_root = Path(out), None if golden_root is None else Path(golden_root)
     if golden not in ("auto", "require", "update", "off"):
         raise StackError(f"golden must be auto, require, update or off, got {golden!r}")
     if plant is not None and golden == "update":

@@ -73,7 +73,7 @@ def test_corrupted_golden_is_reported_before_training(tmp_path, monkeypatch):
     path.parent.mkdir(parents=True)
     path.write_text('{"format": 1, "data": [')
     with pytest.raises(golden.GoldenError, match="corrupted"):
-        converge.run(cfg, world=4, out_root=tmp_path / "reports", progress=lambda s: None)
+        converge.run(cfg, world=4, out_root=str(tmp_path / "reports"), progress=lambda s: None)  # a str path too
 
 
 def test_an_interrupted_run_leaves_earlier_reports_and_goldens_intact(tmp_path, monkeypatch):

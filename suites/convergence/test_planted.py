@@ -16,7 +16,7 @@ from harness.train.trainer import TrainConfig
 
 def test_a_loss_that_turns_nan_after_step_one_fails_every_comparison(tmp_path):
     cfg = TrainConfig(steps=2, layouts=("bshd", "dcp"), max_seqlen_per_rank=512)
-    res = converge.run(cfg, world=2, out_root=tmp_path, progress=lambda s: None, plant="adam-eps-underflow")
+    res = converge.run(cfg, world=2, out_root=str(tmp_path), progress=lambda s: None, plant="adam-eps-underflow")
     losses = {k: [r["loss"] for r in rs] for k, rs in res.rows.items()}
     assert all(v[0] == v[0] and v[1] != v[1] for v in losses.values()), losses  # finite at step 1, NaN at step 2
     failed = sorted(c["target"] for c in res.checks if not c["pass"])

@@ -258,7 +258,7 @@ def test_a_nightly_case_that_never_forms_a_cp_group_is_not_exercised_and_exits_1
                           1, nc.DISTRIBUTED)
     from harness.apps import nightly
 
-    assert nightly.run_cases([case], root=tmp_path / "n", json_path=tmp_path / "s.json") == 1
+    assert nightly.run_cases([case], root=str(tmp_path / "n"), json_path=str(tmp_path / "s.json")) == 1  # str paths too
     out = capsys.readouterr().out
     assert f"nightly {case.case_id}: NOT EXERCISED" in out and "verdict: NOT EXERCISED (0/1" in out
     (entry,) = history.read(tmp_path / "n")

@@ -69,7 +69,7 @@ def test_the_check_names_the_micro_batch_that_ran_in_another_group(tmp_path):
         "        r.cp_groups = {m: (0, 1) for m in r.cp_groups}  # every micro-batch in the first block's group\n"
         "        return r\n\n"
         "def make(ctx):\n    return Stale(ctx)\n")
-    res = verify(f"{stale}:make", SMALL, world=2, out=tmp_path / "out", spawn=True)
+    res = verify(f"{stale}:make", SMALL, world=2, out=str(tmp_path / "out"), spawn=True)  # a str path too
     bad = [t for t in _failed(res) if "block's CP group" in t]
     assert bad == [t for t in _failed(res) if t.startswith("dcp")] and "its block is (0,)" in bad[0], _failed(res)
 

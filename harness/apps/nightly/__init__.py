@@ -64,8 +64,9 @@ def prepare(*, steps: int, models, device: str, world: int | None, root: Path, j
 
 
 def run(*, steps: int = 100, models=NIGHTLY_MODELS, device: str = "auto", world: int | None = None,
-        root: Path = NIGHTLY, stall_s: float | None = None, json_path: Path | None = None) -> int:
+        root: Path | str = NIGHTLY, stall_s: float | None = None, json_path: Path | str | None = None) -> int:
     """The nightly job; returns the exit status (0 every case passed, 1 otherwise)."""
+    root, json_path = Path(root), None if json_path is None else Path(json_path)
     plan = prepare(steps=steps, models=tuple(models), device=device, world=world, root=root, json_path=json_path)
     print(plan.line, flush=True)
     return run_cases(plan.cases, root=root, stall_s=stall_s, json_path=json_path)
@@ -113,9 +114,10 @@ def _one(case: NightlyCase, root: Path, prod: dict, stall_s) -> dict:
     return history.entry(res, role=case.role, root=root, producer=prod, extra_checks=extra)
 
 
-def run_cases(cases: list[NightlyCase], *, root: Path, stall_s: float | None = None,
-              json_path: Path | None = None) -> int:
+def run_cases(cases: list[NightlyCase], *, root: Path | str, stall_s: float | None = None,
+              json_path: Path | str | None = None) -> int:
     """Run checked cases, append each to the history, redraw the page, write the summary."""
+    root, json_path = Path(root), None if json_path is None else Path(json_path)
     root.mkdir(parents=True, exist_ok=True)
     prod, started = producer("dcp-harness nightly"), dt.datetime.now().isoformat(timespec="seconds")
     entries = []
