@@ -7,9 +7,10 @@ trains a **reference**: the same model, corpus, seed and batches on **one rank**
 no expert parallelism, no collective at all - with whole sequences packed per micro-batch (thd at CP 1). Each
 layout is compared with it, quantity by quantity (``TOLERANCES``):
 
-- ``loss``: every step's loss (and each MTP depth's), absolute; MoE models under the MoE rule of
-  ``harness.apps.converge`` (strict for the first ``MOE_EXACT_STEPS`` steps, then a band on the late mean);
-- ``grad_norm``: every step's gradient norm before clipping, relative (MoE: the strict span only);
+- ``loss``: every step's loss (and each MTP depth's), absolute; MoE models and long bf16 runs under the rule of
+  ``harness.apps.converge.strict_span`` (strict for the first ``MOE_EXACT_STEPS`` / ``BF16_EXACT_STEPS`` steps,
+  then a band on the late mean);
+- ``grad_norm``: every step's gradient norm before clipping, relative (the strict span only);
 - ``step1_gradients``: every parameter's reduced step-1 gradient, relative L2, worst parameter over the ranks
   that hold it (per parameter, so a bug confined to one layer is not averaged away);
 - ``token_loss``: every sequence's step-1 token losses, relative L2, worst sequence.
@@ -69,22 +70,22 @@ def _relative(name_: str, vals: list[float], ref: list[float], tol: float, span:
 
 
 def checks(rows: dict[str, list[dict]], ranks: list[dict], ref_rows: list[dict], ref_ranks: list[dict],
-           cfg: TrainConfig, *, compare, moe_steps: int | None) -> list[dict]:
+           cfg: TrainConfig, *, compare, span: tuple[int | None, str] = (None, "")) -> list[dict]:
     """Every layout of a run against its reference, one line per layout and quantity. ``ranks``/``ref_ranks``:
     each rank's probes (``{"probes": {layout: ...}}``); ``compare``: ``harness.apps.converge._compare`` (the loss rule);
-    ``moe_steps``: the MoE rule's strict span (None for dense models)."""
+    ``span``: the per-step rule's span and the band's reason (``harness.apps.converge.strict_span``)."""
     tol, ref_name, t = TOLERANCES[cfg.dtype], name(), tag(cfg)
     ref_loss = [r["loss"] for r in ref_rows]
     ref_norm = [r["grad_norm"] for r in ref_rows]
     out = []
     for layout, rs in rows.items():
         who = f"{layout}{t} vs {ref_name}"
-        out += compare(who, [r["loss"] for r in rs], ref_loss, tol["loss"], moe_steps is not None)
+        out += compare(who, [r["loss"] for r in rs], ref_loss, tol["loss"], span)
         for k in range(len(rs[0].get("mtp_loss") or [])):
             out += compare(f"{layout}{t} vs {ref_name} (MTP depth {k + 1})", [r["mtp_loss"][k] for r in rs],
-                           [r["mtp_loss"][k] for r in ref_rows], tol["loss"], moe_steps is not None)
-        span = len(ref_norm) if moe_steps is None else min(moe_steps, len(ref_norm))
-        out.append(_relative(who, [r["grad_norm"] for r in rs], ref_norm, tol["grad_norm"], span, "grad norm"))
+                           [r["mtp_loss"][k] for r in ref_rows], tol["loss"], span)
+        strict = len(ref_norm) if span[0] is None else min(span[0], len(ref_norm))
+        out.append(_relative(who, [r["grad_norm"] for r in rs], ref_norm, tol["grad_norm"], strict, "grad norm"))
         grads = gradient_deviations(ref_ranks, ranks, layout, ref_layout=REF_LAYOUT)
         if grads:
             p = max(grads, key=lambda n: (grads[n][0] != grads[n][0], grads[n][0]))

@@ -68,7 +68,7 @@ def test_the_recorded_reports_read_as_recorded():
                       RECORDED / "bench_step_megatron_core.h200x4.megatron-batch.json"])
     assert [(r["stack"], r["gpus"]) for r in rows] == [("harness", 4), ("megatron-core", 4)]
     assert round(rows[0]["balanced_vs_static"], 3) == 1.123
-    assert round(rows[1]["upstream_vs_static"], 3) == 3.030 and round(rows[1]["balanced_vs_upstream"], 3) == 1.353
+    assert round(rows[1]["upstream_vs_static"], 3) == 2.652 and round(rows[1]["balanced_vs_upstream"], 3) == 1.602
 
 
 def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):

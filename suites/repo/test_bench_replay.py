@@ -62,13 +62,13 @@ def test_the_replay_of_a_runtime_report_regenerates_every_runs_schedules():
 
 
 def test_balanced_with_the_stacks_capacity_is_predicted_ahead_of_megatron_cores_scheduler_on_the_recorded_batches():
-    """The record that motivated the capacity: balanced measured 0.839x megatron-core's scheduler, packed by
-    max_seqlen_per_rank; replayed with today's scheduler it is predicted >= 1 (and the model put the old one below 1:
-    ``suites/plan/test_microbatch_capacity.py``)."""
+    """Packed by max_seqlen_per_rank, balanced had measured 0.839x megatron-core's scheduler (the model put that
+    schedule below 1 as well: ``suites/plan/test_microbatch_capacity.py``); the recorded run packs by the batch's
+    tokens and measured 1.020x, and the replay of its batches predicts it within 2%."""
     _needs_upstream()
     got = replay(load_report(DEFAULT4), ("megatron-core", "balanced"))
     r = got["ratios"]["balanced vs megatron-core"]
-    assert r["predicted"] >= 1.0 and abs(r["measured"] - 0.839) < 1e-3
+    assert r["predicted"] >= 1.0 and r["measured"] >= 1.0 and abs(r["predicted"] / r["measured"] - 1) < 0.02, r
     assert got["arms"]["balanced"]["of_bound"] <= got["arms"]["megatron-core"]["of_bound"]
 
 

@@ -50,6 +50,9 @@ def test_the_cases_follow_the_machine_and_say_so():
     assert [(c.world, c.cfg.device, c.cfg.dtype) for c in _plan(gpus=3).cases if c.role == nc.DISTRIBUTED] == \
         [(2, "cuda", "bfloat16")]
     assert {c.world for c in _plan(gpus=8).cases} == {4}
+    gpus = _plan(gpus=4).line  # 100 bf16 steps: strict over the first 30, then the late-window band (converge's rule)
+    assert "4 GPUs (NCCL, bf16; per step over the first 30, then the last-10-step mean within 1%)" in gpus, gpus
+    assert "4 GPUs (NCCL, bf16)" in _plan(gpus=4, steps=30).line
 
 
 def test_on_gpus_megatron_cores_case_runs_or_the_line_says_why_not(monkeypatch):

@@ -3,7 +3,9 @@
 Distributed cases (bshd, thd and dcp side by side, ``harness.apps.converge``): every model of
 ``NIGHTLY_MODELS`` on one pipeline stage and, on a world of >= 4 ranks, as 2 pipeline stages. They run
 on the GPUs when the machine has two or more (NCCL, bf16, the largest power of two <= min(4, GPUs)
-ranks), otherwise on ``CPU_WORLD`` gloo ranks (fp32, checked against the committed goldens as well).
+ranks; beyond ``harness.apps.converge.BF16_EXACT_STEPS`` steps held to the late-window band, as bf16 rounding
+separates the trajectories), otherwise on ``CPU_WORLD`` gloo ranks (fp32, checked against the committed goldens
+as well).
 On a machine with exactly one GPU, the single-GPU numerics case runs on it too: bshd against THD
 packing in bf16 on one rank (packing, varlen attention and autocast; no CP, so no dcp layout and no
 claim about dynamic CP).
@@ -122,7 +124,12 @@ def choose(*, models, steps: int, device: str, world: int | None, gpus: int) -> 
         if why is None:
             cases.append(NightlyCase(_stack_config(steps, world), world, STACK))
         stack_note = f"; megatron-core's hybrid CP ({'verify megatron-core' if why is None else 'skipped: ' + why})"
-    prec = "bf16" if dist_device == "cuda" else "fp32"
+    prec = "fp32"
+    if dist_device == "cuda":
+        from harness.apps.converge import BF16_EXACT_STEPS  # lazy: imports torch
+
+        prec = "bf16" + (f"; per step over the first {BF16_EXACT_STEPS}, then the last-10-step mean within 1%"
+                         if steps > BF16_EXACT_STEPS else "")
     where = (f"{world} {'GPUs (NCCL' if dist_device == 'cuda' else 'CPU ranks (gloo'}, {prec})"
              + (f" because this machine has {gpus} GPU{'s' * (gpus != 1)}" if dist_device == "cpu" and device == "auto"
                 else ""))
