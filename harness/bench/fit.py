@@ -31,7 +31,7 @@ ITERATIONS = 300
 
 def steps_of(report: dict, name: str) -> list[dict]:
     """Every measured step of a runtime report: its schedule as run, the run's calibrated cost and the measured ms."""
-    from harness.bench.step.config import StepBenchConfig, cost_model_from, parse_arm
+    from harness.bench.step.config import StepBenchConfig, arm_cost, cost_model_from, parse_arm
     from harness.bench.step.workload import global_batch_lengths
     from harness.train.layouts import LayoutConfig, plan
 
@@ -55,7 +55,7 @@ def steps_of(report: dict, name: str) -> list[dict]:
                                     static_cp=cfg.static_cp or world, scheduler=arm.scheduler,
                                     dcp_padding=arm.padding, execution=arm.execution,
                                     expert_parallel=cfg.expert_parallel)
-                s, _, _ = plan(arm.layout, lengths, lcfg, cost)
+                s, _, _ = plan(arm.layout, lengths, lcfg, arm_cost(cfg, arm, cost))  # as it ran
                 ms = measured_ms(measured[j], f"{name}: results.runs[{r}].arms.{label}.step_ms[{j}]")
                 out.append({"report": name, "arm": label, "schedule": s, "ms": ms, "cost": cost})
     return out

@@ -129,7 +129,7 @@ def _stack(report: dict, arms) -> tuple[list[dict], list[dict]]:
 
 def _runtime(report: dict, arms) -> tuple[list[dict], list[dict]]:
     """The harness runtime's report: (batches priced per run's cost, measured per-run trimmed means per arm)."""
-    from harness.bench.step.config import StepBenchConfig, cost_model_from, parse_arm
+    from harness.bench.step.config import StepBenchConfig, arm_cost, cost_model_from, parse_arm
     from harness.bench.step.workload import global_batch_lengths
     from harness.plan import lower_bound, simulate
     from harness.plan.execution import resolve_execution
@@ -150,7 +150,7 @@ def _runtime(report: dict, arms) -> tuple[list[dict], list[dict]]:
                 lcfg = LayoutConfig(n_ranks=world, max_seqlen_per_rank=cfg.max_seqlen_per_rank,
                                     static_cp=cfg.static_cp or world, scheduler=arm.scheduler, dcp_padding=arm.padding,
                                     execution=arm.execution, expert_parallel=cfg.expert_parallel)
-                s, _, _ = plan(arm.layout, lengths, lcfg, cost)
+                s, _, _ = plan(arm.layout, lengths, lcfg, arm_cost(cfg, arm, cost))  # as it ran
                 got[a] = {"ms": simulate(s, cost).step_time * 1e3, "microbatches": s.num_microbatches,
                           "sequences_by_cp": _sizes(s)}
             bound = lower_bound(lengths, n_ranks=world, max_seqlen_per_rank=cfg.max_seqlen_per_rank, cost=cost,

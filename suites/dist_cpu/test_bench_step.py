@@ -602,3 +602,44 @@ def test_chain_arms_train_to_the_same_weights_as_segment_arms(tmp_path):
             assert b == pytest.approx(a, rel=1e-6, abs=1e-8), base
         if r["rank"] == 0:
             assert got["dcp:balanced"]["schedules"] == got["dcp:balanced+chain"]["schedules"]
+
+
+def test_arms_that_name_a_cost_model_schedule_with_it_beside_the_calibrated_arm(tmp_path):
+    """``dcp:balanced~flat`` with ``--arm-cost-model flat=PATH`` schedules exactly as a run pinned to that model does,
+    in the same run as the calibrated ``dcp:balanced`` (an A/B of cost models side by side)."""
+    from harness.cli import main
+
+    flat = tmp_path / "flat.json"
+    flat.write_text('{"quadratic": 0.0, "linear": 0.0, "per_microbatch": 1000.0, "name": "flat"}')  # fewest micro-batches
+    both, pinned = tmp_path / "both.json", tmp_path / "pinned.json"
+    common = ["bench", "step", "--cpu", "--runs", "1", "--iters", "1", "--warmup", "0", "--profile-iters", "0"]
+    assert main(common + ["--arms", "thd:dp-balanced,dcp:balanced,dcp:balanced~flat", "--arm-cost-model",
+                          f"flat={flat}", "--out", str(both)]) == 0
+    assert main(common + ["--arms", "thd:dp-balanced,dcp:balanced", "--cost-model", str(flat), "--out",
+                          str(pinned)]) == 0
+    a, b = json.loads(both.read_text()), json.loads(pinned.read_text())
+    assert a["results"]["calibration"] is not None and a["config"]["arm_cost_models"] == {"flat": json.loads(flat.read_text())}
+    x, y = a["results"]["arms"]["dcp:balanced~flat"], b["results"]["arms"]["dcp:balanced"]
+    assert (x["microbatches"], x["cp_histogram"], x["predicted"]) == (y["microbatches"], y["cp_histogram"], y["predicted"])
+    calibrated = a["results"]["arms"]["dcp:balanced"]
+    assert (calibrated["microbatches"], calibrated["cp_histogram"]) != (x["microbatches"], x["cp_histogram"])
+
+
+def test_named_cost_models_are_checked_before_anything_runs(tmp_path):
+    from harness.cli import main
+
+    cost = tmp_path / "c.json"
+    cost.write_text('{"quadratic": 1e-12}')
+    assert step.parse_arm("dcp:balanced@ring+chain~fit").label == "dcp:balanced@ring+chain~fit"
+    for arm, match in (("dcp:megatron-dev~fit", "ignores the cost model"), ("dcp:balanced~a b", "after '~'")):
+        with pytest.raises(step.BenchConfigError, match=match):
+            step.parse_arm(arm)
+    for kw, match in (({"arms": ("dcp:balanced~fit",)}, r"name cost models \['fit'\] that no --arm-cost-model"),
+                      ({"arm_cost_models": {"fit": {"quadratic": 1.0}}}, r"\['fit'\] named by no arm"),
+                      ({"arms": ("dcp:balanced~fit",), "arm_cost_models": {"fit": {"speed": 1.0}}}, "unknown fields")):
+        with pytest.raises(step.BenchConfigError, match=match):
+            step.StepBenchConfig(**kw).validate(2)
+    for pair in ("fit", f"={cost}", "fit="):
+        assert main(["bench", "step", "--cpu", "--arm-cost-model", pair]) == 2
+    assert main(["bench", "step", "--cpu", "--arms", "dcp:balanced~a", "--arm-cost-model", f"a={cost}",
+                 "--arm-cost-model", f"a={cost}"]) == 2

@@ -8,6 +8,7 @@ consults for the valid names (the model table, the K/V exchanges) are imported w
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from harness.plan import ALGORITHMS, CostModel
 from harness.plan.errors import PlanInputError
 from harness.plan.execution import NAMED as EXECUTIONS
 from harness.runtime.model_config import MODELS
+
+_COST_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class BenchConfigError(PlanInputError):
@@ -35,12 +38,16 @@ class Arm:
     execution: str | None = None
     """The execution model the arm's schedules are made for (``harness.plan.execution``: ``independent`` or
     ``synchronous``, the fourth field); None = the layout's default (independent)."""
+    cost: str | None = None
+    """The name of a fixed cost model of the config's ``arm_cost_models`` this arm schedules with (``~NAME``);
+    None = the run's (calibrated or ``cost_model``). Two arms that differ only here are an A/B of cost models."""
 
     @property
     def label(self) -> str:
         tail = f":{self.padding}" if self.padding != "local" or self.execution else ""
         return (f"{self.layout}:{self.scheduler}" + tail + (f":{self.execution}" if self.execution else "")
-                + (f"@{self.exchange}" if self.exchange else "") + (f"+{self.scope}" if self.scope else ""))
+                + (f"@{self.exchange}" if self.exchange else "") + (f"+{self.scope}" if self.scope else "")
+                + (f"~{self.cost}" if self.cost else ""))
 
 
 def parse_arm(text: str) -> Arm:
@@ -49,7 +56,11 @@ def parse_arm(text: str) -> Arm:
     from harness.runtime.model import COMPILE_SCOPES  # lazy: torch, as above
 
     text = str(text)
-    rest, plus, scope = text.partition("+")
+    text_, tilde, cost = text.partition("~")
+    if tilde and not _COST_NAME.fullmatch(cost):
+        raise BenchConfigError(f"arm {text!r}: after '~' comes the name of a cost model given by --arm-cost-model "
+                               f"NAME=PATH (letters, digits, '-' and '_'), got {cost!r}")
+    rest, plus, scope = text_.partition("+")
     if plus and scope not in COMPILE_SCOPES:
         raise BenchConfigError(f"arm {text!r}: compile scope must be one of {', '.join(COMPILE_SCOPES)} after '+', "
                                f"got {scope!r}")
@@ -58,7 +69,7 @@ def parse_arm(text: str) -> Arm:
         raise BenchConfigError(f"arm {text!r}: exchange must be one of {', '.join(EXCHANGES)} after '@', got {exchange!r}")
     parts = body.split(":")
     if len(parts) not in (2, 3, 4):
-        raise BenchConfigError(f"arm {text!r} is not layout:scheduler[:padding[:execution]][@exchange][+scope], e.g. "
+        raise BenchConfigError(f"arm {text!r} is not layout:scheduler[:padding[:execution]][@exchange][+scope][~cost], e.g. "
                                f"thd:dp-balanced, dcp:balanced@ring, dcp:balanced:local:synchronous or "
                                f"dcp:balanced+chain")
     layout, scheduler = parts[0], parts[1]
@@ -75,7 +86,10 @@ def parse_arm(text: str) -> Arm:
         raise BenchConfigError(f"arm {text!r}: unknown scheduler {scheduler!r}; choose from {', '.join(ALGORITHMS)}")
     if padding not in ("local", "domain"):
         raise BenchConfigError(f"arm {text!r}: padding must be local or domain, got {padding!r}")
-    return Arm(layout, scheduler, padding, exchange or None, scope or None, execution)
+    if cost and scheduler.startswith("megatron"):
+        raise BenchConfigError(f"arm {text!r}: the {scheduler} scheduler ignores the cost model (as upstream); name a "
+                               f"cost model on a balanced or dp-balanced arm")
+    return Arm(layout, scheduler, padding, exchange or None, scope or None, execution, cost or None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +137,9 @@ class StepBenchConfig:
     cost_model: dict | None = None
     """A fixed cost model (``CostModel`` fields, e.g. ``results.cost_model`` of an earlier
     ``bench_step.json``): no calibration, and schedules identical from run to run."""
+    arm_cost_models: dict | None = None
+    """Named fixed cost models (name -> ``CostModel`` fields) for arms that name one (``dcp:balanced~NAME``): the
+    other arms keep the run's cost, so a calibrated and a fitted model schedule side by side in one run."""
     calibration_reps: int = 3
     calibration_burst: int = 4
     """Each calibration sample times this many forward + backward passes of the shape back to back
@@ -196,9 +213,23 @@ class StepBenchConfig:
         if self.model not in MODELS:
             raise BenchConfigError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
         parse_spec(self.lengths)
-        self.arm_list()
+        arms = self.arm_list()
         if self.cost_model is not None:
             cost_model_from(self.cost_model)
+        named = dict(self.arm_cost_models or {})
+        for name, d in named.items():
+            if not isinstance(name, str) or not _COST_NAME.fullmatch(name) or not isinstance(d, dict):
+                raise BenchConfigError(f"arm cost model {name!r}: give NAME=PATH with a NAME of letters, digits, '-' "
+                                       f"and '_' and a JSON object of CostModel fields")
+            cost_model_from(d)
+        missing = sorted({a.cost for a in arms if a.cost and a.cost not in named})
+        if missing:
+            raise BenchConfigError(f"arms name cost models {missing} that no --arm-cost-model NAME=PATH gives "
+                                   f"(given: {sorted(named) or 'none'})")
+        unused = sorted(set(named) - {a.cost for a in arms})
+        if unused:
+            raise BenchConfigError(f"--arm-cost-model {unused} named by no arm: add an arm such as "
+                                   f"dcp:balanced~{unused[0]} or drop it")
         if world < 1 or world & (world - 1):
             raise BenchConfigError(f"world size {world} is not a power of two; use 1, 2, 4 or 8 processes")
         for name in ("max_seqlen_per_rank", "microbatches", "iters", "calibration_reps", "calibration_burst", "runs"):
@@ -307,6 +338,11 @@ PHASES = ("schedule", "microbatches", "grad_reduce", "optimizer")
 """A step's phases, timed in every measured step: scheduling, rerouting and building the
 micro-batches; their forwards and backwards; the gradient all-reduce left after the last backward
 plus clipping; AdamW."""
+
+
+def arm_cost(cfg: StepBenchConfig, arm: Arm, run_cost: CostModel) -> CostModel:
+    """The cost model ``arm`` schedules with: its named one (``cfg.arm_cost_models``), else the run's."""
+    return cost_model_from(cfg.arm_cost_models[arm.cost]) if arm.cost else run_cost
 
 
 def cost_model_from(d: dict) -> CostModel:

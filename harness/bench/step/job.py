@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.bench.step.calibrate import calibrate_cost
-from harness.bench.step.config import PHASES, Arm, StepBenchConfig, cost_model_from
+from harness.bench.step.config import PHASES, Arm, StepBenchConfig, arm_cost, cost_model_from
 from harness.bench.step.rank import (
     RankContext,
     layout_cfg,
@@ -212,7 +212,8 @@ class _Ahead:
     def submit(self, j: int) -> None:
         if j < len(self.order):
             i, arm, _ = self.order[j]
-            self.planner.submit(arm.layout, self.ctx.batches[i][0], layout_cfg(self.ctx, arm), self.ctx.cost)
+            self.planner.submit(arm.layout, self.ctx.batches[i][0], layout_cfg(self.ctx, arm),
+                                arm_cost(self.ctx.cfg, arm, self.ctx.cost))
 
     def planned_for(self, j: int):
         """What ``train_step`` calls for step ``j``'s plan: it waits for the planner, then hands it step ``j + 1``."""
@@ -266,7 +267,7 @@ def _timed_steps(ctx: RankContext, arms: list[Arm], weights: dict, opts: dict) -
                 x["marks"].append(r["marks"].cumulative_ms())
                 x["slots"].append(k)  # its place in this step's rotation
                 if ctx.rank == 0:
-                    x["figures"].append(_schedule_figures(r["schedule"], ctx.cost))
+                    x["figures"].append(_schedule_figures(r["schedule"], arm_cost(ctx.cfg, arm, ctx.cost)))
     finally:
         if ahead is not None:
             ahead.close()

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.bench.step.config import Arm, StepBenchConfig
+from harness.bench.step.config import Arm, StepBenchConfig, arm_cost
 from harness.heartbeat import Heartbeat
 from harness.io import atomic_write_bytes
 from harness.plan import CostModel
@@ -131,7 +131,8 @@ def train_step(ctx: RankContext, arm: Arm, lengths: list[int], local: dict, opt,
     last = (lambda: use_scope(ctx, scope="segments")) if chain and ctx.reducer is not None else None
     hooks = StepHooks(planned=planned, mark=marks.mark, reducer=ctx.reducer, before_last=last,
                       token_multiple=ctx.cfg.token_bucket)
-    r = step(ctx.model, ctx.run, arm.layout, lengths, local, layout_cfg(ctx, arm), ctx.cost, device=ctx.device,
+    r = step(ctx.model, ctx.run, arm.layout, lengths, local, layout_cfg(ctx, arm), arm_cost(ctx.cfg, arm, ctx.cost),
+             device=ctx.device,
              opt=opt, params=ctx.params, grads=ctx.grads, dtype=ctx.cfg.dtype,
              exchange=arm.exchange or ctx.cfg.cp_exchange, grad_clip=1.0, hooks=hooks,
              **({"shards": ctx.shards} if ctx.shards else {}))
@@ -163,7 +164,7 @@ def profiled_step(ctx: RankContext, arm: Arm, lengths, local, opt, keep_trace: P
     planned = None
     if ctx.cfg.plan == "ahead":  # as in the timed steps: the schedule is ready when the step starts
         t = time.perf_counter()
-        got = plan(arm.layout, lengths, layout_cfg(ctx, arm), ctx.cost)
+        got = plan(arm.layout, lengths, layout_cfg(ctx, arm), arm_cost(ctx.cfg, arm, ctx.cost))
         done = (got, time.perf_counter() - t)
         planned = lambda: done  # noqa: E731
     dist.barrier(group=ctx.everyone)

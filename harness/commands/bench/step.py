@@ -15,7 +15,21 @@ from harness.commands.common import add_nodes, add_out, add_stall, names, nodes_
 NAME = "step"
 HELP = "(GPU) training step time: dynamic CP vs static CP (Megatron's benchmark)"
 DESCRIPTION = None
-CONVERT = {"arms": names, "cost_model": load_cost_model}
+def named_cost_models(pairs: list[str]) -> dict:
+    """``--arm-cost-model NAME=PATH`` (repeated) -> {NAME: cost-model fields}; a malformed or repeated NAME is a
+    usage error naming it."""
+    out = {}
+    for pair in pairs:
+        name, eq, path = str(pair).partition("=")
+        if not eq or not name or not path:
+            raise T.UsageError(f"--arm-cost-model {pair!r}: give NAME=PATH, e.g. fit=reports/recorded/bench_fit.h200x4.json")
+        if name in out:
+            raise T.UsageError(f"--arm-cost-model {name!r} given twice: one path per name")
+        out[name] = load_cost_model(path)
+    return out
+
+
+CONVERT = {"arms": names, "cost_model": load_cost_model, "arm_cost_models": named_cost_models}
 """Fields whose option's text is parsed first: a comma list of arms, a cost model file."""
 
 
@@ -70,6 +84,10 @@ def add_arguments(p) -> None:
     p.add_argument("--cost-model", type=Path, default=None,
                    help="fixed scheduler cost model: a bench_step.json (its results.cost_model) or a JSON dict of "
                         "CostModel fields; skips calibration so schedules repeat exactly across runs")
+    p.add_argument("--arm-cost-model", dest="arm_cost_models", action="append", default=None, metavar="NAME=PATH",
+                   help="a fixed cost model (a bench_step.json or bench fit JSON, or a JSON dict of CostModel fields) for "
+                        "the arms that name it (dcp:balanced~NAME); the other arms keep the run's cost: a calibrated "
+                        "and a fitted model side by side in one run; repeatable")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false", default=None,
                    help="use the FLOP cost model instead of calibrating")
     p.add_argument("--calibration-burst", type=T.REPEATS, default=None,
