@@ -623,6 +623,11 @@ def test_arms_that_name_a_cost_model_schedule_with_it_beside_the_calibrated_arm(
     assert (x["microbatches"], x["cp_histogram"], x["predicted"]) == (y["microbatches"], y["cp_histogram"], y["predicted"])
     calibrated = a["results"]["arms"]["dcp:balanced"]
     assert (calibrated["microbatches"], calibrated["cp_histogram"]) != (x["microbatches"], x["cp_histogram"])
+    from harness.bench.replay import load_report, replay  # the replay regenerates each arm's schedules as they ran
+
+    (batch,) = replay(load_report(both))["batches"]
+    assert [batch["arms"][k]["microbatches"] for k in ("dcp:balanced", "dcp:balanced~flat")] == \
+        [calibrated["microbatches"], x["microbatches"]]
 
 
 def test_named_cost_models_are_checked_before_anything_runs(tmp_path):
