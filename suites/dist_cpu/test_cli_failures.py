@@ -61,10 +61,13 @@ def _alive(pids: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("sig, expect, limit_s", [
-    (signal.SIGSTOP, r"rank 2 made no progress for \d+ s \(its process is stopped, e\.g\. by SIGSTOP\); its last "
-                     r"report: layout bshd, step \d+ of 400", 90),
-    (signal.SIGKILL, r"rank 2 failed first: was killed by signal 9 without a Python traceback", 30),
-], ids=["stopped", "killed"])
+    # the stall path through the CLI also runs in the default suite as a stopped node
+    # (test_multinode.py::test_a_node_that_dies_or_stops_is_named_by_the_other[stopped]); here it waits out 20 s
+    pytest.param(signal.SIGSTOP, r"rank 2 made no progress for \d+ s \(its process is stopped, e\.g\. by SIGSTOP\); "
+                 r"its last report: layout bshd, step \d+ of 400", 90, id="stopped", marks=pytest.mark.slow),
+    pytest.param(signal.SIGKILL, r"rank 2 failed first: was killed by signal 9 without a Python traceback", 30,
+                 id="killed"),
+])
 def test_a_rank_that_stops_or_dies_ends_converge_with_one_line(tmp_path, sig, expect, limit_s):
     proc = subprocess.Popen([sys.executable, "-m", "harness", "converge", "--steps", "400", "--stall-timeout", "20",
                              "--golden", "off", "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -127,9 +130,11 @@ def _is_process(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("sig, code, said", [
-    (signal.SIGTERM, 143, "terminated by signal SIGTERM; the job's processes were killed"),
-    (signal.SIGINT, 130, "interrupted; the job's processes were killed"),
-], ids=["sigterm", "ctrl-c"])
+    pytest.param(signal.SIGTERM, 143, "terminated by signal SIGTERM; the job's processes were killed", id="sigterm"),
+    # the same kill path as SIGTERM, another signal: the slow suite's
+    pytest.param(signal.SIGINT, 130, "interrupted; the job's processes were killed", id="ctrl-c",
+                 marks=pytest.mark.slow),
+])
 def test_an_interrupted_cli_ends_the_whole_job_and_names_its_log(tmp_path, sig, code, said):
     """A scheduler's SIGTERM (a time limit, a cancelled CI job) or Ctrl-C: one line naming the log that keeps
     the job's output so far, exit 143 / 130, no process left."""

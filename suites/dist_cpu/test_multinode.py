@@ -107,7 +107,9 @@ def test_nodes_that_run_different_numbers_of_processes_are_named(tmp_path):
         assert code == 3 and "runs 4 processes, node 0" in text and "runs 2" in text, text
 
 
-@pytest.mark.parametrize("how", ["killed", "stopped"])
+@pytest.mark.parametrize("how", [
+    # a dead node also in the default suite under the user's torchrun (test_under_the_users_torchrun_a_node_that_dies...)
+    pytest.param("killed", marks=pytest.mark.slow), "stopped"])
 def test_a_node_that_dies_or_stops_is_named_by_the_other(how, tmp_path):
     port = _free_port()
     long = ["--steps", "60", "--stall-timeout", "10"]
