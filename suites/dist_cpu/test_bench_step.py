@@ -604,7 +604,7 @@ def test_chain_arms_train_to_the_same_weights_as_segment_arms(tmp_path):
             assert got["dcp:balanced"]["schedules"] == got["dcp:balanced+chain"]["schedules"]
 
 
-def test_arms_that_name_a_cost_model_schedule_with_it_beside_the_calibrated_arm(tmp_path):
+def test_arms_that_name_a_cost_model_schedule_with_it_beside_the_calibrated_arm(tmp_path, capsys):
     """``dcp:balanced~flat`` with ``--arm-cost-model flat=PATH`` schedules exactly as a run pinned to that model does,
     in the same run as the calibrated ``dcp:balanced`` (an A/B of cost models side by side)."""
     from harness.cli import main
@@ -615,6 +615,7 @@ def test_arms_that_name_a_cost_model_schedule_with_it_beside_the_calibrated_arm(
     common = ["bench", "step", "--cpu", "--runs", "1", "--iters", "1", "--warmup", "0", "--profile-iters", "0"]
     assert main(common + ["--arms", "thd:dp-balanced,dcp:balanced,dcp:balanced~flat", "--arm-cost-model",
                           f"flat={flat}", "--out", str(both)]) == 0
+    assert "cost models side by side: dcp:balanced / dcp:balanced~flat time ratio" in capsys.readouterr().out
     assert main(common + ["--arms", "thd:dp-balanced,dcp:balanced", "--cost-model", str(flat), "--out",
                           str(pinned)]) == 0
     a, b = json.loads(both.read_text()), json.loads(pinned.read_text())
@@ -628,6 +629,20 @@ def test_arms_that_name_a_cost_model_schedule_with_it_beside_the_calibrated_arm(
     (batch,) = replay(load_report(both))["batches"]
     assert [batch["arms"][k]["microbatches"] for k in ("dcp:balanced", "dcp:balanced~flat")] == \
         [calibrated["microbatches"], x["microbatches"]]
+
+
+def test_a_named_cost_arm_is_reported_against_its_calibrated_twin_run_by_run():
+    runs = [{"thd:dp-balanced": 500.0, "dcp:balanced": 350.0, "dcp:balanced~fit": 340.0},
+            {"thd:dp-balanced": 400.0, "dcp:balanced": 300.0, "dcp:balanced~fit": 310.0},
+            {"thd:dp-balanced": 450.0, "dcp:balanced": 330.0, "dcp:balanced~fit": 300.0}]
+    s = step.summarize(_fake_job(runs), step.StepBenchConfig(arms=("thd:dp-balanced", "dcp:balanced",
+                                                                   "dcp:balanced~fit")))
+    ab = s["cost_ab"]["dcp:balanced~fit"]
+    assert ab["base"] == "dcp:balanced" and ab["per_run"] == pytest.approx([350 / 340, 300 / 310, 330 / 300])
+    assert ab["median"] == pytest.approx(350 / 340)
+    assert step.summarize(_fake_job(runs[:1]), step.StepBenchConfig())["cost_ab"]["dcp:balanced~fit"]["median"] == \
+        pytest.approx(350 / 340)
+    assert step.summarize(_fake_job([{"dcp:balanced": 300.0}]), step.StepBenchConfig())["cost_ab"] == {}
 
 
 def test_named_cost_models_are_checked_before_anything_runs(tmp_path):

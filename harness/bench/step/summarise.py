@@ -47,7 +47,8 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
     if profiled is not None and profiled != rep:  # the breakdown comes from the profiled (last) run
         top["arms"] = {label: {**a, **{f: runs[profiled]["arms"][label][f] for f in BREAKDOWN_FIELDS}}
                        for label, a in runs[rep]["arms"].items()}
-    return {**top, "runs": runs, "representative_run": rep, "breakdown_run": profiled, "ratios": ratios, "world": world,
+    return {**top, "runs": runs, "representative_run": rep, "breakdown_run": profiled, "ratios": ratios,
+            "cost_ab": cost_ab(runs), "world": world,
             "device_name": r0["device_name"], "peak_tflops": peak_tflops(cfg, r0["device_name"]),
             "parameters": r0["parameters"], "torch": r0["torch"], "compile": r0.get("compile"),
             "global_batch": _global_batch(r0["batches"], cfg, world)}
@@ -61,6 +62,22 @@ def _ratios(runs: list[dict]) -> dict:
         r["median"] = statistics.median(vals) if vals else None
         r["min"], r["max"] = (min(vals), max(vals)) if vals else (None, None)
     return ratios
+
+
+def cost_ab(runs: list[dict]) -> dict:
+    """Each arm that names a cost model (``dcp:balanced~NAME``) against the same arm on the run's model, when both
+    ran: ``{label: {"base", "per_run", "median"}}``, the ratio time(base) / time(label) per run (> 1: the named model's
+    schedules were faster) and its median over the runs - the A/B of two cost models side by side."""
+    out = {}
+    labels = [label for label in (runs[0]["arms"] if runs else {}) if "~" in label]
+    for label in labels:
+        base = label.split("~", 1)[0]
+        per_run = [run["arms"][base]["trimmed_mean_ms"] / run["arms"][label]["trimmed_mean_ms"]
+                   if base in run["arms"] and label in run["arms"] else None for run in runs]
+        vals = [v for v in per_run if v is not None]
+        if vals:
+            out[label] = {"base": base, "per_run": per_run, "median": statistics.median(vals)}
+    return out
 
 
 def _representative(ours: list[float | None]) -> int:
