@@ -109,6 +109,16 @@ def _bound(summary: dict) -> str:
             f'bound is a relaxation that a real schedule may not reach.</p>')
 
 
+def _cost_ab(summary: dict) -> str:
+    """Arms that named a cost model against their twins on the run's model (``summary["cost_ab"]``)."""
+    items = (summary.get("cost_ab") or {}).items()
+    lines = [f"<li>{esc(r['base'])} / {esc(label)}: {r['median']:.3f} (median of the runs' time ratios; "
+             f"runs {', '.join(_fmt(x, '.3f') for x in r['per_run'])}; &gt; 1: {esc(label)} faster)</li>"
+             for label, r in items]
+    return ("<p>Cost models side by side, each arm on the same batches in the same runs:</p><ul>"
+            + "".join(lines) + "</ul>") if lines else ""
+
+
 def _runs(summary: dict) -> str:
     """The per-run table (several runs only): the targets' medians come from these rows."""
     if len(summary["runs"]) < 2:
@@ -179,6 +189,7 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
         f'{_fmt(summary["peak_tflops"], ".0f")} TFLOP/s per GPU.</p>',
         table(verdicts, ["target", "value", "per run", "verdict"], left=1) if verdicts else "",
         _bound(summary),
+        _cost_ab(summary),
         _runs(summary),
         "<h2>Step time" + (f" (run {summary['representative_run'] + 1} of {len(summary['runs'])})"
                            if len(summary["runs"]) > 1 else "") + "</h2>",

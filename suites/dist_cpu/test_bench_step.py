@@ -616,6 +616,7 @@ def test_arms_that_name_a_cost_model_schedule_with_it_beside_the_calibrated_arm(
     assert main(common + ["--arms", "thd:dp-balanced,dcp:balanced,dcp:balanced~flat", "--arm-cost-model",
                           f"flat={flat}", "--out", str(both)]) == 0
     assert "cost models side by side: dcp:balanced / dcp:balanced~flat time ratio" in capsys.readouterr().out
+    assert "Cost models side by side" in both.with_suffix(".html").read_text()
     assert main(common + ["--arms", "thd:dp-balanced,dcp:balanced", "--cost-model", str(flat), "--out",
                           str(pinned)]) == 0
     a, b = json.loads(both.read_text()), json.loads(pinned.read_text())
