@@ -646,7 +646,7 @@ def test_a_named_cost_arm_is_reported_against_its_calibrated_twin_run_by_run():
     assert step.summarize(_fake_job([{"dcp:balanced": 300.0}]), step.StepBenchConfig())["cost_ab"] == {}
 
 
-def test_named_cost_models_are_checked_before_anything_runs(tmp_path):
+def test_named_cost_models_are_checked_before_anything_runs(tmp_path, capsys):
     from harness.cli import main
 
     cost = tmp_path / "c.json"
@@ -664,3 +664,5 @@ def test_named_cost_models_are_checked_before_anything_runs(tmp_path):
         assert main(["bench", "step", "--cpu", "--arm-cost-model", pair]) == 2
     assert main(["bench", "step", "--cpu", "--arms", "dcp:balanced~a", "--arm-cost-model", f"a={cost}",
                  "--arm-cost-model", f"a={cost}"]) == 2
+    assert main(["bench", "step", "--stack", "megatron-core", "--arm-cost-model", f"a={cost}"]) == 2
+    assert "with --stack megatron-core its balanced arm takes --cost-model" in capsys.readouterr().err

@@ -109,6 +109,9 @@ def run(a) -> int:
     if a.stack == "megatron-core":
         if a.cpu:
             raise T.UsageError("bench step --stack megatron-core runs on CUDA GPUs only (TransformerEngine); drop --cpu")
+        if a.arm_cost_models:
+            raise T.UsageError("--arm-cost-model gives the runtime's arms (dcp:balanced~NAME) a cost model; with --stack "
+                               "megatron-core its balanced arm takes --cost-model FILE (or the stack's calibration)")
         from harness.bench.stack_step import main as stack_main  # lazy: imports torch
 
         return stack_main(nproc=a.nproc, out=a.out, overrides=overrides(a, StepBenchConfig, CONVERT),
