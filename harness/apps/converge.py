@@ -14,8 +14,8 @@ MoE models: hard top-k routing is discontinuous, so last-bit differences between
 over different row counts, attention over different key partitions) eventually resolve a near-tie
 differently and the trajectories separate (tiny MoE, 4 CPU ranks, fp32: all layouts within 2e-7 for
 49 steps, then 2e-5 .. 2e-3; final 10-step means within 0.04%). For them the strict rule covers the
-first ``MOE_EXACT_STEPS`` steps, and afterwards the mean loss of the last ``MOE_WINDOW`` steps must
-stay within ``MOE_BAND`` (relative) of bshd's. Exact MoE agreement over long horizons needs the same
+first ``MOE_EXACT_STEPS`` steps, and afterwards the mean loss of the last ``LATE_WINDOW`` steps must
+stay within ``LATE_BAND`` (relative) of bshd's. Exact MoE agreement over long horizons needs the same
 routes in every layout (router replay).
 
 bf16 runs longer than ``BF16_EXACT_STEPS``: bf16 rounding makes the layouts' trajectories separate with the
@@ -52,7 +52,8 @@ from harness.train.probes import load
 from harness.train.trainer import TrainConfig, execution_line, longest_sequence, model_cost
 
 TOLERANCES = {"float32": {"max": 1e-5, "mean": 1e-5}, "bfloat16": {"max": 2e-3, "mean": 5e-4}}
-MOE_EXACT_STEPS, MOE_WINDOW, MOE_BAND = 20, 10, 0.01
+MOE_EXACT_STEPS, LATE_WINDOW, LATE_BAND = 20, 10, 0.01
+"""The MoE rule's strict span, and the late-window band of every rule with one (MoE routing, long bf16 runs)."""
 BF16_EXACT_STEPS = 30
 GOLDEN_SUITE = "convergence"
 
@@ -151,10 +152,10 @@ def _compare(name: str, losses: list[float], ref: list[float], tol: dict, span: 
         out.append({"target": f"{name}: mean |delta {what}|{first} <= {tol['mean']:g}", "value": m,
                     "limit": tol["mean"], "pass": within(m, tol["mean"])})
     if exact < len(ref):
-        w = min(MOE_WINDOW, len(ref))
+        w = min(LATE_WINDOW, len(ref))
         rel = abs(statistics.fmean(losses[-w:]) - statistics.fmean(ref[-w:])) / abs(statistics.fmean(ref[-w:]))
-        out.append({"target": f"{name}: last-{w}-step mean {what} within {MOE_BAND:.0%} ({span[1]})", "value": rel,
-                    "limit": MOE_BAND, "pass": within(rel, MOE_BAND)})
+        out.append({"target": f"{name}: last-{w}-step mean {what} within {LATE_BAND:.0%} ({span[1]})", "value": rel,
+                    "limit": LATE_BAND, "pass": within(rel, LATE_BAND)})
     return out
 
 

@@ -126,10 +126,10 @@ def choose(*, models, steps: int, device: str, world: int | None, gpus: int) -> 
         stack_note = f"; megatron-core's hybrid CP ({'verify megatron-core' if why is None else 'skipped: ' + why})"
     prec = "fp32"
     if dist_device == "cuda":
-        from harness.apps.converge import BF16_EXACT_STEPS  # lazy: imports torch
+        from harness.apps.converge import BF16_EXACT_STEPS, LATE_BAND, LATE_WINDOW  # lazy: imports torch
 
-        prec = "bf16" + (f"; per step over the first {BF16_EXACT_STEPS}, then the last-10-step mean within 1%"
-                         if steps > BF16_EXACT_STEPS else "")
+        prec = "bf16" + (f"; per step over the first {BF16_EXACT_STEPS}, then the last-{LATE_WINDOW}-step mean "
+                         f"within {LATE_BAND:.0%}" if steps > BF16_EXACT_STEPS else "")
     where = (f"{world} {'GPUs (NCCL' if dist_device == 'cuda' else 'CPU ranks (gloo'}, {prec})"
              + (f" because this machine has {gpus} GPU{'s' * (gpus != 1)}" if dist_device == "cpu" and device == "auto"
                 else ""))
