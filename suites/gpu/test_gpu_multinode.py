@@ -1,11 +1,17 @@
 """Two "nodes" of 2 GPUs each on one 4-GPU machine (two torchrun agents, ``--nnodes 2``, node 0 serving the
-rendezvous on 127.0.0.1, each agent seeing its own two GPUs) against one agent of 4 GPUs, in bf16 with NCCL: the
-same losses bit for bit, and gradient norms equal to ~1e-10 relative.
+rendezvous on 127.0.0.1, each agent seeing its own two GPUs) against one agent of 4 GPUs, in bf16 with NCCL: the same
+schedules step by step (micro-batches, CP sizes and groups, tokens: the harness's deterministic part), and the same
+losses and gradient norms up to the order of the collectives' sums.
 
-Why not the norms bit for bit: each agent sees only its own two GPUs (``CUDA_VISIBLE_DEVICES``), so NCCL joins the two
-pairs over shared memory instead of peer-to-peer and picks another algorithm for the small all-reduce of the squared
-norms; the gradients themselves (large buffers), and so the parameters and every loss, stay bit-identical.
-Seen on 4 x H200: step 3's norm 0.555361167739024 (2 x 2) against 0.5553611677043417 (1 x 4), losses equal."""
+Why not bit for bit: each agent sees only its own two GPUs (``CUDA_VISIBLE_DEVICES``), so NCCL joins the two pairs
+over shared memory instead of peer-to-peer and chooses its algorithms for that topology. When the GPUs run nothing
+else the losses agree bit for bit and the gradient norms to ~1e-10 (the small all-reduce of squared norms takes another
+algorithm; 4 x H200, step 3's norm 0.555361167739024 against 0.5553611677043417). With other jobs on the same GPUs
+the two-agent run's dcp layout summed its step-2 gradients in another order (4 x H200, twice, with and without
+torch's deterministic kernels, the same alternative both times: step 3's loss 5.4028554620647835 against
+5.4028549954019605, 8.6e-8 relative; gradient norms 3.5e-5 apart), while the schedules, the thd layout and step 1
+stayed identical. Hence: schedules exact, losses within 1e-6 and norms within 1e-4 relative - a node wired to the
+wrong ranks, GPUs or data is off by orders of magnitude more."""
 
 from __future__ import annotations
 
@@ -25,6 +31,10 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ["--world", "4", "--steps", "4", "--device", "cuda", "--layouts", "thd,dcp", "--max-seqlen-per-rank", "512"]
+
+
+SCHEDULE = ("tokens", "processed_tokens", "microbatches", "microbatches_cp_gt1", "cp_histogram", "cp_groups")
+"""What each step's row says of its schedule: the same on any number of nodes."""
 
 
 def _free_port() -> int:
@@ -55,21 +65,25 @@ def test_two_nodes_of_two_gpus_give_what_one_node_of_four_gives(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert one.returncode == 0, one.stderr
     a, b = _results(tmp_path / "n0"), _results(tmp_path / "one")
-    worst = 0.0
+    assert sorted(a["layouts"]) == sorted(b["layouts"]) == ["dcp", "thd"]
+    worst = {"loss": 0.0, "grad_norm": 0.0}
     for layout in b["layouts"]:
-        assert len(a["layouts"][layout]) == len(b["layouts"][layout]), layout
+        assert len(a["layouts"][layout]) == len(b["layouts"][layout]) == 4, layout
         for ra, rb in zip(a["layouts"][layout], b["layouts"][layout]):
-            assert math.isfinite(ra["grad_norm"]) and math.isfinite(rb["grad_norm"]), (layout, ra, rb)
-            worst = max(worst, abs(ra["grad_norm"] - rb["grad_norm"]) / abs(rb["grad_norm"]))
+            assert {k: ra[k] for k in SCHEDULE} == {k: rb[k] for k in SCHEDULE}, (layout, ra["step"])
+            for k in worst:
+                assert math.isfinite(ra[k]) and math.isfinite(rb[k]), (layout, k, ra, rb)
+                worst[k] = max(worst[k], abs(ra[k] - rb[k]) / abs(rb[k]))
     print({"verdicts": (a["verdict"], b["verdict"]), "layouts": sorted(b["layouts"]),
-           "steps": len(b["layouts"]["dcp"]), "max relative |2x2 - 1x4| of gradient norms": worst,
+           "max relative |2x2 - 1x4|": worst, "bit for bit": {
+               layout: [ra["loss"] == rb["loss"] for ra, rb in zip(a["layouts"][layout], b["layouts"][layout])]
+               for layout in b["layouts"]},
            "dcp losses 2x2": [r["loss"] for r in a["layouts"]["dcp"]],
            "dcp losses 1x4": [r["loss"] for r in b["layouts"]["dcp"]]})
     assert a["verdict"] == b["verdict"] == "PASS"
-    for layout in b["layouts"]:
-        assert [r["loss"] for r in a["layouts"][layout]] == [r["loss"] for r in b["layouts"][layout]], layout
-    assert worst <= 1e-8, worst
-    assert len(a["checks"]) == len(b["checks"])
+    assert worst["loss"] <= 1e-6 and worst["grad_norm"] <= 1e-4, worst
+    assert [(c["target"], c["pass"]) for c in a["checks"]] == [(c["target"], c["pass"]) for c in b["checks"]]
     for ca, cb in zip(a["checks"], b["checks"]):
-        # the checks' values are differences against the reference run: a norm's last bits are a visible share
-        assert ca["target"] == cb["target"] and ca["value"] == pytest.approx(cb["value"], rel=1e-2, abs=1e-6), (ca, cb)
+        # the checks' values are differences against the reference run (rounding-sized): another summation order
+        # moves them by about the norms' difference
+        assert ca["value"] == pytest.approx(cb["value"], rel=5e-2, abs=1e-4), (ca, cb)
