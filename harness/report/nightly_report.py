@@ -141,6 +141,33 @@ def _trends(by_series: dict[str, list[dict]]):
     return fig
 
 
+def _draw_rule(ax, e: dict, rows: dict, ref: list[float], tol: float) -> str:
+    """Draw the run's rule on the deviation panel and name it: the per-step band over the steps it covers and,
+    where the rule ends earlier (``rule.strict_steps``: bf16 rounding, MoE routing), the late window's band on
+    the mean with each layout's late-mean deviation as a bar - the band a curve is held to where it is held."""
+    rule, n = e.get("rule") or {}, len(ref)
+    strict = rule.get("strict_steps")
+    if not strict or strict >= n:
+        ax.fill_between(range(1, n + 1), -tol, tol, color="#2e7d32", alpha=0.12, label=f"per step +-{tol:g}")
+        return "tolerance band"
+    w, band = min(rule["late_window"], n), rule["late_band"]
+    ax.fill_between(range(1, strict + 1), -tol, tol, color="#2e7d32", alpha=0.12,
+                    label=f"per step +-{tol:g} (first {strict})")
+    ax.axvline(strict + 0.5, color="#2e7d32", ls=":", lw=0.8)
+    late = range(n - w + 1, n + 1)
+    ref_mean = sum(ref[-w:]) / w
+    ax.fill_between(late, -band * abs(ref_mean), band * abs(ref_mean), color="#1565c0", alpha=0.10,
+                    label=f"last-{w}-step mean within {band:.0%} (+-{band * abs(ref_mean):.3g})")
+    seen = [tol]
+    for lay, rs in rows.items():
+        d = sum(r["loss"] for r in rs[-w:]) / w - ref_mean
+        ax.plot([late[0], late[-1]], [d, d], color=COLORS.get(lay), lw=3, alpha=0.8)
+        seen += [abs(d)] + [abs(r["loss"] - g) for r, g in zip(rs, ref)]
+    lim = 1.2 * max(x for x in seen if x == x)  # the curves and the per-step band readable; the late band may run off
+    ax.set_ylim(-lim, lim)
+    return f"per step over the first {strict} ({rule.get('why') or 'rule'}), then the last-{w}-step mean (bars)"
+
+
 def _latest_curves(root: Path, s: str, e: dict):
     """The latest run's per-step loss of every layout and the golden's (or bshd's), and each layout's
     deviation from it with the tolerance band (None when the run's results cannot be read)."""
@@ -166,10 +193,9 @@ def _latest_curves(root: Path, s: str, e: dict):
         ys = [r["loss"] for r in rs]
         a.plot(steps, ys, color=COLORS.get(lay), lw=1, label=lay)
         b.plot(steps, [y - g for y, g in zip(ys, ref)], color=COLORS.get(lay), lw=1, marker=".", ms=3, label=lay)
-    b.fill_between(steps, -tol, tol, color="#2e7d32", alpha=0.12, label=f"tolerance +-{tol:g}")
     b.axhline(0, color="#888", lw=0.6)
     a.set_title(f"latest run ({s}, {e['date'].replace('T', ' ')}): loss per step", fontsize=9)
-    b.set_title(f"loss - {ref_name} per step, tolerance band", fontsize=9)
+    b.set_title(f"loss - {ref_name} per step, " + _draw_rule(b, e, rows, ref, tol), fontsize=9)
     for ax in (a, b):
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)

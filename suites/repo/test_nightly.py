@@ -174,6 +174,53 @@ def test_the_page_flags_a_shrunk_margin_and_a_changed_verdict():
     assert nightly_report.flag(window)[2] == 1000  # the median of the last 7 runs only
 
 
+@pytest.mark.parametrize("model, dtype, rule", [
+    ("tiny-gpt", "bfloat16", (30, "bf16 rounding")), ("tiny-moe", "float32", (20, "MoE routing")),
+    ("tiny-gpt", "float32", (None, ""))])
+def test_each_history_line_records_the_rule_its_run_was_judged_by(tmp_path, model, dtype, rule):
+    from types import SimpleNamespace
+
+    rows = {"bshd": [{"loss": 1.0, "tokens_per_s": 10.0}]}
+    res = SimpleNamespace(rows=rows, checks=[], case_id="converge__x__w4__bf16", verdict="PASS", run_dir=tmp_path / "r",
+                          config={"model": model, "dtype": dtype, "hardware": "h200", "world": 4})
+    e = history.entry(res, role=nc.DISTRIBUTED, root=tmp_path, producer=golden.producer(), extra_checks=[])
+    assert (e["rule"]["strict_steps"], e["rule"]["why"]) == rule
+    assert (e["rule"]["late_window"], e["rule"]["late_band"]) == (converge.LATE_WINDOW, converge.LATE_BAND)
+
+
+def _deviation_panel(tmp_path, rule, steps=100):
+    """The latest-run figure's deviation panel of a ``steps``-step bf16 run whose thd curve leaves the per-step
+    band after step 30 (as bf16 rounding does) and stays on the late mean."""
+    ref = [5.0 - 0.02 * i for i in range(steps)]
+    thd = [r + (0.0 if i < 30 else 0.004 * (-1) ** i) for i, r in enumerate(ref)]
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    rows = {lay: [{"loss": v} for v in ys] for lay, ys in (("bshd", ref), ("thd", thd))}
+    (run / "results.json").write_text(json.dumps({"layouts": rows, "config": {}}))
+    e = _run("2026-01-01T00:00:00") | {"tolerance": 2e-3} | ({"rule": rule} if rule else {})
+    return nightly_report._latest_curves(tmp_path, "h200 bf16", e).axes[1]
+
+
+def _band_steps(ax) -> list[tuple[float, float]]:
+    return [(round(c.get_paths()[0].vertices[:, 0].min()), round(c.get_paths()[0].vertices[:, 0].max()))
+            for c in ax.collections]
+
+
+def test_the_deviation_panel_draws_each_band_where_its_rule_holds(tmp_path):
+    """bf16 past 30 steps: the per-step band over steps 1-30 only, the late window's band (1% of the reference's
+    late mean) over the last 10 steps with each layout's late-mean deviation as a bar; a rule without a strict
+    span (fp32, or a line written before the rule was recorded) keeps one band over every step."""
+    ax = _deviation_panel(tmp_path, {"strict_steps": 30, "why": "bf16 rounding", "late_window": 10, "late_band": 0.01})
+    assert _band_steps(ax) == [(1, 30), (91, 100)]
+    late = ax.collections[1].get_paths()[0].vertices[:, 1]
+    ref_late = sum(5.0 - 0.02 * i for i in range(90, 100)) / 10
+    assert max(late) == pytest.approx(0.01 * ref_late)
+    bars = [ln for ln in ax.lines if list(ln.get_xdata()) == [91, 100]]
+    assert [ln.get_ydata()[0] for ln in bars] == pytest.approx([0.0, 0.0], abs=1e-12)
+    assert "first 30 (bf16 rounding)" in ax.get_title()
+    assert _band_steps(_deviation_panel(tmp_path / "fp32", None)) == [(1, 100)]
+
+
 # -------------------------------------------------------------------------- the producer
 
 

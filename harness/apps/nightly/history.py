@@ -106,9 +106,11 @@ def deltas(checks: list[dict], reference: str) -> dict[str, float]:
 def entry(result, *, role: str, root: Path, producer: dict, extra_checks: list[dict]) -> dict:
     """The history line of one case's run (``result``: a ``harness.apps.converge.ConvergeResult``)."""
     # lazy: imports torch; the CLI imports this module without it
-    from harness.apps.converge import TOLERANCES
+    from harness.apps.converge import LATE_BAND, LATE_WINDOW, TOLERANCES, strict_span
+    from harness.train.config import TrainConfig
 
     rows, cfg = result.rows, result.config
+    strict, why = strict_span(TrainConfig(model=cfg["model"], dtype=cfg["dtype"]))
     checks = result.checks + extra_checks
     base = "bshd" if "bshd" in rows else next(iter(rows))
     run = Path(os.path.relpath(result.run_dir, root)).as_posix()
@@ -119,6 +121,7 @@ def entry(result, *, role: str, root: Path, producer: dict, extra_checks: list[d
             "world": cfg["world"], "verdict": result.verdict, "run": run, "report": f"{run}/index.html",
             "git_rev": producer["git_rev"], "version": producer["versions"]["dcp-harness"],
             "tolerance": TOLERANCES[cfg["dtype"]]["max"], "margin": None if math.isinf(m) else m,
+            "rule": {"strict_steps": strict, "why": why, "late_window": LATE_WINDOW, "late_band": LATE_BAND},
             "golden": bool(cfg.get("golden")),
             "last_loss": {k: v[-1]["loss"] for k, v in rows.items()},
             "max_delta": deltas(checks, base), "golden_delta": deltas(checks, "golden bshd"),
