@@ -7,10 +7,11 @@ Why not bit for bit: each agent sees only its own two GPUs (``CUDA_VISIBLE_DEVIC
 over shared memory instead of peer-to-peer and chooses its algorithms for that topology. When the GPUs run nothing
 else the losses agree bit for bit and the gradient norms to ~1e-10 (the small all-reduce of squared norms takes another
 algorithm; 4 x H200, step 3's norm 0.555361167739024 against 0.5553611677043417). With other jobs on the same GPUs
-the two-agent run's dcp layout summed its step-2 gradients in another order (4 x H200, twice, with and without
-torch's deterministic kernels, the same alternative both times: step 3's loss 5.4028554620647835 against
-5.4028549954019605, 8.6e-8 relative; gradient norms 3.5e-5 apart), while the schedules, the thd layout and step 1
-stayed identical. Hence: schedules exact, losses within 1e-6 and norms within 1e-4 relative - a node wired to the
+one of the two runs took another summation order in its dcp layout's step 2 - the one-agent run once, the two-agent
+run once (4 x H200, the second time with torch's deterministic kernels on), the same alternative both times (step 3's
+loss 5.4028554620647835 against 5.4028549954019605, 8.6e-8 relative; gradient norms 3.5e-5 apart) - while the
+schedules, the thd layout and step 1 stayed identical: a run-to-run variation of the dcp step under load, not of the
+node count. Hence: schedules exact, losses within 1e-6 and norms within 1e-4 relative - a node wired to the
 wrong ranks, GPUs or data is off by orders of magnitude more."""
 
 from __future__ import annotations
