@@ -300,6 +300,34 @@ def test_converge_on_one_rank_is_not_exercised_in_console_json_and_page(tmp_path
     assert ">NOT EXERCISED<" in (run / "index.html").read_text()
 
 
+def test_a_case_stopped_by_sigterm_is_a_failed_line_and_the_page_shows_it(tmp_path):
+    """A scheduler's time limit ends the nightly mid-case: the case is recorded as FAIL ("interrupted", naming the
+    log), the page is redrawn with it, and the job still ends as an interrupted CLI does (143)."""
+    import signal
+
+    root = tmp_path / "n"
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "nightly", "--device", "cpu", "--models", "tiny-gpt",
+                             "--root", str(root)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if "step    2/100" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-2000:]
+    assert "FAIL (interrupted: signal SIGTERM" in out
+    (e,) = history.read(root)
+    assert e["verdict"] == "FAIL" and e["case_id"].startswith("converge__tiny_gpt__w4__m128")
+    (why,) = e["failed"]
+    assert why.startswith("the job failed: interrupted (signal SIGTERM) before the case finished; output: ")
+    assert Path(why.rsplit("; output: ", 1)[1]).is_file()
+    page = (root / "index.html").read_text()
+    assert e["case_id"] in page and "interrupted (signal SIGTERM)" in page
+
+
 @pytest.mark.slow
 def test_a_nightly_case_that_never_forms_a_cp_group_is_not_exercised_and_exits_1(tmp_path, capsys):
     """A world of one rank, which ``choose`` refuses, run directly: the verdict reaches the history,

@@ -11,7 +11,9 @@ Each case's run is a ``converge-<time>`` folder under ``<root>/runs/`` (``harnes
 per case is appended to ``<root>/history.jsonl`` (``harness.apps.nightly.history``: locked, so two jobs may
 share a root) and ``<root>/index.html`` is redrawn (``harness.report.nightly_report``). ``--json PATH``
 writes the run's summary. Exit status: 0 when every case passed, 1 when one failed or was not exercised
-(dynamic CP never formed a CP group > 1), 2 for a usage error (``harness.cli``).
+(dynamic CP never formed a CP group > 1), 2 for a usage error (``harness.cli``). A case stopped by SIGTERM /
+SIGHUP or Ctrl-C is appended as FAIL ("interrupted") and the page redrawn before the job ends as an
+interrupted CLI does (143 / 130).
 """
 
 from __future__ import annotations
@@ -123,7 +125,11 @@ def run_cases(cases: list[NightlyCase], *, root: Path | str, stall_s: float | No
     entries = []
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.case_id} ({case.role})", flush=True)
-        e = _one(case, root, prod, stall_s)
+        try:
+            e = _one(case, root, prod, stall_s)
+        except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM / SIGHUP (``Terminated``) while the case's job ran
+            _interrupted(case, stop, root, prod)
+            raise
         history.append(root, e)
         entries.append(e)
         m = "-" if e.get("margin") is None else f"{e['margin']:.3g}"
@@ -139,6 +145,19 @@ def run_cases(cases: list[NightlyCase], *, root: Path | str, stall_s: float | No
     print(f"page: {page}\nverdict: {verdict} ({sum(e['verdict'] == 'PASS' for e in entries)}/{len(entries)} cases "
           f"passed)")
     return summary["exit_code"]
+
+
+def _interrupted(case: NightlyCase, stop: KeyboardInterrupt, root: Path, prod: dict) -> None:
+    """A case stopped before it finished (a scheduler's time limit, Ctrl-C) is a failed line of the history, and the
+    page is redrawn: the dashboard shows the case that did not finish instead of leaving it out."""
+    how = str(stop) or "Ctrl-C"
+    log = getattr(stop, "log", None)
+    e = history.failure(case, f"interrupted ({how}) before the case finished" + (f"; output: {log}" if log else ""),
+                        prod)
+    history.append(root, e)
+    with history.locked(root):
+        render(history.read(root), root)
+    print(f"nightly {case.case_id}: FAIL (interrupted: {how}; recorded in {root / history.NAME})", flush=True)
 
 
 def overall(entries: list[dict]) -> str:
