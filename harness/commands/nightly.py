@@ -24,6 +24,9 @@ def add_arguments(n) -> None:
                         "single-GPU numerics on a lone GPU)")
     n.add_argument("--world", type=T.WORLD, default=None, help="ranks of the distributed cases (>= 2; default: min(4, "
                                                            "GPUs) on GPUs, 4 on CPU)")
+    n.add_argument("--only", default="", metavar="PART[,PART]",
+                   help="run only the cases whose id contains one of these parts, e.g. w4_pp2 or tiny_moe__w4__ (rerun "
+                        "one case, or split the nightly over several jobs into one --root)")
     n.add_argument("--root", type=Path, default=None, help="default reports/nightly")
     n.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the run's summary as JSON")
     add_stall(n)
@@ -33,7 +36,7 @@ def run(a) -> int:
     if a.world is not None and _cpu_ranks(a.device):
         T.check_cpu_ranks(a.world, "--world")
     return run_nightly(steps=a.steps, models=names(a.models) or (), device=a.device, world=a.world,
-                       root=a.root or NIGHTLY, stall_s=a.stall_timeout, json_path=a.json)
+                       root=a.root or NIGHTLY, stall_s=a.stall_timeout, json_path=a.json, select=names(a.only) or ())
 
 
 def _cpu_ranks(device: str) -> bool:

@@ -81,6 +81,19 @@ def test_bad_case_choices_are_refused(kw, message):
     assert message in str(e.value)
 
 
+def test_only_keeps_the_cases_whose_id_contains_a_part_and_says_so():
+    plan = _plan(models=("tiny-gpt", "tiny-moe"), device="cpu")
+    assert len(plan.cases) == 4
+    pp2 = nc.only(plan, ("w4_pp2",))
+    assert [c.case_id.split("__")[1:3] for c in pp2.cases] == [["tiny_gpt", "w4_pp2"], ["tiny_moe", "w4_pp2"]]
+    assert pp2.line.endswith("; --only w4_pp2: 2 of 4 cases") and pp2.line.startswith(plan.line)
+    one = nc.only(plan, ("tiny_moe__w4__", "tiny_gpt__w4_pp2"))
+    assert [c.case_id for c in one.cases] == [plan.cases[1].case_id, plan.cases[2].case_id]
+    assert nc.only(plan, ()) is plan
+    with pytest.raises(LayoutError, match="nightly --only pp3: no case of this run has that in its id"):
+        nc.only(plan, ("w4_pp2", "pp3"))
+
+
 def test_the_nightly_configuration_mixes_cp_sizes_in_every_step():
     """Every step of the nightly cases forms CP groups of 1 and of the whole domain (planned as the
     ranks plan); the pre-nightly configuration (32 sequences a batch) does not, and is refused."""
@@ -271,7 +284,9 @@ def test_bad_nightly_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsy
              (["--root", str(tmp_path / "afile")], "is a file, not a folder"),
              (["--root", str(tmp_path / "afile" / "sub")], "cannot be made"),
              (["--root", str(newer)], "written by a newer dcp-harness"),
-             (["--steps", "300", "--world", "2"], "or fewer")]
+             (["--steps", "300", "--world", "2"], "or fewer"),
+             (["--only", "w4_pp2,tiny_moe"], "nightly --only tiny_moe: no case of this run has that in its id; the "
+                                            "ids are converge__tiny_gpt__w4__m128")]
     for args, expect in cases:
         argv = ["nightly", "--device", "cpu", "--models", "tiny-gpt", "--root", str(root), *args]
         assert cli.main(argv) == 2, args

@@ -31,6 +31,7 @@ from harness.apps.nightly.cases import (
     Plan,
     check_mixing,
     choose,
+    only,
 )
 from harness.golden import producer
 from harness.io import atomic_write_json, writable
@@ -44,8 +45,9 @@ NIGHTLY = ROOT / "reports" / "nightly"
 
 
 def prepare(*, steps: int, models, device: str, world: int | None, root: Path, json_path: Path | None = None,
-            gpus: int | None = None) -> Plan:
-    """Choose the cases and check everything a run needs before it starts (typed errors, nothing written)."""
+            gpus: int | None = None, select: tuple[str, ...] = ()) -> Plan:
+    """Choose the cases (those whose id contains one of ``select``, when given) and check everything a run needs
+    before it starts (typed errors, nothing written)."""
     # lazy: imports torch; the CLI imports this module without it
     from harness.apps import converge
 
@@ -53,7 +55,7 @@ def prepare(*, steps: int, models, device: str, world: int | None, root: Path, j
         import torch
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    plan = choose(models=models, steps=steps, device=device, world=world, gpus=gpus)
+    plan = only(choose(models=models, steps=steps, device=device, world=world, gpus=gpus), tuple(select))
     history.check_root(root)
     if json_path is not None:
         writable(json_path)
@@ -66,10 +68,13 @@ def prepare(*, steps: int, models, device: str, world: int | None, root: Path, j
 
 
 def run(*, steps: int = 100, models=NIGHTLY_MODELS, device: str = "auto", world: int | None = None,
-        root: Path | str = NIGHTLY, stall_s: float | None = None, json_path: Path | str | None = None) -> int:
-    """The nightly job; returns the exit status (0 every case passed, 1 otherwise)."""
+        root: Path | str = NIGHTLY, stall_s: float | None = None, json_path: Path | str | None = None,
+        select: tuple[str, ...] = ()) -> int:
+    """The nightly job; returns the exit status (0 every case passed, 1 otherwise). ``select``: run only the cases
+    whose id contains one of these parts (``--only``)."""
     root, json_path = Path(root), None if json_path is None else Path(json_path)
-    plan = prepare(steps=steps, models=tuple(models), device=device, world=world, root=root, json_path=json_path)
+    plan = prepare(steps=steps, models=tuple(models), device=device, world=world, root=root, json_path=json_path,
+                   select=tuple(select))
     print(plan.line, flush=True)
     return run_cases(plan.cases, root=root, stall_s=stall_s, json_path=json_path)
 

@@ -87,6 +87,20 @@ class Plan:
     """The one line said before anything starts: what runs where."""
 
 
+def only(plan: Plan, parts: tuple[str, ...]) -> Plan:
+    """The cases of ``plan`` whose id contains one of ``parts`` (``nightly --only``: rerun one case, or split the
+    nightly over several jobs); a part that matches no case is refused with the ids to choose from."""
+    if not parts:
+        return plan
+    ids = [c.case_id for c in plan.cases]
+    missing = [p for p in parts if not any(p in i for i in ids)]
+    if missing:
+        raise LayoutError(f"nightly --only {','.join(missing)}: no case of this run has that in its id; the ids are "
+                          f"{', '.join(ids)}")
+    kept = [c for c, i in zip(plan.cases, ids) if any(p in i for p in parts)]
+    return Plan(kept, f"{plan.line}; --only {','.join(parts)}: {len(kept)} of {len(ids)} cases")
+
+
 def _power_of_two_at_most(n: int) -> int:
     p = 1
     while p * 2 <= n:
