@@ -234,6 +234,25 @@ def test_the_deviation_panel_draws_each_band_where_its_rule_holds(tmp_path):
     assert _band_steps(_deviation_panel(tmp_path / "fp32", None)) == [(1, 100)]
 
 
+def test_the_late_window_is_the_runs_last_steps_when_the_golden_is_longer(tmp_path):
+    """A golden of N steps serves every shorter run: the panel draws the run's 50 steps against the golden's first
+    50 (it raised on the lengths' mismatch, so the page of a ``--steps 50`` nightly failed to draw), and the late
+    window is the run's last 10 steps (41-50), not the golden's own last ten."""
+    ref = [5.0 - 0.02 * i for i in range(100)]
+    golden_file = tmp_path / "golden.json"
+    golden_file.write_text(json.dumps({"data": {"bshd": ref}}))
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    rows = {"thd": [{"loss": v} for v in ref[:50]]}
+    (run / "results.json").write_text(json.dumps({"layouts": rows, "config": {"golden": str(golden_file)}}))
+    e = _run("2026-01-01T00:00:00") | {"tolerance": 1e-5, "rule": {"strict_steps": 20, "why": "MoE routing",
+                                                                   "late_window": 10, "late_band": 0.01}}
+    ax = nightly_report._latest_curves(tmp_path, "cpu fp32", e).axes[1]
+    assert _band_steps(ax) == [(1, 20), (41, 50)]
+    (bar,) = [ln for ln in ax.lines if list(ln.get_xdata()) == [41, 50]]
+    assert bar.get_ydata()[0] == pytest.approx(0.0, abs=1e-12)  # the run equals the golden on its own steps
+
+
 # -------------------------------------------------------------------------- the producer
 
 
