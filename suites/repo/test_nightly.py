@@ -341,10 +341,11 @@ def test_a_case_stopped_by_sigterm_is_a_failed_line_and_the_page_shows_it(tmp_pa
 
     root = tmp_path / "n"
     proc = subprocess.Popen([sys.executable, "-m", "harness", "nightly", "--device", "cpu", "--models", "tiny-gpt",
-                             "--root", str(root)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--world", "2", "--root", str(root)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:
-            if "step    2/100" in line:
+            if "step    1/100" in line:
                 break
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
@@ -354,7 +355,7 @@ def test_a_case_stopped_by_sigterm_is_a_failed_line_and_the_page_shows_it(tmp_pa
     assert proc.returncode == 143, err[-2000:]
     assert "FAIL (interrupted: signal SIGTERM" in out
     (e,) = history.read(root)
-    assert e["verdict"] == "FAIL" and e["case_id"].startswith("converge__tiny_gpt__w4__m128")
+    assert e["verdict"] == "FAIL" and e["case_id"].startswith("converge__tiny_gpt__w2__lognormal")
     (why,) = e["failed"]
     assert why.startswith("the job failed: interrupted (signal SIGTERM) before the case finished; output: ")
     assert Path(why.rsplit("; output: ", 1)[1]).is_file()
