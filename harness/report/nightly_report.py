@@ -163,7 +163,8 @@ def _draw_rule(ax, e: dict, rows: dict, ref: list[float], tol: float) -> str:
         d = sum(r["loss"] for r in rs[-w:]) / w - ref_mean
         ax.plot([late[0], late[-1]], [d, d], color=COLORS.get(lay), lw=3, alpha=0.8)
         seen += [abs(d)] + [abs(r["loss"] - g) for r, g in zip(rs, ref)]
-    lim = 1.2 * max(x for x in seen if x == x)  # the curves and the per-step band readable; the late band may run off
+    lim = 1.2 * max(x for x in seen if math.isfinite(x))  # the curves and the per-step band readable (a diverged
+    # run's inf / NaN steps stay off the scale); the late band may run off it
     ax.set_ylim(-lim, lim)
     return f"per step over the first {strict} ({rule.get('why') or 'rule'}), then the last-{w}-step mean (bars)"
 

@@ -5,6 +5,7 @@ input, and (slow) real runs: a dcp run that never formed a CP group > 1 is NOT E
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -232,6 +233,21 @@ def test_the_deviation_panel_draws_each_band_where_its_rule_holds(tmp_path):
     assert [ln.get_ydata()[0] for ln in bars] == pytest.approx([0.0, 0.0], abs=1e-12)
     assert "first 30 (bf16 rounding)" in ax.get_title()
     assert _band_steps(_deviation_panel(tmp_path / "fp32", None)) == [(1, 100)]
+
+
+def test_a_diverged_run_still_draws_its_panel(tmp_path):
+    """A run whose loss became inf and NaN (the night the page matters most) is drawn: the scale is set by the
+    finite deviations and the per-step band (it raised 'Axis limits cannot be NaN or Inf')."""
+    ref = [5.0 - 0.02 * i for i in range(100)]
+    thd = ref[:95] + [math.inf, math.nan] + ref[97:]
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    rows = {lay: [{"loss": v} for v in ys] for lay, ys in (("bshd", ref), ("thd", thd))}
+    (run / "results.json").write_text(json.dumps({"layouts": rows, "config": {}}))
+    e = _run("2026-01-01T00:00:00", verdict="FAIL") | {"tolerance": 2e-3, "rule": {
+        "strict_steps": 30, "why": "bf16 rounding", "late_window": 10, "late_band": 0.01}}
+    ax = nightly_report._latest_curves(tmp_path, "h200 bf16", e).axes[1]
+    assert ax.get_ylim() == pytest.approx((-2.4e-3, 2.4e-3))  # 1.2 x the per-step band: every finite deviation is 0
 
 
 def test_the_late_window_is_the_runs_last_steps_when_the_golden_is_longer(tmp_path):
