@@ -47,14 +47,25 @@ from harness.jobs.nodes import Nodes
 from harness.paths import REPORTS
 from harness.report.tracking import log_runs
 from harness.runtime.model import MODELS
+from harness.stack.checks import TOLERANCES as STACK_TOLERANCES
+from harness.stack.checks import tolerances
 from harness.train.layouts import LayoutConfig, LayoutError, plan, static_cp_for
 from harness.train.probes import load
 from harness.train.trainer import TrainConfig, execution_line, longest_sequence, model_cost
 
-TOLERANCES = {"float32": {"max": 1e-5, "mean": 1e-5}, "bfloat16": {"max": 2e-3, "mean": 5e-4}}
+TOLERANCES = {dtype: t["loss"] for dtype, t in STACK_TOLERANCES.items()}
+"""Loss bands per precision (``harness.stack.checks.TOLERANCES``): fp32 1e-5 per step and on average; bf16 2e-3 per
+step, 5e-4 on average (``loss_tolerance``: scaled for models with SSM mixer layers)."""
 MOE_EXACT_STEPS, LATE_WINDOW, LATE_BAND = 20, 10, 0.01
 """The MoE rule's strict span, and the late-window band of every rule with one (MoE routing, long bf16 runs)."""
 BF16_EXACT_STEPS = 30
+
+
+def loss_tolerance(cfg: TrainConfig) -> dict:
+    """``TOLERANCES[cfg.dtype]``, scaled for a bf16 model with SSM mixer layers
+    (``harness.stack.checks.BF16_MIXER_SCALE``)."""
+    return tolerances(cfg.dtype, cfg.model)["loss"]
+
 GOLDEN_SUITE = "convergence"
 
 
@@ -167,7 +178,7 @@ def load_golden(cfg: TrainConfig, world: int, hw: str) -> dict:
     cid, hint = case_id(*reference_case(cfg, world)), _update_hint(cfg, world)
     path = golden_mod.path_for(GOLDEN_SUITE, cid, hw)
     doc = golden_mod.load(path, hint)
-    policy = {"atol": TOLERANCES[cfg.dtype]["max"], "rtol": 0.0}
+    policy = {"atol": loss_tolerance(cfg)["max"], "rtol": 0.0}
     rule = golden_mod.checked_rule(doc["rule"], policy, path, hint)
     keys = ["bshd"] + [_mtp_key("bshd", k) for k in range(MODELS[cfg.model].mtp_depth)]
     series = {k: golden_mod.checked_series(doc, k, path, hint, cfg.steps)[:cfg.steps] for k in keys}
@@ -176,10 +187,21 @@ def load_golden(cfg: TrainConfig, world: int, hw: str) -> dict:
             "tol": {"max": atol, "mean": atol}}
 
 
+def golden_of(cfg: TrainConfig, world: int, golden: str = "auto") -> dict | None:
+    """The golden a run of ``cfg`` on ``world`` ranks is held to (``load_golden``; None: none), for ``golden``
+    ``auto`` (the case's golden on this hardware when it exists) or ``require``; any other mode: None. A missing
+    (``require``), corrupted, loose or short golden raises ``GoldenError`` before anything trains."""
+    hw = hardware(cfg)
+    path = golden_mod.path_for(GOLDEN_SUITE, case_id(*reference_case(cfg, world)), hw)
+    if golden == "require" or (golden == "auto" and path.exists()):
+        return load_golden(cfg, world, hw)
+    return None
+
+
 def evaluate(rows: dict[str, list[dict]], cfg: TrainConfig, world: int, hw: str, *, use_golden: bool = False,
              golden: dict | None = None) -> list[dict]:
     """Layout-vs-bshd and layout-vs-golden checks (``golden``: from ``load_golden``; ``use_golden`` loads it)."""
-    tol, span = TOLERANCES[cfg.dtype], strict_span(cfg)
+    tol, span = loss_tolerance(cfg), strict_span(cfg)
     base = "bshd" if "bshd" in rows else next(iter(rows))
     ref = [r["loss"] for r in rows[base]]
     checks = []
@@ -225,7 +247,7 @@ def write_golden(rows, cfg: TrainConfig, world: int, cid: str, hw: str) -> Path:
     return golden_mod.write(golden_mod.path_for(GOLDEN_SUITE, cid, hw), suite=GOLDEN_SUITE, case_id=cid, hw=hw,
                             config={**cfg.to_dict(), "world": world},
                             data=_golden_data(rows),
-                            rule={"kind": "approx", "atol": TOLERANCES[cfg.dtype]["max"], "rtol": 0.0},
+                            rule={"kind": "approx", "atol": loss_tolerance(cfg)["max"], "rtol": 0.0},
                             command=_update_hint(cfg, world))
 
 
@@ -304,7 +326,7 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
     cid, hw = case_id(cfg, world), hardware(cfg)
     gpath = golden_mod.path_for(GOLDEN_SUITE, case_id(*reference_case(cfg, world)), hw)
     use = golden == "require" or (golden == "auto" and gpath.exists())
-    gold = load_golden(cfg, world, hw) if use else None  # missing, corrupted, loose or short: fail before training
+    gold = golden_of(cfg, world, golden)  # missing, corrupted, loose or short: fail before training
     if run_dir is None:
         out_root.mkdir(parents=True, exist_ok=True)
         tmp = temporary_folder(".converge-", out_root)

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from harness.faults.checks import gradient_deviations, token_loss_deviations
 from harness.finite import nonfinite_message, within, worst
-from harness.stack.checks import REF_LAYOUT, TOLERANCES
+from harness.stack.checks import REF_LAYOUT, tolerances
 from harness.train.trainer import TrainConfig, longest_sequence
 
 NO_REFERENCE = "NO REFERENCE"
@@ -74,7 +74,7 @@ def checks(rows: dict[str, list[dict]], ranks: list[dict], ref_rows: list[dict],
     """Every layout of a run against its reference, one line per layout and quantity. ``ranks``/``ref_ranks``:
     each rank's probes (``{"probes": {layout: ...}}``); ``compare``: ``harness.apps.converge._compare`` (the loss rule);
     ``span``: the per-step rule's span and the band's reason (``harness.apps.converge.strict_span``)."""
-    tol, ref_name, t = TOLERANCES[cfg.dtype], name(), tag(cfg)
+    tol, ref_name, t = tolerances(cfg.dtype, cfg.model), name(), tag(cfg)
     ref_loss = [r["loss"] for r in ref_rows]
     ref_norm = [r["grad_norm"] for r in ref_rows]
     out = []

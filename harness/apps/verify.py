@@ -19,6 +19,7 @@ from pathlib import Path
 from harness import golden as golden_mod
 from harness.apps import verify_golden as vg
 from harness.apps.converge import hardware
+from harness.data.corpus import batch_lengths
 from harness.faults.catalogue import get, planted
 from harness.io import atomic_write_json
 from harness.jobs.entry import launch, launched_world, register
@@ -51,6 +52,39 @@ def default_max_seqlen(cfg, world: int) -> int:
     layouts fit the run's longest sequence on ``world`` ranks."""
     need = -(-longest_sequence(cfg) // world)
     return max(cfg.max_seqlen_per_rank, need + need % 2)
+
+
+SEED_SEARCH = 64
+"""``exercising``'s corpus seeds: 0 to 63."""
+
+
+def step1_needs_cp(cfg, world: int) -> bool:
+    """Whether step 1 of ``cfg``'s corpus holds a sequence longer than its tokens per rank, which every scheduler
+    must split over a CP group of more than one rank (``world`` > 1)."""
+    return world > 1 and max(batch_lengths(cfg.corpus, 0)) > cfg.max_seqlen_per_rank
+
+
+def exercising(cfg, world: int, capacity: int | None = None):
+    """``cfg`` with the first corpus seed (0 to ``SEED_SEARCH`` - 1) whose step 1 needs CP > 1 (``step1_needs_cp``),
+    and ``capacity`` tokens per rank (None: ``default_max_seqlen`` of that seed): the dcp layout's step-1 checks
+    then see a CP group. Without a dcp layout, on one rank, or when no seed gives one, ``cfg``'s own seed."""
+    def at(seed: int):
+        c = replace(cfg, corpus=replace(cfg.corpus, seed=seed))
+        return replace(c, max_seqlen_per_rank=capacity or default_max_seqlen(c, world))
+
+    if "dcp" in cfg.layouts and world > 1:
+        for seed in range(SEED_SEARCH):
+            c = at(seed)  # with the user's capacity, the static layouts must still fit the seed's longest sequence
+            if step1_needs_cp(c, world) and longest_sequence(c) <= c.max_seqlen_per_rank * world:
+                return c
+    return at(cfg.corpus.seed)
+
+
+def _exercise_hint(cfg, world: int) -> str:
+    found = exercising(cfg, world, cfg.max_seqlen_per_rank)
+    if step1_needs_cp(found, world):
+        return f"--seed {found.corpus.seed} gives a step 1 that needs CP > 1 at {cfg.max_seqlen_per_rank} tokens per rank"
+    return "a lower --max-seqlen-per-rank (the static layouts need the longest sequence / world) or longer --lengths"
 
 
 def _load(items: list) -> list[dict]:
@@ -126,7 +160,10 @@ def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path | str, options
         steps = [[pr["reports"][k] for pr in per_rank] for k in range(cfg.steps)]
         schedules = [Schedule.from_dict(s) for s in per_rank[0]["schedules"]]
         lines += checks.accounting(layout, steps, per_rank[0]["lengths"], schedules)
-        lines += checks.against_reference(layout, steps, ref_steps, cfg.dtype, REF_NAME)
+        if layout == "dcp" and world > 1:
+            lines.append(checks.exercise(layout, schedules, per_rank[0]["lengths"], cfg.max_seqlen_per_rank,
+                                         _exercise_hint(cfg, world)))
+        lines += checks.against_reference(layout, steps, ref_steps, cfg.dtype, REF_NAME, cfg.model)
     runs = {**{layout: vg.series(got[0]["layouts"][layout]["reports"]) for layout in cfg.layouts},
             "reference": vg.series(ref[0]["layouts"][checks.REF_LAYOUT]["reports"])}
     hw, cid = hardware(cfg), vg.case_id(stack, options, cfg, world)
@@ -136,12 +173,12 @@ def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path | str, options
     compare = golden == "require" or (golden == "auto" and path.is_file())
     if compare:
         lines += vg.against(path, runs, cfg, hw, hint)
-    verdict = "PASS" if all(c["pass"] for c in lines) else "FAIL"
+    verdict = checks.verdict_of(lines)
     used = str(path) if compare else None
     if golden == "update":
         if verdict != "PASS":
-            raise StackError(f"refusing to write the golden {path}: this run's verdict is FAIL (a golden must come "
-                             "from a run whose every check passes)")
+            raise StackError(f"refusing to write the golden {path}: this run's verdict is {verdict} (a golden must "
+                             "come from a run whose every check passes)")
         vg.write(path, runs, cfg, stack=stack, stack_name=got[0]["stack"], options=options, world=world, hw=hw,
                  command=command)
         used = str(path)

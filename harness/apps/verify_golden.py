@@ -5,7 +5,7 @@ the one-rank reference, from a run whose every check passed (``--update-golden``
 of the same case (stack, its options, scheduler, world, corpus, precision: ``case_id``) on the same hardware
 (``harness.apps.converge.hardware``: ``cpu``, ``h100``, ``h200`` ...) is held to it: losses within the precision's
 loss tolerance (absolute), gradient norms within its gradient-norm tolerance (relative)
-(``harness.stack.checks.TOLERANCES``; the file's rule may only tighten them). The reference run without CP
+(``harness.stack.checks.tolerances``; the file's rule may only tighten them). The reference run without CP
 drifts with the stack's versions as much as the layouts do: a golden is what catches a change that moves both.
 """
 
@@ -19,7 +19,7 @@ from harness import golden as golden_mod
 from harness.apps.converge import case_id as converge_case_id
 from harness.data.corpus import CorpusConfig
 from harness.finite import target, worst
-from harness.stack.checks import TOLERANCES
+from harness.stack.checks import tolerances
 from harness.train.config import TrainConfig
 
 GOLDEN_SUITE = "verify"
@@ -64,7 +64,7 @@ def series(reports: list) -> dict[str, list[float]]:
 def write(path: Path, runs: dict[str, dict], cfg: TrainConfig, *, stack: str, stack_name: str, options: dict,
           world: int, hw: str, command: str) -> Path:
     """Write the golden of ``runs`` (``{layout or "reference": series(...)}``)."""
-    tol = TOLERANCES[cfg.dtype]
+    tol = tolerances(cfg.dtype, cfg.model)
     data = {f"{name}.{q}": vals[q] for name, vals in runs.items() for q in QUANTITIES}
     return golden_mod.write(path, suite=GOLDEN_SUITE, case_id=path.name.rsplit(".", 2)[0], hw=hw,
                             config={**cfg.to_dict(), "stack": stack, "stack_name": stack_name, "options": options,
@@ -77,7 +77,7 @@ def against(path: Path, runs: dict[str, dict], cfg: TrainConfig, hw: str, update
     """Check lines of ``runs`` against the golden at ``path`` (``GoldenError`` when it is missing or malformed):
     per run, the worst |delta loss| (the rule's ``atol``) and relative |delta gradient norm| (its ``rtol``)."""
     doc = golden_mod.load(path, update_hint)
-    tol = TOLERANCES[cfg.dtype]
+    tol = tolerances(cfg.dtype, cfg.model)
     rule = golden_mod.checked_rule(doc["rule"], {"atol": tol["loss"]["max"], "rtol": tol["grad_norm"]}, path,
                                    update_hint)
     if rule["kind"] == "exact":

@@ -33,7 +33,9 @@ def add_arguments(c) -> None:
     c.add_argument("--batch-size", type=T.BATCH_SIZE, default=None, help="sequences per global batch (default 32)")
     c.add_argument("--vocab", type=T.BATCH_SIZE, default=None, help="corpus vocabulary (default 256)")
     c.add_argument("--max-seqlen-per-rank", type=T.TOKENS, default=None)
-    c.add_argument("--seed", type=T.SEED, default=None, help=f"corpus and model seed, 0 to {T.MAX_SEED}")
+    c.add_argument("--seed", type=T.SEED, default=None,
+                   help=f"corpus and model seed, 0 to {T.MAX_SEED} (default: the first from 0 whose step 1 has a "
+                        "sequence longer than the tokens per rank, so the dcp layout's step-1 checks see CP > 1)")
     c.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to the stack's factory as make(ctx, KEY=VALUE) (VALUE read as JSON when it parses, "
                         "else as text); repeatable")
@@ -64,6 +66,7 @@ def options(pairs: list[str]) -> dict:
 
 def run(a) -> int:
     from harness.apps import verify  # imports torch (~1 s): only the training commands pay for it
+    from harness.stack import checks  # lazy: numpy and the stack protocol, as above
     from harness.stack.drive import load_factory  # lazy: torch, as above
     from harness.train.config import TrainConfig  # lazy: torch, as above
 
@@ -82,14 +85,18 @@ def run(a) -> int:
                       scheduler=a.scheduler, device=a.device, corpus=corpus,
                       dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
                       **({"model": opts["model"]} if isinstance(opts.get("model"), str) else {}))
-    cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank or verify.default_max_seqlen(cfg, a.world))
+    if a.seed is None:  # the first seed whose step 1 needs CP > 1, so the dcp layout's step-1 checks see CP
+        cfg = verify.exercising(cfg, a.world, a.max_seqlen_per_rank)
+    else:
+        cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank or verify.default_max_seqlen(cfg, a.world))
     res = verify.verify(a.stack, cfg, world=a.world, out=out, options=opts, stall_s=a.stall_timeout, plant=a.plant,
                         golden="update" if a.update_golden else a.golden)
     if res is None:  # a rank other than 0 of a world the user's launcher started
         return 0
-    print(f"stack: {res.stack} ({a.stack}), {a.world} ranks, {a.steps} steps, {cfg.dtype}")
+    print(f"stack: {res.stack} ({a.stack}), {a.world} ranks, {a.steps} steps, {cfg.dtype}, corpus seed "
+          f"{cfg.corpus.seed}, {cfg.max_seqlen_per_rank} tokens per rank")
     for c in res.checks:
-        print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['value']:.3g}")
+        print(f"  [{checks.mark(c)}] {c['target']}: {c['value']:.3g}")
     if res.golden:
         print(f"golden: {res.golden}")
     print(f"verdict: {res.verdict}  ({res.out / 'verify.json'})")

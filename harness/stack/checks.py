@@ -6,7 +6,9 @@ fails):
 - **accounting**, against the batch and the schedule themselves: every rank divides by the global batch's loss
   tokens; every rank reports the same loss and gradient norm; at step 1 every loss token of every sequence is
   computed exactly once over the ranks (a CP rank that trains its neighbour's slice, or drops one, is caught);
-  each micro-batch ran in the CP group of its block's positions, on every rank;
+  each micro-batch ran in the CP group of its block's positions, on every rank; the dcp layout's step 1 forms
+  a CP group of more than one rank (``exercise``: else the step-1 checks never saw dynamic CP, and the verdict
+  is ``NOT_EXERCISED``);
 - **against the reference**: the same stack on one rank, without CP (``REF_LAYOUT``), on the same batches from
   the same seed - every step's loss (absolute) and gradient norm (relative), the step-1 gradient of every
   parameter (relative L2, worst parameter over the ranks) and the step-1 token losses of every sequence
@@ -21,6 +23,10 @@ import numpy as np
 
 from harness.finite import badness, target, worst
 
+NOT_EXERCISED = "NOT EXERCISED"
+"""The verdict of a run whose every numerical check passed but whose dcp layout ran step 1 at CP 1 only: the
+step-1 gradient and token-loss checks, which carry the position and exchange bugs, never saw a CP group."""
+
 REF_LAYOUT = "thd"
 """The reference's layout: on one rank with ``max_seqlen_per_rank`` >= the longest sequence, thd packs whole
 sequences (CP 1) into micro-batches."""
@@ -34,6 +40,26 @@ stay within ~5e-7 of the reference on every quantity over 50 steps (tiny models)
 rounding. bf16 (GPUs, autocast with fp32 master weights): the reference's bf16 rounding differs from a layout's
 (other matmul shapes), so losses are held to 2e-3 per step and 5e-4 on average, gradient norms to 2e-2
 relative, step-1 gradients to 5e-2 and token losses to 2e-2."""
+
+
+BF16_MIXER_SCALE = 2.0
+"""The bf16 loss tolerances of a model with SSM mixer layers are this many times the table's. Its layouts'
+trajectories carry ~2.5x tiny GPT's bf16 rounding from step 1 (the mixer's scan runs in fp32 under autocast and its
+gated norm falls back from the fused kernel): on 4 x H200, the nightly corpus, 30 steps, tiny-hybrid's largest
+per-step |delta loss| was 1.75e-3 (1 stage) and 2.38e-3 (2 stages), its mean up to 5.3e-4, with layouts that share
+all maths (bshd on 2 stages against the one-rank run: 1.42e-3 / 3.8e-4); tiny GPT's and its MTP variant's were
+7.1e-4 - 9.7e-4. The step-1 gradients (2.6e-3 of 5e-2) and token losses are held to the table unscaled."""
+
+
+def tolerances(dtype: str, model: str | None = None) -> dict:
+    """``TOLERANCES[dtype]``, with the loss bands of a bf16 model with SSM mixer layers scaled by
+    ``BF16_MIXER_SCALE``."""
+    from harness.runtime.model_config import MODELS  # lazy: the protocol's checks need no model table otherwise
+
+    tol = TOLERANCES[dtype]
+    if dtype == "bfloat16" and model in MODELS and any(k != "B" for k in MODELS[model].kinds):
+        tol = {**tol, "loss": {k: v * BF16_MIXER_SCALE for k, v in tol["loss"].items()}}
+    return tol
 
 
 def accounting(layout: str, steps: list[list], lengths: list[list[int]], schedules: list) -> list[dict]:
@@ -55,6 +81,35 @@ def accounting(layout: str, steps: list[list], lengths: list[list[int]], schedul
     if steps and steps[0][0].cp_groups is not None:
         out.append(_groups(layout, steps, schedules))
     return out
+
+
+def exercise(layout: str, schedules: list, lengths: list[list[int]], capacity: int, hint: str = "") -> dict:
+    """Whether ``layout`` (dynamic CP) formed a CP group of more than one rank at step 1, the step the gradient
+    and token-loss checks compare (an ``exercise`` line: failing it gives ``NOT_EXERCISED``, not FAIL).
+    ``capacity``: tokens per rank; ``hint``: how to get a step 1 that needs CP (a seed, a capacity)."""
+    first = schedules[0] if schedules else None
+    mbs = list(first.layout) if first is not None else []
+    n = sum(any(len(b.ranks) > 1 for b in mb) for mb in mbs)
+    sizes = sorted({len(b.ranks) for mb in mbs for b in mb})
+    why = ""
+    if not n and lengths:
+        why = (f"; step 1's longest sequence, {max(lengths[0])} tokens, fits {capacity} tokens per rank at CP 1"
+               + (f": {hint}" if hint else ""))
+    return {"target": f"{layout}: step 1 forms a CP group > 1, so the step-1 checks see dynamic CP ({n} of "
+                      f"{len(mbs)} micro-batches; CP sizes {sizes}){why}", "value": n, "pass": n > 0,
+            "exercise": True}
+
+
+def verdict_of(lines: list[dict]) -> str:
+    """FAIL when a check fails; else ``NOT_EXERCISED`` when only an ``exercise`` line does; else PASS."""
+    if not all(c["pass"] for c in lines if not c.get("exercise")):
+        return "FAIL"
+    return "PASS" if all(c["pass"] for c in lines) else NOT_EXERCISED
+
+
+def mark(line: dict) -> str:
+    """How a check line prints: PASS, FAIL, or NOT EXERCISED for a failed ``exercise`` line."""
+    return "PASS" if line["pass"] else NOT_EXERCISED if line.get("exercise") else "FAIL"
 
 
 def _coverage(layout: str, reps: list, lengths: list[int]) -> dict:
@@ -86,9 +141,11 @@ def _groups(layout: str, steps: list[list], schedules: list) -> dict:
                   unit="micro-batches")
 
 
-def against_reference(layout: str, steps: list[list], ref: list[list], dtype: str, ref_name: str) -> list[dict]:
-    """``layout``'s reports against the reference's (``ref[k][0]``: the one rank's report of step k)."""
-    tol, who = TOLERANCES[dtype], f"{layout} vs {ref_name}"
+def against_reference(layout: str, steps: list[list], ref: list[list], dtype: str, ref_name: str,
+                      model: str | None = None) -> list[dict]:
+    """``layout``'s reports against the reference's (``ref[k][0]``: the one rank's report of step k); ``model``:
+    the model trained, for its loss bands (``tolerances``)."""
+    tol, who = tolerances(dtype, model), f"{layout} vs {ref_name}"
     out = []
     if len(steps) != len(ref):
         return [target(f"{who}: {len(steps)} steps against the reference's {len(ref)}", float("nan"), 0)]

@@ -105,6 +105,39 @@ def test_the_nightly_configuration_mixes_cp_sizes_in_every_step():
         nc.check_mixing(old)
 
 
+def test_the_mixing_proof_plans_as_the_ranks_do_pipeline_included(monkeypatch):
+    """tiny-hybrid on 2 stages of 4 GPUs: planned for the pipeline (as the ranks plan it), step 84 runs every
+    sequence at CP 2; planned as one stage would be, every step mixes. Holding every step to the promise names step
+    84; the promise itself (90% of the steps) holds. The exercise line after a run takes the same share."""
+    from harness.apps import nightly
+
+    (case,) = [c for c in _plan(models=("tiny-hybrid",), device="cuda", world=4, gpus=4).cases if c.cfg.pp == 2]
+    nc.check_mixing(case)
+    monkeypatch.setattr(nc, "MIX_FRACTION", 1.0)
+    with pytest.raises(LayoutError, match=r"step 84's dcp schedule forms CP groups of \[2\] only, not both 1 and 2 "
+                                          r"\(the whole domain\), and so do 0 more of its 100 steps: at least 100"):
+        nc.check_mixing(case)
+    monkeypatch.undo()
+    ran = type("Ran", (), {"config": {"dcp_exercise": {"largest": 2, "steps": 100, "steps_mixed": 99}}})()
+    (line,) = nightly._mixing_checks(ran, case)
+    assert line["pass"] and line["exercise"] and "at least 90" in line["target"], line
+    ran.config["dcp_exercise"]["steps_mixed"] = 89
+    assert not nightly._mixing_checks(ran, case)[0]["pass"]
+
+
+def test_bf16_loss_bands_are_scaled_for_models_with_ssm_mixers_only():
+    """tiny-hybrid's bf16 loss bands are twice the table's (its layouts' rounding, measured on 4 GPUs); tiny GPT's
+    and every fp32 band are the table's, and the step-1 gradient and token-loss bounds are never scaled."""
+    from harness.stack.checks import BF16_MIXER_SCALE, TOLERANCES, tolerances
+
+    assert converge.loss_tolerance(TrainConfig(model="tiny-hybrid", dtype="bfloat16")) == {"max": 4e-3, "mean": 1e-3}
+    assert converge.loss_tolerance(TrainConfig(model="tiny-gpt", dtype="bfloat16")) == {"max": 2e-3, "mean": 5e-4}
+    assert converge.loss_tolerance(TrainConfig(model="tiny-hybrid")) == {"max": 1e-5, "mean": 1e-5}
+    hybrid = tolerances("bfloat16", "tiny-hybrid")
+    assert BF16_MIXER_SCALE == 2.0 and hybrid["step1_gradients"] == TOLERANCES["bfloat16"]["step1_gradients"]
+    assert hybrid["token_loss"] == TOLERANCES["bfloat16"]["token_loss"] and tolerances("bfloat16") == TOLERANCES["bfloat16"]
+
+
 @pytest.mark.slow
 def test_every_model_and_machine_kind_mixes_cp_sizes_in_every_step():
     for gpus in (0, 2, 4):

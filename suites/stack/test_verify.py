@@ -36,8 +36,47 @@ def test_a_correct_stack_passes_every_check(stack, tmp_path):
     res = verify(stack, SMALL, world=2, out=tmp_path, spawn=True)
     assert res.verdict == "PASS", _failed(res)
     kinds = {c["target"].split(": ", 1)[1].split(",")[0] for c in res.checks}
-    assert len(res.checks) == 3 * 9 and len(kinds) >= 8, kinds  # every check ran, for every layout
+    assert len(res.checks) == 3 * 9 + 1 and len(kinds) >= 9, kinds  # every check ran, for every layout
+    assert [c["value"] for c in res.checks if c.get("exercise")] == [2]  # step 1: 74 and 99 tokens > 64 per rank
     assert (tmp_path / "verify.json").exists() and not (tmp_path / "verify-work").exists()
+
+
+def test_a_dcp_step_1_without_a_cp_group_is_not_exercised_and_writes_no_golden(tmp_path):
+    """Step 1's longest sequence (99 tokens) fits 100 tokens per rank: dcp runs it at CP 1, the step-1 gradient
+    and token-loss checks never see a CP group, and the verdict says so (not PASS) with the seed that needs CP;
+    such a run writes no golden."""
+    from dataclasses import replace
+
+    roomy = replace(SMALL, steps=1, max_seqlen_per_rank=100)
+    res = verify(EXAMPLE, roomy, world=2, out=tmp_path / "a", spawn=True)
+    assert res.verdict == "NOT EXERCISED", _failed(res)
+    assert [c for c in _failed(res)] == [c["target"] for c in res.checks if c.get("exercise")]
+    line = _failed(res)[0]
+    assert "0 of" in line and "CP sizes [1]" in line and "99 tokens, fits 100 tokens per rank" in line, line
+    assert re.search(r"--seed \d+ gives a step 1 that needs CP > 1", line), line
+    with pytest.raises(StackError, match="verdict is NOT EXERCISED"):
+        verify(EXAMPLE, roomy, world=2, out=tmp_path / "b", spawn=True, golden="update", golden_root=tmp_path / "g")
+
+
+def test_verify_defaults_to_the_first_seed_whose_step_1_needs_cp():
+    """The default corpus at 2 ranks: seed 0's step 1 (longest 457) fits 484 tokens per rank, seed 1's does not;
+    at 4 ranks seed 0 already needs CP. A capacity the user gives is kept, and a seed whose longest sequence the
+    static layouts cannot fit there is passed over; without a dcp layout nothing changes."""
+    from dataclasses import replace
+
+    from harness.apps.verify import default_max_seqlen, exercising, step1_needs_cp
+    from harness.train.config import longest_sequence
+
+    cfg = TrainConfig(steps=3)
+    assert not step1_needs_cp(replace(cfg, max_seqlen_per_rank=default_max_seqlen(cfg, 2)), 2)
+    two, four = exercising(cfg, 2), exercising(cfg, 4)
+    assert (two.corpus.seed, two.max_seqlen_per_rank) == (1, 512) and step1_needs_cp(two, 2)
+    assert (four.corpus.seed, four.max_seqlen_per_rank) == (0, 256)
+    kept = exercising(cfg, 2, capacity=600)
+    assert kept.max_seqlen_per_rank == 600 and step1_needs_cp(kept, 2)
+    assert longest_sequence(kept) <= 2 * 600
+    assert exercising(replace(cfg, layouts=("bshd", "thd")), 2).corpus.seed == 0
+    assert exercising(cfg, 1).corpus.seed == 0
 
 
 PLANTED = {

@@ -4,7 +4,7 @@ Which cases run where (``harness.apps.nightly.cases``): every model of ``NIGHTLY
 (default 100), bshd / thd / dcp side by side, on GPUs when the machine has two or more, otherwise on
 4 CPU ranks (fp32, against the committed goldens) plus the single-GPU numerics on a lone GPU; one line
 says which before anything starts. Every case is checked before the first one starts (model, world,
-root, history format, and that dynamic CP mixes CP 1 with the whole domain in every step), so a bad
+root, history format, and that dynamic CP mixes CP 1 with the whole domain in at least 90% of the steps), so a bad
 input writes nothing.
 
 Each case's run is a ``converge-<time>`` folder under ``<root>/runs/`` (``harness.apps.converge``); one line
@@ -31,6 +31,7 @@ from harness.apps.nightly.cases import (
     Plan,
     check_mixing,
     choose,
+    mixed_steps_needed,
     only,
 )
 from harness.golden import producer
@@ -64,6 +65,7 @@ def prepare(*, steps: int, models, device: str, world: int | None, root: Path, j
         check_mixing(case)
         if case.role != STACK:
             converge.preflight(case.cfg, case.world)
+            converge.golden_of(case.cfg, case.world)  # a golden shorter than the run: refused before anything runs
     return plan
 
 
@@ -80,17 +82,20 @@ def run(*, steps: int = 100, models=NIGHTLY_MODELS, device: str = "auto", world:
 
 
 def _mixing_checks(result, case: NightlyCase) -> list[dict]:
-    """The nightly promise, read off what ran: every step of the dcp layout mixed CP 1 and the whole domain."""
+    """The nightly promise, read off what ran: at least ``mixed_steps_needed`` of the dcp layout's steps mixed CP 1
+    and the whole domain."""
     ex = result.config.get("dcp_exercise")
     if case.role != DISTRIBUTED or ex is None:
         return []
-    return [{"target": f"dcp: steps that mixed CP 1 and CP {ex['largest']} (of {ex['steps']})",
-             "value": ex["steps_mixed"], "pass": ex["steps_mixed"] == ex["steps"], "exercise": True}]
+    need = mixed_steps_needed(ex["steps"])
+    return [{"target": f"dcp: steps that mixed CP 1 and CP {ex['largest']} (of {ex['steps']}; at least {need})",
+             "value": ex["steps_mixed"], "pass": ex["steps_mixed"] >= need, "exercise": True}]
 
 
 def _stack(case: NightlyCase, root: Path, prod: dict, stall_s) -> dict:
     """The megatron-core case: ``dcp-harness verify megatron-core`` into a ``verify-<time>`` run folder."""
     from harness.apps import verify  # lazy: imports torch; the CLI imports this module without it
+    from harness.stack import checks  # lazy: as above
 
     out = root / "runs" / f"verify-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     try:
@@ -100,7 +105,7 @@ def _stack(case: NightlyCase, root: Path, prod: dict, stall_s) -> dict:
         print(f"nightly {case.case_id}: the job failed: {e}", flush=True)
         return history.failure(case, str(e), prod)
     for c in res.checks:
-        print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['value']:.3g}", flush=True)
+        print(f"  [{checks.mark(c)}] {c['target']}: {c['value']:.3g}", flush=True)
     return history.stack_entry(res, case, root=root, producer=prod)
 
 

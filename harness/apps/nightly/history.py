@@ -106,11 +106,12 @@ def deltas(checks: list[dict], reference: str) -> dict[str, float]:
 def entry(result, *, role: str, root: Path, producer: dict, extra_checks: list[dict]) -> dict:
     """The history line of one case's run (``result``: a ``harness.apps.converge.ConvergeResult``)."""
     # lazy: imports torch; the CLI imports this module without it
-    from harness.apps.converge import LATE_BAND, LATE_WINDOW, TOLERANCES, strict_span
+    from harness.apps.converge import LATE_BAND, LATE_WINDOW, loss_tolerance, strict_span
     from harness.train.config import TrainConfig
 
     rows, cfg = result.rows, result.config
-    strict, why = strict_span(TrainConfig(model=cfg["model"], dtype=cfg["dtype"]))
+    kind = TrainConfig(model=cfg["model"], dtype=cfg["dtype"])
+    strict, why = strict_span(kind)
     checks = result.checks + extra_checks
     base = "bshd" if "bshd" in rows else next(iter(rows))
     run = Path(os.path.relpath(result.run_dir, root)).as_posix()
@@ -120,7 +121,7 @@ def entry(result, *, role: str, root: Path, producer: dict, extra_checks: list[d
             "hardware": cfg["hardware"], "precision": result.case_id.rsplit("__", 1)[-1], "role": role,
             "world": cfg["world"], "verdict": result.verdict, "run": run, "report": f"{run}/index.html",
             "git_rev": producer["git_rev"], "version": producer["versions"]["dcp-harness"],
-            "tolerance": TOLERANCES[cfg["dtype"]]["max"], "margin": None if math.isinf(m) else m,
+            "tolerance": loss_tolerance(kind)["max"], "margin": None if math.isinf(m) else m,
             "rule": {"strict_steps": strict, "why": why, "late_window": LATE_WINDOW, "late_band": LATE_BAND},
             "golden": bool(cfg.get("golden")),
             "last_loss": {k: v[-1]["loss"] for k, v in rows.items()},
@@ -134,7 +135,7 @@ def stack_entry(result, case, *, root: Path, producer: dict) -> dict:
     """The history line of a stack case (``result``: a ``harness.apps.verify.Verified`` with its ``curves``)."""
     # lazy: imports torch; the CLI imports this module without it
     from harness.apps.converge import hardware
-    from harness.stack.checks import TOLERANCES
+    from harness.stack.checks import tolerances
 
     checks, run = result.checks, Path(os.path.relpath(result.out, root)).as_posix()
     m = margin(checks)
@@ -142,7 +143,7 @@ def stack_entry(result, case, *, root: Path, producer: dict) -> dict:
     return {"format": FORMAT, "date": dt.datetime.now().isoformat(timespec="seconds"), "case_id": case.case_id,
             "hardware": hw, "precision": case.case_id.rsplit("__", 1)[-1], "role": case.role, "world": case.world,
             "verdict": result.verdict, "run": run, "report": f"{run}/verify.json", "git_rev": producer["git_rev"],
-            "version": producer["versions"]["dcp-harness"], "tolerance": TOLERANCES[case.cfg.dtype]["loss"]["max"],
+            "version": producer["versions"]["dcp-harness"], "tolerance": tolerances(case.cfg.dtype, case.cfg.model)["loss"]["max"],
             "margin": None if math.isinf(m) else m, "golden": bool(result.golden),
             "last_loss": {k: v["loss"][-1] for k, v in (result.curves or {}).items()},
             "max_delta": deltas(checks, "reference (1 rank, no CP)"), "golden_delta": deltas(checks, f"golden ({hw})"),
@@ -153,12 +154,12 @@ def stack_entry(result, case, *, root: Path, producer: dict) -> dict:
 def failure(case, error: str, producer: dict) -> dict:
     """The history line of a case whose job failed (no run folder; the error names the log)."""
     # lazy: imports torch; the CLI imports this module without it
-    from harness.apps.converge import TOLERANCES, hardware
+    from harness.apps.converge import hardware, loss_tolerance
 
     return {"format": FORMAT, "date": dt.datetime.now().isoformat(timespec="seconds"), "case_id": case.case_id,
             "hardware": hardware(case.cfg), "precision": case.case_id.rsplit("__", 1)[-1], "role": case.role,
             "world": case.world, "verdict": "FAIL", "run": None, "report": None, "git_rev": producer["git_rev"],
-            "version": producer["versions"]["dcp-harness"], "tolerance": TOLERANCES[case.cfg.dtype]["max"],
+            "version": producer["versions"]["dcp-harness"], "tolerance": loss_tolerance(case.cfg)["max"],
             "margin": None, "golden": False, "last_loss": {}, "max_delta": {}, "golden_delta": {}, "tokens_per_s": {},
             "dcp_exercise": None, "wandb": [], "failed": [f"the job failed: {error}"]}
 
