@@ -253,8 +253,8 @@ def render(history: list[dict], root: Path) -> Path:
             f'<p class="meta">{len(history)} case runs, {len(groups)} cases; drawn {esc(stamp)}. Margin = tolerance / '
             f'observed deviation of the tightest check; flagged when it shrank {SHRINK:g}x or more against the '
             f'median of the last {WINDOW} runs, or when the verdict changed. NOT EXERCISED: dynamic CP never formed '
-            f'a CP group &gt; 1 (or not in every step). NO REFERENCE: nothing outside the run\'s own layouts judged it '
-            f'(no reference run, no golden).</p>', _summary(groups)]
+            f'a CP group &gt; 1 (or mixed CP 1 with the whole domain in fewer than 90% of the steps). NO REFERENCE: '
+            f'nothing outside the run\'s own layouts judged it (no reference run, no golden).</p>', _summary(groups)]
     body += [_section(key, by_series, root) for key, by_series in sorted(groups.items())]
     html = page("dcp-harness nightly", "".join(body)).replace("</style>", CSS + "</style>", 1)
     return atomic_write_text(root / "index.html", html)
