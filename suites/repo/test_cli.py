@@ -125,8 +125,12 @@ def test_faults_cli_lists_validates_before_running_and_writes_readable_reports(t
         assert p.stat().st_mode & 0o777 == 0o666 & ~mask  # the umask's mode, not the temporary file's 0600
 
 
-def test_bad_inputs_are_refused_before_anything_runs(tmp_path):
-    """Each bad input: exit 2, one line naming the value and the fix, no traceback, nothing launched."""
+def test_bad_inputs_are_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+    """Each bad input: exit 2, one line naming the value and the fix, no traceback, nothing launched (through the
+    CLI's entry in this process: a refusal starts nothing, and an uncaught exception would fail the test)."""
+    from harness import cli as harness_cli
+
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 4)
     (tmp_path / "empty.txt").write_text("# only a comment\n\n")
     (tmp_path / "file").write_text("")
@@ -153,8 +157,8 @@ def test_bad_inputs_are_refused_before_anything_runs(tmp_path):
     for args, expect in cases:
         if args[0] == "schedule":
             args = args + ["--ranks", "4", "--max-seqlen-per-rank", "512"]
-        r = cli(*args, cwd=tmp_path)
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == 2 and len(lines) == 1 and expect in lines[0], (args, r.stderr)
-        assert lines[0].startswith("dcp-harness: error: ") and "Traceback" not in r.stderr
+        code = harness_cli.main(list(args))
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and expect in lines[0], (args, lines)
+        assert lines[0].startswith("dcp-harness: error: ")
     assert not (tmp_path / "reports").exists()  # nothing was launched or written
