@@ -186,6 +186,27 @@ def _srun_env(rank: int, port: int, **extra) -> dict:
             "SLURM_STEP_TASKS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **extra}
 
 
+def test_the_environment_srun_sets_is_read_as_each_tasks_rank(monkeypatch):
+    """srun's variables give (rank, world, local rank, local world), torchrun's win when both are set, and one task
+    is not a launched world. The ranks then run the in-place path the user's torchrun test runs end to end (the
+    end-to-end srun run is in the slow suite)."""
+    from harness.jobs.entry import launched_world
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in _srun_env(3, 29500, SLURM_STEP_NUM_TASKS="8", SLURM_LOCALID="1",
+                          SLURM_STEP_TASKS_PER_NODE="2(x4)").items():
+        monkeypatch.setenv(k, v)
+    assert launched_world() == (3, 8, 1, 2)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
+    assert launched_world() is None
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    assert launched_world() == (5, 6, 5, 6)
+
+
+@pytest.mark.slow  # the environment's mapping is in the default suite (above), the in-place ranks under torchrun
 def test_srun_tasks_starting_the_harness_give_the_same_report(own_launcher, tmp_path):
     """What ``srun --ntasks 2 dcp-harness converge ...`` gives each task (the environment srun sets)."""
     port = _free_port()
