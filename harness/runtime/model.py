@@ -192,7 +192,7 @@ def compiled_chain(blocks: list[Block], x_TE, rot: Rotary, attention: Attention,
         return (b.norm1.weight, b.qkv.weight, rot.cos, rot.sin, b.norm1.eps, c.heads, c.kv_heads)
 
     if scope == "chain":
-        # lazy: opaque records the dispatch state at its first import (autocast's, in a bf16 step)
+        # lazy: opaque defines its operators on first use (the chain scope only)
         from harness.runtime.opaque import attending
 
         layers = [(inputs(b), *b.tail_weights()) for b in blocks]

@@ -12,8 +12,8 @@ call forward and one backward per micro-batch.
 How the operator runs the real attention: its forward calls the attention callable installed with
 ``attending(attention)`` on detached copies of q / k / v *with autograd re-enabled* (a custom
 operator's implementation runs below the autograd dispatch keys; the forward restores the dispatch
-state the process had at import, so the attention records its own autograd graph exactly as in eager
-mode) and keeps that graph under an integer key, which it returns as a CPU scalar tensor next to the
+state of the code that installed the attention, autocast included, and the backward a thread's default
+state, so the attention records and runs its own autograd graph exactly as in eager mode) and keeps that graph under an integer key, which it returns as a CPU scalar tensor next to the
 output. The backward operator receives the key (saved for backward like any tensor), takes the graph
 back and runs ``torch.autograd.grad`` on it: the same kernels, collectives and rounding as the eager
 attention, in the same order. A graph whose key tensor dies without a backward (inference, an
@@ -44,13 +44,30 @@ that promise) is now ``_fresh`` (~2-5 us per layer). Private torch APIs:
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from contextlib import contextmanager
 
 import torch
 
-_EAGER_DISPATCH = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
-"""The thread-local dispatch key sets of ordinary eager code (taken at import)."""
+
+def _dispatch_state() -> tuple:
+    """The calling thread's local dispatch key sets (autocast's state among them)."""
+    return torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+
+
+def _default_dispatch_state() -> tuple:
+    """The dispatch key sets a thread starts with: eager code outside any autocast or mode. Read in a new thread,
+    so it does not depend on the state of the code that imports this module (e.g. a bf16 step's autocast)."""
+    box: list = []
+    reader = threading.Thread(target=lambda: box.append(_dispatch_state()), name="dcp-harness-dispatch-state")
+    reader.start()
+    reader.join()
+    return box[0]
+
+
+_BACKWARD_DISPATCH = _default_dispatch_state()
+"""The backward's dispatch state: as eager autograd runs a backward called outside autocast."""
 
 _GRAPHS: dict[int, tuple] = {}
 _KEYS = itertools.count()
@@ -66,10 +83,12 @@ class OpaqueAttentionError(RuntimeError):
 @contextmanager
 def attending(attention):
     """Install ``attention`` (a callable ``(q, k, v) -> out`` with autograd) for the opaque operator
-    while the block runs; the previous one is restored after it."""
+    while the block runs; the previous one is restored after it. The operator's forward runs it in the dispatch
+    state of this call (inside a bf16 step's autocast: under autocast, as the eager forward would); its backward
+    runs in a thread's default state (as eager autograd runs a backward called outside autocast)."""
     if not callable(attention):
         raise TypeError(f"attention must be callable (q, k, v) -> out, got {attention!r}")
-    before, _CURRENT[0] = _CURRENT[0], attention
+    before, _CURRENT[0] = _CURRENT[0], (attention, _dispatch_state())  # the caller's state: its autocast too
     try:
         yield
     finally:
@@ -108,11 +127,11 @@ def _fresh(op: str, outputs: tuple, inputs: tuple, *, copy: bool = False) -> tup
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    attention = _CURRENT[0]
-    if attention is None:
+    if _CURRENT[0] is None:
         raise OpaqueAttentionError("opaque_attention ran outside `attending(attention)`: install the "
                                    "micro-batch's attention around the compiled call")
-    with torch._C._ForceDispatchKeyGuard(*_EAGER_DISPATCH), torch.enable_grad():
+    attention, dispatch = _CURRENT[0]
+    with torch._C._ForceDispatchKeyGuard(*dispatch), torch.enable_grad():
         leaves = (q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_())
         out = attention(*leaves)
     result = _fresh("opaque_attention", (out.detach().contiguous(),), (q, k, v))  # refused: nothing kept
@@ -133,7 +152,7 @@ def _backward(grad_out: torch.Tensor, tag: torch.Tensor, q: torch.Tensor, k: tor
                                    "died: a saved_tensors_hooks pack that copies saved tensors (CPU offloading) "
                                    "frees the graph; keep opaque_attention outside such hooks")
     out, leaves, _ = entry
-    with torch._C._ForceDispatchKeyGuard(*_EAGER_DISPATCH):
+    with torch._C._ForceDispatchKeyGuard(*_BACKWARD_DISPATCH):
         dq, dk, dv = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
     return _fresh("opaque_attention backward", (torch.zeros_like(q) if dq is None else dq.contiguous(),
                                                 torch.zeros_like(k) if dk is None else dk.contiguous(),

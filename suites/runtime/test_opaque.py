@@ -149,3 +149,42 @@ def test_attending_restores_the_previous_attention():
             inner = opaque_attention(*qkv)
         outer = opaque_attention(*qkv)
     torch.testing.assert_close(inner, 2 * outer)
+
+
+class _Autocasting(torch.autograd.Function):
+    """Identity that records whether CPU autocast was on in its forward and in its backward."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        _Autocasting.seen.append(("forward", torch.is_autocast_enabled("cpu")))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _Autocasting.seen.append(("backward", torch.is_autocast_enabled("cpu")))
+        return g
+
+
+def _recording(q, k, v):
+    return _causal(_Autocasting.apply(q), k, v)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
+def test_the_operator_runs_the_attention_in_the_dispatch_state_eager_code_has(autocast):
+    """The reference is eager: the attention's forward under the caller's autocast, its backward (called outside
+    autocast, as a step calls it) without. The operator must see the same states, whatever the state of the code
+    that first imported it (a bf16 step imports it under autocast): the forward takes the state of the code that
+    installed the attention, the backward a new thread's."""
+    qkv = [t.detach().float().requires_grad_() for t in _qkv()]
+    runs = {}
+    for name, fn in (("eager", _recording), ("opaque", opaque_attention)):
+        _Autocasting.seen = []
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), attending(_recording):  # as the chain
+            out = fn(*qkv)
+        out.float().sum().backward()
+        runs[name] = list(_Autocasting.seen)
+    assert runs["opaque"] == runs["eager"] == [("forward", autocast), ("backward", False)], runs
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the backward's state does not depend on where it is read
+        assert opaque._default_dispatch_state() == opaque._BACKWARD_DISPATCH
