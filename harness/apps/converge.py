@@ -47,6 +47,7 @@ from harness.jobs.nodes import Nodes
 from harness.paths import REPORTS
 from harness.report.tracking import log_runs
 from harness.runtime.model import MODELS
+from harness.stack.checks import NOT_EXERCISED as STACK_NOT_EXERCISED
 from harness.stack.checks import TOLERANCES as STACK_TOLERANCES
 from harness.stack.checks import tolerances
 from harness.train.layouts import LayoutConfig, LayoutError, plan, static_cp_for
@@ -59,14 +60,13 @@ step, 5e-4 on average (``loss_tolerance``: scaled for models with SSM mixer laye
 MOE_EXACT_STEPS, LATE_WINDOW, LATE_BAND = 20, 10, 0.01
 """The MoE rule's strict span, and the late-window band of every rule with one (MoE routing, long bf16 runs)."""
 BF16_EXACT_STEPS = 30
+GOLDEN_SUITE = "convergence"
 
 
 def loss_tolerance(cfg: TrainConfig) -> dict:
     """``TOLERANCES[cfg.dtype]``, scaled for a bf16 model with SSM mixer layers
     (``harness.stack.checks.BF16_MIXER_SCALE``)."""
     return tolerances(cfg.dtype, cfg.model)["loss"]
-
-GOLDEN_SUITE = "convergence"
 
 
 DEFAULT_MAX_SEQLEN_PER_RANK = TrainConfig().max_seqlen_per_rank
@@ -324,8 +324,6 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
         raise LayoutError(f"goldens are written by the PP = 1, non-expert-parallel case a pipeline or expert-parallel "
                           f"run must equal; run: {_update_hint(cfg, world)}")
     cid, hw = case_id(cfg, world), hardware(cfg)
-    gpath = golden_mod.path_for(GOLDEN_SUITE, case_id(*reference_case(cfg, world)), hw)
-    use = golden == "require" or (golden == "auto" and gpath.exists())
     gold = golden_of(cfg, world, golden)  # missing, corrupted, loose or short: fail before training
     if run_dir is None:
         out_root.mkdir(parents=True, exist_ok=True)
@@ -383,7 +381,7 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
         checks = evaluate(rows, cfg, world, hw, golden=gold) + ref_checks + exercise_checks(exercise)
         verdict = verdict_of(checks)
         config = {**cfg.to_dict(), "world": world, "static_cp": rank0["static_cp"], "longest": rank0["longest"],
-                  "case_id": cid, "hardware": hw, "golden": str(gpath) if use else None, "dcp_exercise": exercise,
+                  "case_id": cid, "hardware": hw, "golden": gold["path"] if gold else None, "dcp_exercise": exercise,
                   "planted": plant, "reference": reference.name() if with_probes else None}
         result = ConvergeResult(verdict, tmp, cid, rows, checks, config, ref_rows, step0_schedules(config),
                                 model_cost(cfg))
@@ -428,9 +426,10 @@ def step0_schedules(config: dict) -> dict:
     return {layout: plan(layout, lengths, lcfg, model_cost(cfg))[0] for layout in cfg.layouts}
 
 
-NOT_EXERCISED = "NOT EXERCISED"
+NOT_EXERCISED = STACK_NOT_EXERCISED
 """The verdict of a run whose dcp layout never formed a CP group of more than one rank: its agreement
-says nothing about dynamic CP (one rank, or lengths that never needed CP)."""
+says nothing about dynamic CP (one rank, or lengths that never needed CP). The same verdict as ``verify``'s
+(``harness.stack.checks.NOT_EXERCISED``)."""
 
 
 def dcp_exercise(rows: dict[str, list[dict]], domain: int) -> dict | None:

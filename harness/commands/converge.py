@@ -63,6 +63,7 @@ def add_arguments(c) -> None:
 
 def run(a) -> int:
     from harness.apps import converge  # imports torch (~1 s): only the training commands pay for it
+    from harness.stack import checks  # lazy: as above
 
     if a.device == "auto":
         import torch  # heavy to import; only --device auto asks it for a GPU
@@ -87,7 +88,6 @@ def run(a) -> int:
     if res is None:  # a node other than node 0 of a multi-node job
         return 0
     for c in res.checks:
-        mark = "PASS" if c["pass"] else converge.NOT_EXERCISED if c.get("exercise") else "FAIL"
-        print(f"  [{mark}] {c['target']}" + ("" if c["value"] != c["value"] else f": {c['value']:.3g}"))
+        print(f"  [{checks.mark(c)}] {c['target']}" + ("" if c["value"] != c["value"] else f": {c['value']:.3g}"))
     print(f"report: {res.run_dir / 'index.html'}\nverdict: {res.verdict}")
     return 0 if res.verdict == "PASS" else 1
