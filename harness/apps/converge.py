@@ -487,7 +487,8 @@ def config_from_args(a) -> TrainConfig:
                       steps=a.steps, scheduler=a.scheduler, device=a.device, corpus=corpus,
                       cp_exchange=a.cp_exchange, pp=a.pp, vpp=a.vpp, pipeline=a.pipeline,
                       schedule_delivery=a.schedule_delivery, expert_parallel=bool(getattr(a, "ep", False)),
-                      dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"))
+                      dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
+                      weights=getattr(a, "weights", None) or "cached")
     if a.max_seqlen_per_rank:
         cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank)
     return cfg

@@ -37,9 +37,10 @@ and no golden): never PASS."""
 
 def config(cfg: TrainConfig) -> TrainConfig:
     """The reference run of ``cfg``: one rank, thd of whole sequences, no pipeline, no expert parallelism,
-    probes on (step-1 gradients and token losses)."""
+    probes on (step-1 gradients and token losses), weights cast at each call and accumulated by autograd (not the
+    step's weight copies of ``harness.runtime.weight_cache``: the layouts' optimisation is judged, not shared)."""
     return replace(cfg, layouts=(REF_LAYOUT,), pp=1, vpp=1, pipeline="1f1b", schedule_delivery="broadcast",
-                   expert_parallel=False, probes=True,
+                   expert_parallel=False, probes=True, weights="per-call",
                    max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest_sequence(cfg)))
 
 

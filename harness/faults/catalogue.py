@@ -313,6 +313,19 @@ FAULTS: tuple[Fault, ...] = (
           url="https://github.com/PrimeIntellect-ai/prime-rl/pull/3003", layer="model",
           seam="harness.train.passes:ssm_sequences", make=mf.make_ssm_reset_at_cp_shards, check="step1-gradients",
           expect=r"step-1 gradient of .* differs", scenario="train-hybrid"),
+    Fault(name="weight-copy-never-refreshed", title="the step's low-precision weight copies are never refreshed",
+          source="AMD-AGI Primus PR #983: the MegaMoE experts' fp8 weight caches were never dropped at the step "
+                 "boundary (no version counter or address moved), so they contracted the weights training started "
+                 "with for the whole run (TransformerEngine's is_first_microbatch caching has the same contract)",
+          url="https://github.com/AMD-AGI/Primus/pull/983", layer="model",
+          seam="harness.runtime.weight_cache:refresh", make=tf.make_weight_copy_never_refreshed, check="grad-norm",
+          expect=r"step 2: [-+.\de]+ vs bshd"),
+    Fault(name="wgrad-first-microbatch-only", title="only each step's first micro-batch adds its weight gradient",
+          source="AMD-AGI Primus PR #1046: the weight-gradient add into main_grad was gated on a per-iteration "
+                 "grad_added_to_main_grad flag, so with gradient accumulation only micro-batch 0's gradient arrived",
+          url="https://github.com/AMD-AGI/Primus/pull/1046", layer="gradients",
+          seam="harness.runtime.weight_cache:accumulate", make=tf.make_wgrad_first_microbatch_only,
+          check="step1-gradients", expect=r"step-1 gradient of .* differs"),
     Fault(name="replay-pp-offset-off-by-one", title="a PP stage replays the previous layer's routes",
           source="SkyRL PR #1335: _get_current_pp_stage_layer_range decides each stage's replay rows",
           url=SKYRL + "1335", layer="replay", seam="harness.train.replay:route_column",

@@ -258,3 +258,30 @@ def make_destroyed_group_reused(original):
             groups._mine = dict(first)
         return groups
     return new_groups
+
+
+# ------------------------------------------------------------------------------- the step's weight copies
+def make_weight_copy_never_refreshed(original):
+    """The step's compute-dtype copy of a weight is made once and kept: after the first step the layers compute
+    with the weights training started with while the optimiser updates the fp32 masters (a cache that nothing
+    invalidates; its addresses and, under some optimisers, its version counters never move)."""
+    def refresh(w, buf, first):
+        if first:
+            original(w, buf, first)
+    return refresh
+
+
+def make_wgrad_first_microbatch_only(original):
+    """A per-step "already added" flag gates the weight-gradient add: only each weight's first micro-batch of a
+    step reaches ``.grad``, the others are dropped (the flag means "the gradient lives in the main buffer", not
+    "an add happened")."""
+    from harness.runtime import weight_cache
+
+    added: dict[int, int] = {}
+
+    def accumulate(w, g):
+        step = weight_cache.step_number()
+        if added.get(id(w)) != step:
+            original(w, g)
+            added[id(w)] = step
+    return accumulate

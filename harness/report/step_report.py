@@ -119,6 +119,16 @@ def _cost_ab(summary: dict) -> str:
             + "".join(lines) + "</ul>") if lines else ""
 
 
+def _weights_ab(summary: dict) -> str:
+    """Arms that took their weights per call against their twins with the step's weight copies."""
+    items = (summary.get("weights_ab") or {}).items()
+    lines = [f"<li>{esc(label)} / {esc(r['base'])}: {r['median']:.3f} (median of the runs' time ratios; "
+             f"runs {', '.join(_fmt(x, '.3f') for x in r['per_run'])}; &gt; 1: the weight copies faster)</li>"
+             for label, r in items]
+    return ("<p>The step's weight copies (harness.runtime.weight_cache) side by side with weights cast per call, "
+            "each arm on the same batches in the same runs:</p><ul>" + "".join(lines) + "</ul>") if lines else ""
+
+
 def _runs(summary: dict) -> str:
     """The per-run table (several runs only): the targets' medians come from these rows."""
     if len(summary["runs"]) < 2:
@@ -190,6 +200,7 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
         table(verdicts, ["target", "value", "per run", "verdict"], left=1) if verdicts else "",
         _bound(summary),
         _cost_ab(summary),
+        _weights_ab(summary),
         _runs(summary),
         "<h2>Step time" + (f" (run {summary['representative_run'] + 1} of {len(summary['runs'])})"
                            if len(summary["runs"]) > 1 else "") + "</h2>",

@@ -44,6 +44,7 @@ from harness.runtime.layers import (  # noqa: F401 - re-exported: the model's pu
 )
 from harness.runtime.model_config import MLPS, MODELS, ModelConfig  # noqa: F401 - re-exported
 from harness.runtime.mtp import MTPLayer
+from harness.runtime.weight_cache import weight
 
 # ---------------------------------------------------------------- compiled block segments
 # A dense block is attention plus two per-token segments: (norm, QKV projection, RoPE) before it and
@@ -175,7 +176,7 @@ class Block(nn.Module):
         """(MLP kind, the weights and eps of the segment after attention) for the compiled chain."""
         w1 = self.mlp.gate_up.weight if isinstance(self.mlp, SwiGLU) else self.mlp.up.weight
         return ("swiglu" if isinstance(self.mlp, SwiGLU) else "gelu",
-                (self.proj.weight, self.norm2.weight, w1, self.mlp.down.weight, self.norm2.eps))
+                (weight(self.proj.weight), self.norm2.weight, weight(w1), weight(self.mlp.down.weight), self.norm2.eps))
 
 
 def compiled_chain(blocks: list[Block], x_TE, rot: Rotary, attention: Attention, backend: str, mode: str | None,
@@ -189,7 +190,7 @@ def compiled_chain(blocks: list[Block], x_TE, rot: Rotary, attention: Attention,
     c = blocks[0].c
 
     def inputs(b: Block) -> tuple:
-        return (b.norm1.weight, b.qkv.weight, rot.cos, rot.sin, b.norm1.eps, c.heads, c.kv_heads)
+        return (b.norm1.weight, weight(b.qkv.weight), rot.cos, rot.sin, b.norm1.eps, c.heads, c.kv_heads)
 
     if scope == "chain":
         # lazy: opaque defines its operators on first use (the chain scope only)
@@ -319,12 +320,12 @@ class TinyLM(nn.Module):
         """Sum of masked next-token cross-entropies from the last block's hidden states."""
         if self.compiled:
             head = compiled_segment("head", self.compiled, self.compile_mode)
-            return head(h, self.norm.weight, self.head.weight, labels_T, real_T, self.norm.eps)
+            return head(h, self.norm.weight, weight(self.head.weight), labels_T, real_T, self.norm.eps)
         return self.token_ce(h, labels_T, real_T).sum()
 
     def token_ce(self, h, labels_T, real_T):
         """Masked next-token cross-entropy of every local token (eager; padding gives 0)."""
-        logits = self.head(self.norm(h)).float()
+        logits = F.linear(self.norm(h), weight(self.head.weight)).float()
         return F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none") * real_T
 
     def forward(self, tokens_T, pos_T, real_T, attention: Attention, routing=None):
@@ -353,7 +354,7 @@ class TinyLM(nn.Module):
             rot = pos_T if isinstance(pos_T, Rotary) else Rotary(pos_T, self.c.hidden // self.c.heads,
                                                                  self.c.rope_base)
             ce = compiled_chain(list(self.blocks), self.embed(tokens_T), rot, attention, self.compiled,
-                                self.compile_mode, head=(self.norm.weight, self.head.weight, labels_T, real,
+                                self.compile_mode, head=(self.norm.weight, weight(self.head.weight), labels_T, real,
                                                          self.norm.eps), scope=self.compile_scope)
             return ce, torch.zeros((), device=ce.device)
         x, aux = self.run_layers(self.embed(tokens_T), pos_T, real, attention, routing=routing)

@@ -12,6 +12,7 @@ from harness.parallel.expert_parallel import check_divisible
 from harness.plan import ALGORITHMS, CostModel
 from harness.plan.execution import INDEPENDENT, SYNCHRONOUS, Execution
 from harness.runtime.model import MODELS
+from harness.runtime.weight_cache import MODES as WEIGHT_MODES
 from harness.train.layouts import LAYOUTS, LayoutConfig, LayoutError, static_cp_for
 from harness.train.pipeline import PipelineConfig
 from harness.upstream.megatron import NAME as UPSTREAM_SCHEDULER
@@ -56,6 +57,10 @@ class TrainConfig:
     every micro-batch sends its tokens to the experts' owners and back (all-to-alls over the domain), so
     the domain's ranks run their micro-batches in lockstep: the dcp schedule is made for the
     ``synchronous`` execution model."""
+    weights: str = "cached"
+    """How a step's layers take their matrix weights (``harness.runtime.weight_cache``): ``cached`` (a copy in the
+    compute dtype made once per step, gradients added into ``.grad`` in place) or ``per-call`` (autocast's cast at
+    each call, autograd's accumulation); the same numbers. The reference run uses ``per-call``."""
 
     def execution_model(self, world: int):
         """(the ``harness.plan.Execution`` the thd / dcp schedules are made for, why): ``synchronous``
@@ -96,6 +101,8 @@ class TrainConfig:
             raise LayoutError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.steps < 1:
             raise LayoutError(f"steps must be >= 1, got {self.steps}")
+        if self.weights not in WEIGHT_MODES:
+            raise LayoutError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
         if te_cp.comm_type(self.cp_exchange):  # TransformerEngine's CP attention: TE and a CUDA device, or one line
             te_cp.require_te(self.device)
         elif self.cp_exchange not in EXCHANGES:

@@ -30,6 +30,7 @@ from harness.parallel.audit import start_audit
 from harness.parallel.groups import DynamicGroups
 from harness.parallel.reroute import SAMPLE_KEYS, ThdMicroBatch, build_microbatches, mtp_keys, reroute
 from harness.plan import Schedule, ScheduleError
+from harness.runtime import weight_cache
 from harness.train import layouts, passes, pipeline
 from harness.train.layouts import LayoutConfig
 
@@ -285,12 +286,17 @@ class StepResult:
 
 def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lcfg: LayoutConfig, cost, *,
                device, opt, params, grads, dtype: str = "float32", exchange: str = "gather", grad_clip: float = 1.0,
-               shards=None, probe=None, probes=None, step_index: int = 0, hooks: StepHooks | None = None) -> StepResult:
+               shards=None, probe=None, probes=None, step_index: int = 0, hooks: StepHooks | None = None,
+               weights: str = "cached") -> StepResult:
     """One training step of ``layout`` on this rank (see the module doc). ``local``: the samples this position
     loaded (gid -> tensors, ``SAMPLE_KEYS``); ``params``: the parameters this rank steps (its stage's), whose
     gradients ``grads`` (a ``GradBuffer``) holds; ``shards``: expert-parallel (params, group) for clipping;
-    ``probe`` / ``probes``: what the fault catalogue's checks record (``harness.train.probes``)."""
+    ``probe`` / ``probes``: what the fault catalogue's checks record (``harness.train.probes``); ``weights``: how
+    the micro-batches' layers take their matrix weights (``harness.runtime.weight_cache.MODES``: ``cached``, a
+    compute-dtype copy made once this step and gradients added into ``.grad`` in place; ``per-call``, autocast's cast
+    at every call and autograd's accumulation: the same numbers)."""
     hooks = hooks or StepHooks()
+    cached = weight_cache.check_mode(weights) == "cached"
     groups = run.groups
     t = time.perf_counter()
     if hooks.planned is None:
@@ -327,7 +333,9 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
                 hooks.reducer.arm()  # the last backward all-reduces each bucket as soon as it is complete
             if hooks.before_last is not None:
                 hooks.before_last()
-    timeline = pipeline.run_passes(run.stage, run.actions(len(mbs)), chunk_passes, run.p2p, before_last=before_last)
+    with weight_cache.cached_weights(cached):
+        timeline = pipeline.run_passes(run.stage, run.actions(len(mbs)), chunk_passes, run.p2p,
+                                       before_last=before_last)
     timeline.cp_sizes = [mb.local_cp_size for mb in mbs]
     _mark(hooks)
     if hooks.reducer is not None:

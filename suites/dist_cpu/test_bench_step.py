@@ -646,6 +646,22 @@ def test_a_named_cost_arm_is_reported_against_its_calibrated_twin_run_by_run():
     assert step.summarize(_fake_job([{"dcp:balanced": 300.0}]), step.StepBenchConfig())["cost_ab"] == {}
 
 
+def test_a_per_call_weights_arm_is_reported_against_its_twin_with_the_weight_copies():
+    runs = [{"thd:dp-balanced": 500.0, "dcp:balanced": 300.0, "dcp:balanced%per-call": 330.0},
+            {"thd:dp-balanced": 400.0, "dcp:balanced": 310.0, "dcp:balanced%per-call": 320.0},
+            {"thd:dp-balanced": 450.0, "dcp:balanced": 320.0, "dcp:balanced%per-call": 360.0}]
+    s = step.summarize(_fake_job(runs), step.StepBenchConfig(arms=("thd:dp-balanced", "dcp:balanced",
+                                                                   "dcp:balanced%per-call")))
+    ab = s["weights_ab"]["dcp:balanced%per-call"]
+    assert ab["base"] == "dcp:balanced" and ab["per_run"] == pytest.approx([330 / 300, 320 / 310, 360 / 320])
+    assert ab["median"] == pytest.approx(330 / 300) and s["cost_ab"] == {}
+    arm = step.parse_arm("dcp:balanced+chain%per-call~fit")
+    assert (arm.scope, arm.weights, arm.cost, arm.label) == ("chain", "per-call", "fit", "dcp:balanced+chain%per-call~fit")
+    with pytest.raises(step.BenchConfigError, match="after '%' comes how the step takes its weights, one of cached, "
+                                                    "per-call, got 'fused'"):
+        step.parse_arm("dcp:balanced%fused")
+
+
 def test_named_cost_models_are_checked_before_anything_runs(tmp_path, capsys):
     from harness.cli import main
 

@@ -131,6 +131,10 @@ def _print_verdicts(summary: dict, cks: list[dict]) -> None:
         each = ", ".join("-" if x is None else f"{x:.3f}" for x in r["per_run"])
         print(f"  cost models side by side: {r['base']} / {label} time ratio (> 1: {label} faster), median over runs: "
               f"{r['median']:.3f} (runs: {each})")
+    for label, r in summary.get("weights_ab", {}).items():
+        each = ", ".join("-" if x is None else f"{x:.3f}" for x in r["per_run"])
+        print(f"  weight copies side by side: {label} / {r['base']} time ratio (> 1: the step's weight copies "
+              f"faster), median over runs: {r['median']:.3f} (runs: {each})")
     for c in cks:
         verdict = "n/a (targets apply to 4 GPUs)" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")
         each = f" (runs: {', '.join(f'{x:.3f}' for x in c['per_run'])})" if c["runs"] > 1 else ""

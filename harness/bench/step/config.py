@@ -41,25 +41,33 @@ class Arm:
     cost: str | None = None
     """The name of a fixed cost model of the config's ``arm_cost_models`` this arm schedules with (``~NAME``);
     None = the run's (calibrated or ``cost_model``). Two arms that differ only here are an A/B of cost models."""
+    weights: str | None = None
+    """How the step's layers take their matrix weights (``%MODE``, ``harness.runtime.weight_cache.MODES``); None =
+    ``cached``. ``dcp:balanced%per-call`` beside ``dcp:balanced`` is an A/B of the step's weight copies."""
 
     @property
     def label(self) -> str:
         tail = f":{self.padding}" if self.padding != "local" or self.execution else ""
         return (f"{self.layout}:{self.scheduler}" + tail + (f":{self.execution}" if self.execution else "")
                 + (f"@{self.exchange}" if self.exchange else "") + (f"+{self.scope}" if self.scope else "")
-                + (f"~{self.cost}" if self.cost else ""))
+                + (f"%{self.weights}" if self.weights else "") + (f"~{self.cost}" if self.cost else ""))
 
 
 def parse_arm(text: str) -> Arm:
     # lazy: imports torch; the CLI imports this module without it
     from harness.parallel.cp_attention import EXCHANGES
     from harness.runtime.model import COMPILE_SCOPES  # lazy: torch, as above
+    from harness.runtime.weight_cache import MODES as WEIGHT_MODES  # lazy: torch, as above
 
     text = str(text)
     text_, tilde, cost = text.partition("~")
     if tilde and not _COST_NAME.fullmatch(cost):
         raise BenchConfigError(f"arm {text!r}: after '~' comes the name of a cost model given by --arm-cost-model "
                                f"NAME=PATH (letters, digits, '-' and '_'), got {cost!r}")
+    text_, percent, weights = text_.partition("%")
+    if percent and weights not in WEIGHT_MODES:
+        raise BenchConfigError(f"arm {text!r}: after '%' comes how the step takes its weights, one of "
+                               f"{', '.join(WEIGHT_MODES)}, got {weights!r}")
     rest, plus, scope = text_.partition("+")
     if plus and scope not in COMPILE_SCOPES:
         raise BenchConfigError(f"arm {text!r}: compile scope must be one of {', '.join(COMPILE_SCOPES)} after '+', "
@@ -69,7 +77,7 @@ def parse_arm(text: str) -> Arm:
         raise BenchConfigError(f"arm {text!r}: exchange must be one of {', '.join(EXCHANGES)} after '@', got {exchange!r}")
     parts = body.split(":")
     if len(parts) not in (2, 3, 4):
-        raise BenchConfigError(f"arm {text!r} is not layout:scheduler[:padding[:execution]][@exchange][+scope][~cost], e.g. "
+        raise BenchConfigError(f"arm {text!r} is not layout:scheduler[:padding[:execution]][@exchange][+scope][%weights][~cost], e.g. "
                                f"thd:dp-balanced, dcp:balanced@ring, dcp:balanced:local:synchronous or "
                                f"dcp:balanced+chain")
     layout, scheduler = parts[0], parts[1]
@@ -89,7 +97,7 @@ def parse_arm(text: str) -> Arm:
     if cost and scheduler.startswith("megatron"):
         raise BenchConfigError(f"arm {text!r}: the {scheduler} scheduler ignores the cost model (as upstream); name a "
                                f"cost model on a balanced or dp-balanced arm")
-    return Arm(layout, scheduler, padding, exchange or None, scope or None, execution, cost or None)
+    return Arm(layout, scheduler, padding, exchange or None, scope or None, execution, cost or None, weights or None)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -134,7 +134,7 @@ def train_step(ctx: RankContext, arm: Arm, lengths: list[int], local: dict, opt,
     r = step(ctx.model, ctx.run, arm.layout, lengths, local, layout_cfg(ctx, arm), arm_cost(ctx.cfg, arm, ctx.cost),
              device=ctx.device,
              opt=opt, params=ctx.params, grads=ctx.grads, dtype=ctx.cfg.dtype,
-             exchange=arm.exchange or ctx.cfg.cp_exchange, grad_clip=1.0, hooks=hooks,
+             exchange=arm.exchange or ctx.cfg.cp_exchange, grad_clip=1.0, hooks=hooks, weights=arm.weights or "cached",
              **({"shards": ctx.shards} if ctx.shards else {}))
     return {"plan_s": r.plan_s, "plan_wait_s": r.wait_s, "schedule": r.schedule, "local_tokens": r.local_tokens,
             "marks": marks}

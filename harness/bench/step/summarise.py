@@ -48,7 +48,7 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
         top["arms"] = {label: {**a, **{f: runs[profiled]["arms"][label][f] for f in BREAKDOWN_FIELDS}}
                        for label, a in runs[rep]["arms"].items()}
     return {**top, "runs": runs, "representative_run": rep, "breakdown_run": profiled, "ratios": ratios,
-            "cost_ab": cost_ab(runs), "world": world,
+            "cost_ab": cost_ab(runs), "weights_ab": weights_ab(runs), "world": world,
             "device_name": r0["device_name"], "peak_tflops": peak_tflops(cfg, r0["device_name"]),
             "parameters": r0["parameters"], "torch": r0["torch"], "compile": r0.get("compile"),
             "global_batch": _global_batch(r0["batches"], cfg, world)}
@@ -73,6 +73,22 @@ def cost_ab(runs: list[dict]) -> dict:
     for label in labels:
         base = label.split("~", 1)[0]
         per_run = [run["arms"][base]["trimmed_mean_ms"] / run["arms"][label]["trimmed_mean_ms"]
+                   if base in run["arms"] and label in run["arms"] else None for run in runs]
+        vals = [v for v in per_run if v is not None]
+        if vals:
+            out[label] = {"base": base, "per_run": per_run, "median": statistics.median(vals)}
+    return out
+
+
+def weights_ab(runs: list[dict]) -> dict:
+    """Each arm that takes its weights per call (``dcp:balanced%per-call``) against the same arm with the step's
+    weight copies (``harness.runtime.weight_cache``), when both ran: ``{label: {"base", "per_run", "median"}}``, the
+    ratio time(label) / time(base) per run (> 1: the copies made the step faster) and its median."""
+    out = {}
+    labels = [label for label in (runs[0]["arms"] if runs else {}) if "%per-call" in label]
+    for label in labels:
+        base = label.replace("%per-call", "", 1)
+        per_run = [run["arms"][label]["trimmed_mean_ms"] / run["arms"][base]["trimmed_mean_ms"]
                    if base in run["arms"] and label in run["arms"] else None for run in runs]
         vals = [v for v in per_run if v is not None]
         if vals:

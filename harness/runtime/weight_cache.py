@@ -1,0 +1,172 @@
+"""The step's weight copies: each matrix weight cast to the compute dtype once per training step, its gradient
+added into the fp32 ``.grad`` in place.
+
+Under bf16 autocast with fp32 master weights, every micro-batch's ``F.linear`` casts each weight fp32 -> bf16
+again, and autograd hands each weight gradient back as bf16 -> fp32 cast plus an add into ``.grad``: per
+micro-batch and weight element ~24 bytes of elementwise traffic beside the GEMMs (on one H100, gpt-12l-h2048 at
+32,768 tokens a step: a third to a half of its weight-gradient time, ``reports/recorded/wgrad_accumulation.h100.log``).
+Inside ``cached_weights()`` (``harness.train.step.train_step`` opens it around a step's micro-batches) the
+layers take their matrix weights through ``weight(w)``:
+
+- the weight is copied into a persistent buffer of the compute dtype (autocast's dtype, else the weight's own)
+  once per step - at its first use in the step, and again only if the weight changed in place since
+  (``refresh``);
+- the layer computes with that copy; its gradient, in the compute dtype, is added into the weight's fp32
+  ``.grad`` in place (``accumulate``: one mixed-dtype add, no cast kernel, no temporary). The weight's own
+  ``AccumulateGrad`` node still runs after it (with no gradient to add) and fires the weight's post-accumulate-grad
+  hooks once per use, as without the copy: the overlapped gradient reducer counts on them.
+
+The numbers are those of the per-call path bit for bit: autocast's cast is the same rounding, and
+``grad += g_bf16`` adds the bf16 value in fp32 exactly as ``grad += g_bf16.float()`` does (fp32 runs copy and add
+fp32). Where one weight is used twice in one micro-batch (the LM head under multi-token prediction) each use
+adds its own gradient, where autograd would sum the two first: fp32 rounding of the order only.
+
+Outside ``cached_weights()`` ``weight(w)`` is ``w``: single-process references, evaluation, benchmarks of the
+model alone. ``refresh`` and ``accumulate`` are seams: the fault catalogue re-creates a copy that is never
+refreshed and an accumulation that keeps one micro-batch's gradient.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+MODES = ("cached", "per-call")
+"""``cached``: one copy per step and in-place accumulation (this module); ``per-call``: autocast's cast at every
+call and autograd's accumulation."""
+
+
+class WeightCacheError(RuntimeError):
+    """The step's weight copies were used in a way they do not support (named in the message)."""
+
+
+class _State:
+    def __init__(self):
+        self.active = False
+        self.buffers: dict = {}
+        """(id(weight), dtype) -> (weakref to the weight, buffer): persistent across steps (stable addresses)."""
+        self.fresh: dict = {}
+        """(id(weight), dtype) -> the weight's version counter when this step copied it."""
+        self.steps = 0
+        """Steps opened so far in this process (``step_number``)."""
+
+
+_STATE = _State()
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"weight mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+@contextmanager
+def cached_weights(enabled: bool = True) -> Iterator[None]:
+    """One training step's weight copies: ``weight(w)`` inside gives the step's copy of ``w`` (made at its first
+    use in the block). Not re-entrant: a step inside a step is refused."""
+    if not enabled:
+        yield
+        return
+    if _STATE.active:
+        raise WeightCacheError("cached_weights() is already open: one training step at a time (a step inside a "
+                               "step would share its copies)")
+    _STATE.active, _STATE.fresh = True, {}
+    _STATE.steps += 1
+    try:
+        yield
+    finally:
+        _STATE.active, _STATE.fresh = False, {}
+
+
+def active() -> bool:
+    return _STATE.active
+
+
+def step_number() -> int:
+    """The number of the step ``cached_weights()`` opened last in this process (1, 2, ...; 0 before any)."""
+    return _STATE.steps
+
+
+def compute_dtype(w: torch.Tensor) -> torch.dtype:
+    """The dtype a layer computes with ``w`` in: autocast's on ``w``'s device when it is on and ``w`` is fp32
+    (autocast casts fp32 operands only), else ``w``'s own."""
+    kind = w.device.type
+    if w.dtype == torch.float32 and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return w.dtype
+
+
+def refresh(w: torch.Tensor, buf: torch.Tensor, first: bool) -> None:
+    """Copy ``w`` into its compute-dtype buffer ``buf`` (``first``: the buffer was just allocated)."""
+    with torch.no_grad():
+        buf.copy_(w)
+
+
+def accumulate(w: torch.Tensor, g: torch.Tensor) -> None:
+    """Add one use's gradient ``g`` (the compute dtype) into ``w.grad`` in place, as ``AccumulateGrad`` does."""
+    if w.grad is None:
+        w.grad = g.to(dtype=w.dtype, memory_format=torch.contiguous_format, copy=True)
+    else:
+        w.grad.add_(g)
+
+
+class _StepCopy(torch.autograd.Function):
+    """Forward: the step's copy of ``w`` (an alias of its buffer). Backward: the gradient into ``w.grad``."""
+
+    @staticmethod
+    def forward(ctx, w, buf):
+        ctx.weight = w
+        return buf.view_as(buf)
+
+    @staticmethod
+    def backward(ctx, g):
+        if torch.is_grad_enabled():
+            raise WeightCacheError("a step's weight copies do not support a differentiable backward "
+                                   "(create_graph=True); run that model outside cached_weights()")
+        accumulate(ctx.weight, g)
+        return None, None  # autograd's AccumulateGrad of the weight still runs next: its post-accumulate hooks fire
+
+
+def weight(w: torch.Tensor) -> torch.Tensor:
+    """What a layer computes with for weight ``w``: inside ``cached_weights()``, for a matrix weight that takes a
+    gradient, the step's copy in the compute dtype (its gradient added into ``w.grad``); else ``w`` itself."""
+    if not _STATE.active or w.dim() != 2 or not w.requires_grad or not torch.is_grad_enabled():
+        return w
+    dtype = compute_dtype(w)
+    key = (id(w), dtype)
+    held = _STATE.buffers.get(key)
+    first = held is None or held[0]() is not w
+    if first:
+        if held is not None:  # a weight freed since; its id was reused
+            del _STATE.buffers[key]
+        buf = torch.empty_like(w, dtype=dtype, memory_format=torch.contiguous_format)
+        _STATE.buffers[key] = (weakref.ref(w, _forget(key)), buf)
+    else:
+        buf = held[1]
+    if first or _STATE.fresh.get(key) != w._version:
+        refresh(w, buf, first)
+        _STATE.fresh[key] = w._version
+    return _StepCopy.apply(w, buf)
+
+
+def _forget(key):
+    def drop(_ref):
+        held = _STATE.buffers.get(key)
+        if held is not None and held[0]() is None:
+            del _STATE.buffers[key]
+    return drop
+
+
+def held_bytes() -> int:
+    """Bytes the persistent copies hold (every weight of every model seen inside ``cached_weights()``)."""
+    return sum(buf.numel() * buf.element_size() for _, buf in _STATE.buffers.values())
+
+
+def release() -> None:
+    """Drop every persistent copy (e.g. between models in one process); the next step copies afresh."""
+    if _STATE.active:
+        raise WeightCacheError("release() inside cached_weights(): the step still computes with its copies")
+    _STATE.buffers.clear()
