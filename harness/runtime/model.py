@@ -198,7 +198,7 @@ def compiled_chain(blocks: list[Block], x_TE, rot: Rotary, attention: Attention,
 
         layers = [(inputs(b), *b.tail_weights()) for b in blocks]
         with attending(attention):
-            return compiled_segment("chain", backend, mode)(x_TE, layers, head)
+            return compiled_segment("chain", backend, mode)(x_TE, layers, _head_weights(head))
 
     q, k, v = compiled_segment("attn_inputs", backend, mode)(x_TE, *inputs(blocks[0]))
     for j, b in enumerate(blocks):
@@ -208,10 +208,21 @@ def compiled_chain(blocks: list[Block], x_TE, rot: Rotary, attention: Attention,
             x_TE, q, k, v = compiled_segment(f"{kind}+attn_inputs", backend, mode)(x_TE, o, *tail,
                                                                                  *inputs(blocks[j + 1]))
         elif head is not None:
-            return compiled_segment(f"{kind}+head", backend, mode)(x_TE, o, *tail, *head)
+            return compiled_segment(f"{kind}+head", backend, mode)(x_TE, o, *tail, *_head_weights(head))
         else:
             x_TE = compiled_segment(kind, backend, mode)(x_TE, o, *tail)
     return x_TE
+
+
+def _head_weights(head: tuple | None) -> tuple | None:
+    """The loss head's arguments with the LM head matrix taken through ``weight()`` here, at its point of use: a
+    step copy's backward node runs in the order of its creation, so a copy made before the blocks' would hand the
+    head's gradient (the last parameters: the gradient reducer's first bucket) over only at the end of the
+    backward, and no bucket could be reduced while the backward runs."""
+    if head is None:
+        return None
+    norm_w, head_w, *rest = head
+    return (norm_w, weight(head_w), *rest)
 
 
 class TinyLM(nn.Module):
@@ -354,7 +365,7 @@ class TinyLM(nn.Module):
             rot = pos_T if isinstance(pos_T, Rotary) else Rotary(pos_T, self.c.hidden // self.c.heads,
                                                                  self.c.rope_base)
             ce = compiled_chain(list(self.blocks), self.embed(tokens_T), rot, attention, self.compiled,
-                                self.compile_mode, head=(self.norm.weight, weight(self.head.weight), labels_T, real,
+                                self.compile_mode, head=(self.norm.weight, self.head.weight, labels_T, real,
                                                          self.norm.eps), scope=self.compile_scope)
             return ce, torch.zeros((), device=ce.device)
         x, aux = self.run_layers(self.embed(tokens_T), pos_T, real, attention, routing=routing)

@@ -131,10 +131,14 @@ class _StepCopy(torch.autograd.Function):
 
 
 def weight(w: torch.Tensor) -> torch.Tensor:
-    """What a layer computes with for weight ``w``: inside ``cached_weights()``, for a matrix weight that takes a
-    gradient, the step's copy in the compute dtype (its gradient added into ``w.grad``); else ``w`` itself."""
-    if not _STATE.active or w.dim() != 2 or not w.requires_grad or not torch.is_grad_enabled():
-        return w
+    """What a layer computes with for weight ``w``: inside ``cached_weights()``, for a leaf matrix weight that takes
+    a gradient, the step's copy in the compute dtype (its gradient added into ``w.grad``); else ``w`` itself.
+
+    Call it where the layer uses the weight, not earlier: the copy's backward node is ordered by when it was made
+    (autograd runs the ready node made last first; a leaf's own accumulation runs at once), so a copy made long
+    before its use hands its gradient over late, and the overlapped reducer's buckets wait for it."""
+    if not _STATE.active or w.dim() != 2 or not w.requires_grad or w.grad_fn is not None or not torch.is_grad_enabled():
+        return w  # a leaf weight only: a tensor computed in the graph (a copy already among them) passes through
     dtype = compute_dtype(w)
     key = (id(w), dtype)
     held = _STATE.buffers.get(key)

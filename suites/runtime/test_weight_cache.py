@@ -228,3 +228,36 @@ def test_a_dynamic_cp_run_of_the_hybrid_model_gives_the_per_call_run_bit_for_bit
     assert any(r["cp_histogram"].get("2") for r in rows["cached"])  # a CP block of 2 ran
     for a, b in zip(rows["per-call"], rows["cached"], strict=True):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
+
+
+@pytest.mark.parametrize("scope", [None, "segments"])
+def test_the_head_hands_its_gradient_over_first_as_without_copies(scope):
+    """The overlapped reducer launches buckets in order, the LM head's (the last parameters) first, so nothing is
+    reduced during the backward until the head's gradient is in. With autograd's own accumulation it is in as soon
+    as the loss head's backward ran; a copy's backward node runs in the order the copy was made, so a head copy
+    made before the blocks ran (as the compiled chain's head arguments once were) handed it over only at the very
+    end. Eager and compiled segments (the overlapped reducer's last micro-batch; the compiled chain is one backward
+    node that hands every gradient over at its end, in any order): the head's post-accumulate hook fires before any
+    matrix of the first block's, with the copies as without."""
+    from harness.runtime import model as model_module
+
+    torch._dynamo.reset()
+    model_module._compiled_segments.clear()
+    for mode in wc.MODES:
+        m = TinyLM(MODELS["tiny-gpt"])
+        if scope:
+            m.compile_blocks("aot_eager", scope=scope)
+        order = []
+        for n, p in m.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, n=n: order.append(n))
+        cu = [0, 40, 100]
+        toks = torch.randint(0, m.c.vocab, (100,), generator=torch.Generator().manual_seed(0))
+        pos = torch.cat([torch.arange(40), torch.arange(60)])
+        chunks = DeviceChunks.build(whole_chunks(cu), "cpu")
+        with wc.cached_weights(mode == "cached"):
+            ce, _ = m.token_losses(toks, toks.roll(-1), torch.ones(100, dtype=torch.int64), pos,
+                                   lambda q, k, v: chunk_attention(q, k, v, chunks))
+            ce.backward()
+        m.compile_blocks(None)
+        first_block = min(order.index(n) for n in order if n.startswith("blocks.0.") and "norm" not in n)
+        assert order.index("head.weight") < first_block and order[-1] == "embed.weight", (mode, order)
