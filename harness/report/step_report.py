@@ -109,24 +109,24 @@ def _bound(summary: dict) -> str:
             f'bound is a relaxation that a real schedule may not reach.</p>')
 
 
+def _twins(items, lede: str, ratio: str, faster: str) -> str:
+    """A list of arms against their twins (``summary["cost_ab"]`` / ``["weights_ab"]``), or nothing."""
+    lines = [f"<li>{ratio.format(label=esc(label), base=esc(r['base']))}: {r['median']:.3f} (median of the runs' "
+             f"time ratios; runs {', '.join(_fmt(x, '.3f') for x in r['per_run'])}; &gt; 1: "
+             f"{faster.format(label=esc(label))} faster)</li>" for label, r in items]
+    return f"<p>{lede}, each arm on the same batches in the same runs:</p><ul>" + "".join(lines) + "</ul>" if lines else ""
+
+
 def _cost_ab(summary: dict) -> str:
     """Arms that named a cost model against their twins on the run's model (``summary["cost_ab"]``)."""
-    items = (summary.get("cost_ab") or {}).items()
-    lines = [f"<li>{esc(r['base'])} / {esc(label)}: {r['median']:.3f} (median of the runs' time ratios; "
-             f"runs {', '.join(_fmt(x, '.3f') for x in r['per_run'])}; &gt; 1: {esc(label)} faster)</li>"
-             for label, r in items]
-    return ("<p>Cost models side by side, each arm on the same batches in the same runs:</p><ul>"
-            + "".join(lines) + "</ul>") if lines else ""
+    return _twins((summary.get("cost_ab") or {}).items(), "Cost models side by side", "{base} / {label}", "{label}")
 
 
 def _weights_ab(summary: dict) -> str:
     """Arms that took their weights per call against their twins with the step's weight copies."""
-    items = (summary.get("weights_ab") or {}).items()
-    lines = [f"<li>{esc(label)} / {esc(r['base'])}: {r['median']:.3f} (median of the runs' time ratios; "
-             f"runs {', '.join(_fmt(x, '.3f') for x in r['per_run'])}; &gt; 1: the weight copies faster)</li>"
-             for label, r in items]
-    return ("<p>The step's weight copies (harness.runtime.weight_cache) side by side with weights cast per call, "
-            "each arm on the same batches in the same runs:</p><ul>" + "".join(lines) + "</ul>") if lines else ""
+    return _twins((summary.get("weights_ab") or {}).items(), "The step's weight copies "
+                  "(harness.runtime.weight_cache) side by side with weights cast per call", "{label} / {base}",
+                  "the weight copies")
 
 
 def _runs(summary: dict) -> str:

@@ -64,36 +64,36 @@ def _ratios(runs: list[dict]) -> dict:
     return ratios
 
 
-def cost_ab(runs: list[dict]) -> dict:
-    """Each arm that names a cost model (``dcp:balanced~NAME``) against the same arm on the run's model, when both
-    ran: ``{label: {"base", "per_run", "median"}}``, the ratio time(base) / time(label) per run (> 1: the named model's
-    schedules were faster) and its median over the runs - the A/B of two cost models side by side."""
+def _twins(runs: list[dict], base_of, ratio) -> dict:
+    """``{label: {"base", "per_run", "median"}}`` for each arm whose label ``base_of`` maps to a twin arm's (None:
+    no twin), ``ratio(twin's figures, its figures)`` per run where both ran, and its median over those runs."""
     out = {}
-    labels = [label for label in (runs[0]["arms"] if runs else {}) if "~" in label]
-    for label in labels:
-        base = label.split("~", 1)[0]
-        per_run = [run["arms"][base]["trimmed_mean_ms"] / run["arms"][label]["trimmed_mean_ms"]
-                   if base in run["arms"] and label in run["arms"] else None for run in runs]
+    for label in (runs[0]["arms"] if runs else {}):
+        base = base_of(label)
+        if base is None:
+            continue
+        per_run = [ratio(run["arms"][base], run["arms"][label]) if base in run["arms"] and label in run["arms"]
+                   else None for run in runs]
         vals = [v for v in per_run if v is not None]
         if vals:
             out[label] = {"base": base, "per_run": per_run, "median": statistics.median(vals)}
     return out
+
+
+def cost_ab(runs: list[dict]) -> dict:
+    """Each arm that names a cost model (``dcp:balanced~NAME``) against the same arm on the run's model, when both
+    ran: the ratio time(base) / time(label) per run (> 1: the named model's schedules were faster) and its median
+    over the runs - the A/B of two cost models side by side."""
+    return _twins(runs, lambda label: label.split("~", 1)[0] if "~" in label else None,
+                  lambda base, arm: base["trimmed_mean_ms"] / arm["trimmed_mean_ms"])
 
 
 def weights_ab(runs: list[dict]) -> dict:
     """Each arm that takes its weights per call (``dcp:balanced%per-call``) against the same arm with the step's
-    weight copies (``harness.runtime.weight_cache``), when both ran: ``{label: {"base", "per_run", "median"}}``, the
-    ratio time(label) / time(base) per run (> 1: the copies made the step faster) and its median."""
-    out = {}
-    labels = [label for label in (runs[0]["arms"] if runs else {}) if "%per-call" in label]
-    for label in labels:
-        base = label.replace("%per-call", "", 1)
-        per_run = [run["arms"][label]["trimmed_mean_ms"] / run["arms"][base]["trimmed_mean_ms"]
-                   if base in run["arms"] and label in run["arms"] else None for run in runs]
-        vals = [v for v in per_run if v is not None]
-        if vals:
-            out[label] = {"base": base, "per_run": per_run, "median": statistics.median(vals)}
-    return out
+    weight copies (``harness.runtime.weight_cache``), when both ran: the ratio time(label) / time(base) per run
+    (> 1: the copies made the step faster) and its median."""
+    return _twins(runs, lambda label: label.replace("%per-call", "", 1) if "%per-call" in label else None,
+                  lambda base, arm: arm["trimmed_mean_ms"] / base["trimmed_mean_ms"])
 
 
 def _representative(ours: list[float | None]) -> int:
