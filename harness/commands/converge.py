@@ -40,10 +40,11 @@ def add_arguments(c) -> None:
                    help="expert parallelism (MoE models): shard the experts over each stage's DP x CP domain, "
                         "tokens dispatched to them by all-to-all; the dcp schedule is made for the synchronous "
                         "execution model")
-    c.add_argument("--weights", choices=["cached", "per-call"], default="cached",
+    c.add_argument("--weights", choices=["cached", "fused", "per-call"], default="cached",
                    help="how the layouts' steps take their matrix weights: cached (a compute-dtype copy made once per "
-                        "step, gradients added into .grad in place; default) or per-call (autocast's cast at each "
-                        "call, autograd's accumulation); the same numbers. The reference always runs per-call")
+                        "step, gradients added into .grad in place; default), fused (the copies, and the weight-"
+                        "gradient GEMM accumulating into .grad: within bf16 rounding) or per-call (autocast's cast at "
+                        "each call, autograd's accumulation; the same numbers as cached). The reference runs per-call")
     c.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: float32 on CPU, bfloat16 on GPU")
     c.add_argument("--lengths", default=None, help="length spec of the corpus (harness.data.workloads)")

@@ -27,7 +27,7 @@ from harness.plan.errors import PlanInputError
 LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "optimizer", "groups", "pipeline", "model", "replay",
           "step-wise")
 SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-hybrid", "train-reinit",
-             "train-ep", "replay", "plan", "stepwise")
+             "train-ep", "train-fused", "replay", "plan", "stepwise")
 
 
 class UnknownFaultError(PlanInputError):
@@ -326,6 +326,13 @@ FAULTS: tuple[Fault, ...] = (
           url="https://github.com/AMD-AGI/Primus/pull/1046", layer="gradients",
           seam="harness.runtime.weight_cache:accumulate", make=tf.make_wgrad_first_microbatch_only,
           check="step1-gradients", expect=r"step-1 gradient of .* differs"),
+    Fault(name="wgrad-gemm-overwrites", title="the fused weight-gradient GEMM overwrites the gradient instead of adding",
+          source="TransformerEngine PR #2936: GroupedLinear's main_grad GEMM took the wrong one of accumulate and "
+                 "overwrite (overwrite_main_grad ignored); re-created the other way round: beta = 0, each "
+                 "micro-batch's product replaces the earlier ones",
+          url="https://github.com/NVIDIA/TransformerEngine/pull/2936", layer="gradients",
+          seam="harness.runtime.fused_linear:gemm_accumulate", make=tf.make_wgrad_gemm_overwrites,
+          check="step1-gradients", expect=r"step-1 gradient of .* differs", scenario="train-fused"),
     Fault(name="replay-pp-offset-off-by-one", title="a PP stage replays the previous layer's routes",
           source="SkyRL PR #1335: _get_current_pp_stage_layer_range decides each stage's replay rows",
           url=SKYRL + "1335", layer="replay", seam="harness.train.replay:route_column",

@@ -58,7 +58,9 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  # two layouts in one run: the dynamic groups are destroyed and created again in between
                  "train-reinit": TRAIN,
                  # the tiny MoE with expert parallelism over the 4-rank domain (one expert per rank)
-                 "train-ep": {**TRAIN, "model": "tiny-moe", "expert_parallel": True}}
+                 "train-ep": {**TRAIN, "model": "tiny-moe", "expert_parallel": True},
+                 # the step's weight copies with the weight-gradient GEMM accumulating into .grad itself
+                 "train-fused": {**TRAIN, "weights": "fused"}}
 FAULT_LAYOUTS = {"train-reinit": ["thd", "dcp"]}
 """The layouts a fault run trains (default: dcp only); the checks judge its dcp layout."""
 REPLAY = {"pp": 2, "cp": 2}

@@ -285,3 +285,12 @@ def make_wgrad_first_microbatch_only(original):
             original(w, g)
             added[id(w)] = step
     return accumulate
+
+
+def make_wgrad_gemm_overwrites(original):
+    """The fused weight-gradient GEMM runs with beta = 0: each micro-batch's product overwrites ``.grad``, so a step
+    keeps only its last micro-batch's weight gradient (per weight)."""
+    def gemm_accumulate(main_grad, go_TO, x_TI):
+        main_grad.zero_()
+        original(main_grad, go_TO, x_TI)
+    return gemm_accumulate

@@ -11,22 +11,21 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from harness.runtime import layers
 from harness.runtime.layers import Attention, Mixing, RMSNorm, Rotary, dense_mlp
 from harness.runtime.model_config import ModelConfig
 from harness.runtime.ssm import SSMConfig, SSMMixer
-from harness.runtime.weight_cache import weight
+from harness.runtime.weight_cache import linear, weight
 
 
 def self_attention(layer: nn.Module, c: ModelConfig, x_TE, rot: Rotary, attention: Attention):
     """``x + proj(attention(rope(q), rope(k), v))`` with the layer's ``norm1``, ``qkv`` and ``proj``
     (the attention half of a transformer block)."""
     D = c.hidden // c.heads
-    q, k, v = F.linear(layer.norm1(x_TE), weight(layer.qkv.weight)).split([c.heads * D, c.kv_heads * D, c.kv_heads * D], dim=-1)
+    q, k, v = linear(layer.norm1(x_TE), weight(layer.qkv.weight)).split([c.heads * D, c.kv_heads * D, c.kv_heads * D], dim=-1)
     o = attention(rot(q.view(-1, c.heads, D)), rot(k.view(-1, c.kv_heads, D)), v.view(-1, c.kv_heads, D))
-    return x_TE + F.linear(o.reshape(x_TE.shape[0], -1), weight(layer.proj.weight))
+    return x_TE + linear(o.reshape(x_TE.shape[0], -1), weight(layer.proj.weight))
 
 
 def ssm_config(c: ModelConfig) -> SSMConfig:

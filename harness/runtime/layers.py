@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness.runtime.model_config import ModelConfig
-from harness.runtime.weight_cache import weight
+from harness.runtime.weight_cache import linear, weight
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Mixing = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -90,8 +90,8 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x):
-        g, u = F.linear(x, weight(self.gate_up.weight)).chunk(2, dim=-1)
-        return F.linear(F.silu(g) * u, weight(self.down.weight))
+        g, u = linear(x, weight(self.gate_up.weight)).chunk(2, dim=-1)
+        return linear(F.silu(g) * u, weight(self.down.weight))
 
 
 class GeLUMLP(nn.Module):
@@ -101,7 +101,7 @@ class GeLUMLP(nn.Module):
         self.down = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x):
-        return F.linear(F.gelu(F.linear(x, weight(self.up.weight)), approximate="tanh"), weight(self.down.weight))
+        return linear(F.gelu(linear(x, weight(self.up.weight)), approximate="tanh"), weight(self.down.weight))
 
 
 def dense_mlp(c: ModelConfig) -> nn.Module:

@@ -44,7 +44,7 @@ from harness.runtime.layers import (  # noqa: F401 - re-exported: the model's pu
 )
 from harness.runtime.model_config import MLPS, MODELS, ModelConfig  # noqa: F401 - re-exported
 from harness.runtime.mtp import MTPLayer
-from harness.runtime.weight_cache import weight
+from harness.runtime.weight_cache import linear, weight
 
 # ---------------------------------------------------------------- compiled block segments
 # A dense block is attention plus two per-token segments: (norm, QKV projection, RoPE) before it and
@@ -61,25 +61,25 @@ from harness.runtime.weight_cache import weight
 def _attn_inputs(x_TE, norm_w, qkv_w, cos, sin, eps: float, heads: int, kv_heads: int):
     D = cos.shape[-1]
     h = F.rms_norm(x_TE, (x_TE.shape[-1],), norm_w, eps)
-    q, k, v = F.linear(h, qkv_w).split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
+    q, k, v = linear(h, qkv_w).split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
     cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # as ``Rotary.tables``: fp32 tables cast to the activations' dtype
     return _rotate(q.view(-1, heads, D), cos, sin), _rotate(k.view(-1, kv_heads, D), cos, sin), v.view(-1, kv_heads, D)
 
 
 def _gelu_out(x_TE, o_THD, proj_w, norm_w, up_w, down_w, eps: float):
-    x_TE = x_TE + F.linear(o_THD.reshape(x_TE.shape[0], -1), proj_w)
+    x_TE = x_TE + linear(o_THD.reshape(x_TE.shape[0], -1), proj_w)
     h = F.rms_norm(x_TE, (x_TE.shape[-1],), norm_w, eps)
-    return x_TE + F.linear(F.gelu(F.linear(h, up_w), approximate="tanh"), down_w)
+    return x_TE + linear(F.gelu(linear(h, up_w), approximate="tanh"), down_w)
 
 
 def _swiglu_out(x_TE, o_THD, proj_w, norm_w, gate_up_w, down_w, eps: float):
-    x_TE = x_TE + F.linear(o_THD.reshape(x_TE.shape[0], -1), proj_w)
-    g, u = F.linear(F.rms_norm(x_TE, (x_TE.shape[-1],), norm_w, eps), gate_up_w).chunk(2, dim=-1)
-    return x_TE + F.linear(F.silu(g) * u, down_w)
+    x_TE = x_TE + linear(o_THD.reshape(x_TE.shape[0], -1), proj_w)
+    g, u = linear(F.rms_norm(x_TE, (x_TE.shape[-1],), norm_w, eps), gate_up_w).chunk(2, dim=-1)
+    return x_TE + linear(F.silu(g) * u, down_w)
 
 
 def _head_losses(h_TE, norm_w, head_w, labels_T, real_T, eps: float):
-    logits = F.linear(F.rms_norm(h_TE, (h_TE.shape[-1],), norm_w, eps), head_w).float()
+    logits = linear(F.rms_norm(h_TE, (h_TE.shape[-1],), norm_w, eps), head_w).float()
     return (F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none") * real_T).sum()
 
 
@@ -336,7 +336,7 @@ class TinyLM(nn.Module):
 
     def token_ce(self, h, labels_T, real_T):
         """Masked next-token cross-entropy of every local token (eager; padding gives 0)."""
-        logits = F.linear(self.norm(h), weight(self.head.weight)).float()
+        logits = linear(self.norm(h), weight(self.head.weight)).float()
         return F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none") * real_T
 
     def forward(self, tokens_T, pos_T, real_T, attention: Attention, routing=None):

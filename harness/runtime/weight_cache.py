@@ -31,21 +31,33 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
-MODES = ("cached", "per-call")
-"""``cached``: one copy per step and in-place accumulation (this module); ``per-call``: autocast's cast at every
-call and autograd's accumulation."""
+from harness.runtime import fused_linear
+
+MODES = ("cached", "fused", "per-call")
+"""``cached``: one copy per step and in-place accumulation (this module); ``fused``: the copies, and the weight-gradient
+GEMM accumulating into ``.grad`` itself (``harness.runtime.fused_linear``; within bf16 rounding of the others, not bit
+for bit); ``per-call``: autocast's cast at every call and autograd's accumulation."""
 
 
 class WeightCacheError(RuntimeError):
     """The step's weight copies were used in a way they do not support (named in the message)."""
 
 
+class FusedWeight(NamedTuple):
+    """What ``weight()`` gives in the ``fused`` mode: the step's copy and the weight's fp32 gradient, for ``linear``."""
+    copy: torch.Tensor
+    main_grad: torch.Tensor
+
+
 class _State:
     def __init__(self):
         self.active = False
+        self.fused = False
         self.buffers: dict = {}
         """(id(weight), dtype) -> (weakref to the weight, buffer): persistent across steps (stable addresses)."""
         self.fresh: dict = {}
@@ -64,21 +76,21 @@ def check_mode(mode: str) -> str:
 
 
 @contextmanager
-def cached_weights(enabled: bool = True) -> Iterator[None]:
-    """One training step's weight copies: ``weight(w)`` inside gives the step's copy of ``w`` (made at its first
-    use in the block). Not re-entrant: a step inside a step is refused."""
-    if not enabled:
+def cached_weights(mode: str = "cached") -> Iterator[None]:
+    """One training step's weight copies (``MODES``; ``per-call``: none): ``weight(w)`` inside gives the step's copy
+    of ``w`` (made at its first use in the block). Not re-entrant: a step inside a step is refused."""
+    if check_mode(mode) == "per-call":
         yield
         return
     if _STATE.active:
         raise WeightCacheError("cached_weights() is already open: one training step at a time (a step inside a "
                                "step would share its copies)")
-    _STATE.active, _STATE.fresh = True, {}
+    _STATE.active, _STATE.fresh, _STATE.fused = True, {}, mode == "fused"
     _STATE.steps += 1
     try:
         yield
     finally:
-        _STATE.active, _STATE.fresh = False, {}
+        _STATE.active, _STATE.fresh, _STATE.fused = False, {}, False
 
 
 def active() -> bool:
@@ -118,11 +130,13 @@ class _StepCopy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w, buf):
-        ctx.weight = w
+        ctx.weight, ctx.fused = w, _STATE.fused
         return buf.view_as(buf)
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.fused:  # the GEMM already added into .grad; g is its placeholder (harness.runtime.fused_linear)
+            return None, None
         if torch.is_grad_enabled():
             raise WeightCacheError("a step's weight copies do not support a differentiable backward "
                                    "(create_graph=True); run that model outside cached_weights()")
@@ -153,7 +167,20 @@ def weight(w: torch.Tensor) -> torch.Tensor:
     if first or _STATE.fresh.get(key) != w._version:
         refresh(w, buf, first)
         _STATE.fresh[key] = w._version
-    return _StepCopy.apply(w, buf)
+    copy = _StepCopy.apply(w, buf)
+    if _STATE.fused:
+        if w.grad is None:
+            w.grad = torch.zeros_like(w, memory_format=torch.contiguous_format)
+        return FusedWeight(copy, w.grad)
+    return copy
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """``F.linear(x, w)`` for what ``weight()`` gave: a tensor, or in the ``fused`` mode a ``FusedWeight`` (the input
+    cast to the copy's dtype, as autocast would, and ``harness.runtime.fused_linear``'s operator)."""
+    if isinstance(w, FusedWeight):
+        return fused_linear.linear_wgrad(x.to(w.copy.dtype), w.copy, w.main_grad)
+    return F.linear(x, w)
 
 
 def _forget(key):

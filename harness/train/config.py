@@ -59,8 +59,9 @@ class TrainConfig:
     ``synchronous`` execution model."""
     weights: str = "cached"
     """How a step's layers take their matrix weights (``harness.runtime.weight_cache``): ``cached`` (a copy in the
-    compute dtype made once per step, gradients added into ``.grad`` in place) or ``per-call`` (autocast's cast at
-    each call, autograd's accumulation); the same numbers. The reference run uses ``per-call``."""
+    compute dtype made once per step, gradients added into ``.grad`` in place), ``fused`` (the copies, and the
+    weight-gradient GEMM accumulating into ``.grad``: within bf16 rounding) or ``per-call`` (autocast's cast at each
+    call, autograd's accumulation; the same numbers as ``cached``). The reference run uses ``per-call``."""
 
     def execution_model(self, world: int):
         """(the ``harness.plan.Execution`` the thd / dcp schedules are made for, why): ``synchronous``

@@ -293,10 +293,11 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
     gradients ``grads`` (a ``GradBuffer``) holds; ``shards``: expert-parallel (params, group) for clipping;
     ``probe`` / ``probes``: what the fault catalogue's checks record (``harness.train.probes``); ``weights``: how
     the micro-batches' layers take their matrix weights (``harness.runtime.weight_cache.MODES``: ``cached``, a
-    compute-dtype copy made once this step and gradients added into ``.grad`` in place; ``per-call``, autocast's cast
-    at every call and autograd's accumulation: the same numbers)."""
+    compute-dtype copy made once this step and gradients added into ``.grad`` in place; ``fused``, the copies and the
+    weight-gradient GEMM accumulating into ``.grad`` itself; ``per-call``, autocast's cast at every call and autograd's
+    accumulation: ``cached`` and ``per-call`` give the same numbers)."""
     hooks = hooks or StepHooks()
-    cached = weight_cache.check_mode(weights) == "cached"
+    weight_cache.check_mode(weights)  # before any work: a bad mode is one clear error
     groups = run.groups
     t = time.perf_counter()
     if hooks.planned is None:
@@ -333,7 +334,7 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
                 hooks.reducer.arm()  # the last backward all-reduces each bucket as soon as it is complete
             if hooks.before_last is not None:
                 hooks.before_last()
-    with weight_cache.cached_weights(cached):
+    with weight_cache.cached_weights(weights):
         timeline = pipeline.run_passes(run.stage, run.actions(len(mbs)), chunk_passes, run.p2p,
                                        before_last=before_last)
     timeline.cp_sizes = [mb.local_cp_size for mb in mbs]

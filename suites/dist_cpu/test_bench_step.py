@@ -658,8 +658,8 @@ def test_a_per_call_weights_arm_is_reported_against_its_twin_with_the_weight_cop
     arm = step.parse_arm("dcp:balanced+chain%per-call~fit")
     assert (arm.scope, arm.weights, arm.cost, arm.label) == ("chain", "per-call", "fit", "dcp:balanced+chain%per-call~fit")
     with pytest.raises(step.BenchConfigError, match="after '%' comes how the step takes its weights, one of cached, "
-                                                    "per-call, got 'fused'"):
-        step.parse_arm("dcp:balanced%fused")
+                                                    "fused, per-call, got 'fast'"):
+        step.parse_arm("dcp:balanced%fast")
 
 
 def test_named_cost_models_are_checked_before_anything_runs(tmp_path, capsys):

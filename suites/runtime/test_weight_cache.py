@@ -28,7 +28,7 @@ def _step_grads(model, mode: str, bf16: bool, steps: int = 1) -> tuple[list[floa
     losses = []
     for step in range(steps):
         model.zero_grad(set_to_none=False) if step else model.zero_grad(set_to_none=True)
-        with wc.cached_weights(mode == "cached"):
+        with wc.cached_weights(mode):
             for seed, lengths in enumerate(MICRO_BATCHES):
                 cu = [0]
                 for n in lengths:
@@ -52,9 +52,9 @@ def _step_grads(model, mode: str, bf16: bool, steps: int = 1) -> tuple[list[floa
     return losses, grads
 
 
-def _both(model_name: str, bf16: bool, steps: int = 1, compiled: str | None = None):
+def _both(model_name: str, bf16: bool, steps: int = 1, compiled: str | None = None, modes=("per-call", "cached")):
     out = {}
-    for mode in ("per-call", "cached"):
+    for mode in modes:
         m = TinyLM(MODELS[model_name])
         if compiled:
             m.compile_blocks("aot_eager", scope=compiled)
@@ -62,7 +62,7 @@ def _both(model_name: str, bf16: bool, steps: int = 1, compiled: str | None = No
             out[mode] = _step_grads(m, mode, bf16, steps)
         finally:
             m.compile_blocks(None)
-    return out["per-call"], out["cached"]
+    return tuple(out[m] for m in modes)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
@@ -139,7 +139,7 @@ def test_outside_a_step_and_for_what_takes_no_copy_the_weight_itself():
         assert wc.weight(vec) is vec and wc.weight(frozen) is frozen  # 1-d, no gradient
         with torch.no_grad():
             assert wc.weight(w) is w  # evaluation inside a step: nothing to accumulate
-    with wc.cached_weights(False):
+    with wc.cached_weights("per-call"):
         assert wc.weight(w) is w  # per-call
 
 
@@ -151,9 +151,9 @@ def test_hooks_fire_once_per_use_as_autograd_fires_them():
         w.grad = torch.zeros_like(w)
         seen = []
         handle = w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.abs().sum().item()))
-        with wc.cached_weights(mode == "cached"):
+        with wc.cached_weights(mode):
             for _ in range(3):
-                F.linear(torch.ones(2, 4), wc.weight(w)).sum().backward()
+                wc.linear(torch.ones(2, 4), wc.weight(w)).sum().backward()
         handle.remove()
         assert len(seen) == 3 and seen[0] < seen[1] < seen[2], (mode, seen)
 
@@ -169,10 +169,10 @@ def test_misuse_is_refused_with_the_reason():
         y = F.linear(torch.randn(2, 4, requires_grad=True), wc.weight(w)).sum()
         with pytest.raises(wc.WeightCacheError, match="create_graph"):
             torch.autograd.grad(y, w, create_graph=True)
-    with pytest.raises(ValueError, match="per-call"):
-        wc.check_mode("fused")
-    with pytest.raises(LayoutError, match="weights must be one of cached, per-call, got 'fused'"):
-        TrainConfig(weights="fused").validate(2)
+    with pytest.raises(ValueError, match="weight mode must be one of cached, fused, per-call, got 'fast'"):
+        wc.check_mode("fast")
+    with pytest.raises(LayoutError, match="weights must be one of cached, fused, per-call, got 'fast'"):
+        TrainConfig(weights="fast").validate(2)
 
 
 def test_the_reference_run_takes_the_per_call_path():
@@ -214,7 +214,8 @@ def test_the_dense_layers_take_their_matrices_through_the_cache():
 @pytest.mark.dist_cpu
 def test_a_dynamic_cp_run_of_the_hybrid_model_gives_the_per_call_run_bit_for_bit(tmp_path):
     """The whole step on 2 gloo ranks (dcp: CP blocks of 1 and 2, the SSM mixer's CP exchange, the hybrid's
-    attention and MLP layers), bf16 autocast: every step's loss and gradient norm equal the per-call run's."""
+    attention and MLP layers), bf16 autocast: every step's loss and gradient norm equal the per-call run's; with the
+    fused GEMM within bf16 rounding of them."""
     from harness.jobs.launch import run_on_ranks
     from harness.train.trainer import train
 
@@ -226,8 +227,9 @@ def test_a_dynamic_cp_run_of_the_hybrid_model_gives_the_per_call_run_bit_for_bit
                            timeout_s=300)
         rows[mode] = out[0]["layouts"]["dcp"]
     assert any(r["cp_histogram"].get("2") for r in rows["cached"])  # a CP block of 2 ran
-    for a, b in zip(rows["per-call"], rows["cached"], strict=True):
+    for a, b, c in zip(rows["per-call"], rows["cached"], rows["fused"], strict=True):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
+        assert c["loss"] == pytest.approx(a["loss"], abs=2e-3) and c["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-2)
 
 
 @pytest.mark.parametrize("scope", [None, "segments"])
@@ -254,10 +256,61 @@ def test_the_head_hands_its_gradient_over_first_as_without_copies(scope):
         toks = torch.randint(0, m.c.vocab, (100,), generator=torch.Generator().manual_seed(0))
         pos = torch.cat([torch.arange(40), torch.arange(60)])
         chunks = DeviceChunks.build(whole_chunks(cu), "cpu")
-        with wc.cached_weights(mode == "cached"):
+        with wc.cached_weights(mode):
             ce, _ = m.token_losses(toks, toks.roll(-1), torch.ones(100, dtype=torch.int64), pos,
                                    lambda q, k, v: chunk_attention(q, k, v, chunks))
             ce.backward()
         m.compile_blocks(None)
         first_block = min(order.index(n) for n in order if n.startswith("blocks.0.") and "norm" not in n)
         assert order.index("head.weight") < first_block and order[-1] == "embed.weight", (mode, order)
+
+
+def _close(grads_a: dict, grads_b: dict, rel: float) -> float:
+    worst = max(((grads_a[n] - grads_b[n]).norm() / grads_a[n].norm()).item() for n in grads_a)
+    assert worst <= rel, worst
+    return worst
+
+
+@pytest.mark.parametrize("scope", [None, "segments", "chain"])
+def test_the_fused_gemm_accumulates_what_autograd_accumulates(scope):
+    """``fused``: the weight-gradient GEMM adds into ``.grad`` itself (``harness.runtime.fused_linear``), eager and
+    compiled (``aot_eager``). fp32: two steps of three micro-batches, losses and gradients within fp32 rounding of
+    the per-call path (1e-6). bf16: the per-call path rounds each micro-batch's product to bf16, the fused GEMM
+    does not, so neither equals the other; against the fp32 step's gradients the fused ones are no further off
+    than autograd's (they are closer)."""
+    from harness.runtime import model as model_module
+
+    torch._dynamo.reset()
+    model_module._compiled_segments.clear()
+    (loss_a, grads_a), (loss_b, grads_b) = _both("tiny-gpt", False, steps=2, compiled=scope, modes=("per-call", "fused"))
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    _close(grads_a, grads_b, 1e-6)
+    (_, exact), = _both("tiny-gpt", False, compiled=scope, modes=("per-call",))
+    (loss_c, per_call), (loss_f, fused) = _both("tiny-gpt", True, compiled=scope, modes=("per-call", "fused"))
+    assert loss_c == loss_f  # the forward is the same
+    err = {name: max(((g[n] - exact[n]).norm() / exact[n].norm()).item() for n in exact if n.endswith(
+        ("qkv.weight", "proj.weight", "up.weight", "down.weight", "head.weight"))) for name, g in
+        (("per-call", per_call), ("fused", fused))}
+    assert err["fused"] <= err["per-call"], err
+
+
+def test_a_gemm_that_overwrites_is_caught_by_the_gradients():
+    """Plant it: ``gemm_accumulate`` writing ``go^T @ x`` instead of adding it keeps one micro-batch's gradient."""
+    from harness.runtime import fused_linear
+
+    original = fused_linear.gemm_accumulate
+    fused_linear.gemm_accumulate = lambda mg, go, x: mg.copy_(go.t().to(mg.dtype) @ x.to(mg.dtype))
+    try:
+        (_, grads_a), (_, grads_b) = _both("tiny-gpt", False, modes=("per-call", "fused"))
+    finally:
+        fused_linear.gemm_accumulate = original
+    with pytest.raises(AssertionError):
+        _close(grads_a, grads_b, 1e-2)
+
+
+def test_the_fused_mode_is_a_train_config_and_a_bench_arm():
+    from harness.bench import step
+
+    TrainConfig(weights="fused").validate(2)
+    assert step.parse_arm("dcp:balanced%fused").weights == "fused"

@@ -1,0 +1,81 @@
+"""A linear layer whose weight gradient is accumulated by the GEMM itself into the weight's fp32 gradient
+(Megatron's ``gradient_accumulation_fusion``; TransformerEngine's ``fuse_wgrad_accumulation``).
+
+``linear_wgrad(x, w, main_grad)`` is ``F.linear(x, w)`` (``w``: the step's compute-dtype copy of a weight,
+``harness.runtime.weight_cache``); its backward returns the input's gradient ``go @ w`` and adds ``go^T @ x`` into
+``main_grad`` (the weight's fp32 ``.grad``) in place: on CUDA one GEMM with ``torch.addmm(main_grad, go^T, x,
+out_dtype=torch.float32, out=main_grad)`` - no bf16 weight gradient, no cast, no separate add (on one H100 this
+model's weight-gradient work fell 20-46%, ``reports/recorded/wgrad_accumulation.h100.log``); elsewhere the product is
+computed in ``main_grad``'s dtype and added. For ``w`` it returns a zero broadcast to its shape, which the step
+copy's backward ignores: it keeps autograd running the weight's own accumulation node, which fires the weight's
+post-accumulate hooks (the overlapped gradient reducer counts on them; Megatron returns a dummy gradient for the
+same reason).
+
+Both are ``torch.library`` operators, so a compiled graph calls them as they are: the accumulation runs inside the
+compiled backward, where the chain's graph cannot see it (it cannot fuse the GEMM's epilogue into the product
+either, which Inductor does not do for extern GEMMs anyway). The sum is rounded once in fp32, where autograd rounds
+each micro-batch's product to bf16 first: the fused step is not bit for bit the per-call one (within bf16
+rounding; fp32 runs differ in the order of fp32 additions only). ``gemm_accumulate`` is the seam where the fault
+catalogue re-creates a GEMM that overwrites instead of accumulating.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_FUSED_OUT_DTYPE: dict = {}
+"""(device type, input dtype) -> whether ``torch.addmm(..., out_dtype=fp32, out=...)`` ran there (probed once)."""
+
+
+def gemm_accumulate(main_grad: Tensor, go_TO: Tensor, x_TI: Tensor) -> None:
+    """``main_grad += go^T @ x`` in place (``O x I``), accumulated in ``main_grad``'s precision."""
+    key = (main_grad.device.type, go_TO.dtype)
+    if go_TO.dtype != main_grad.dtype and _FUSED_OUT_DTYPE.get(key, True):
+        try:
+            torch.addmm(main_grad, go_TO.t(), x_TI, out_dtype=main_grad.dtype, out=main_grad)
+            _FUSED_OUT_DTYPE[key] = True
+            return
+        except (RuntimeError, TypeError):  # no mixed-dtype GEMM here (older torch, or the CPU): compute, then add
+            _FUSED_OUT_DTYPE[key] = False
+    main_grad.addmm_(go_TO.t().to(main_grad.dtype), x_TI.to(main_grad.dtype))
+
+
+@torch.library.custom_op("dcp_harness::linear_wgrad", mutates_args=())
+def linear_wgrad(x: Tensor, w: Tensor, main_grad: Tensor) -> Tensor:
+    return F.linear(x, w)
+
+
+@linear_wgrad.register_fake
+def _linear_fake(x, w, main_grad):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@torch.library.custom_op("dcp_harness::accumulate_wgrad", mutates_args=("main_grad",))
+def accumulate_wgrad(main_grad: Tensor, go: Tensor, x: Tensor) -> None:
+    gemm_accumulate(main_grad, go.reshape(-1, go.shape[-1]), x.reshape(-1, x.shape[-1]))
+
+
+@accumulate_wgrad.register_fake
+def _accumulate_fake(main_grad, go, x):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    x, w, main_grad = inputs
+    ctx.save_for_backward(x, w)
+    ctx.main_grad = main_grad  # not saved: other micro-batches add into it before this backward runs (its version moves)
+
+
+def _backward(ctx, go):
+    x, w = ctx.saved_tensors
+    torch.ops.dcp_harness.accumulate_wgrad(ctx.main_grad, go, x)
+    # the weight's "gradient": a zero broadcast to its shape (no memory), so that autograd still runs the step copy's
+    # node and then the weight's own accumulation node, which fires its post-accumulate hooks (a compiled graph
+    # drops the edge of an input whose gradient is always None); the copy's node adds nothing in this mode
+    dummy = w.new_zeros(()).expand(w.shape) if ctx.needs_input_grad[1] else None
+    return (go @ w if ctx.needs_input_grad[0] else None), dummy, None
+
+
+linear_wgrad.register_autograd(_backward, setup_context=_setup_context)
