@@ -79,10 +79,11 @@ MODEL_SEAM_MODULES = ("harness.train.passes", "harness.runtime", "harness.train.
 @pytest.mark.parametrize("cfg", [
     {**sc.TRAIN_CONFIGS["train-pp"], "model": "tiny-gpt-mtp", "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-hybrid"], "layouts": ["dcp"]},
-], ids=["mtp-pp2", "hybrid"])
+    {**sc.TRAIN_CONFIGS["train-fused"], "layouts": ["dcp"]},
+], ids=["mtp-pp2", "hybrid", "fused"])
 def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg, tmp_path):
-    """The seams of the forward passes, the model's CP calls, the SSM scan and the pipeline stages:
-    wrapped by call counters in a pipelined MTP run and a hybrid (SSM) run, each one is called, and the
+    """The seams of the forward passes, the model's CP calls, the SSM scan, the pipeline stages and the weight paths:
+    wrapped by call counters in a pipelined MTP run, a hybrid (SSM) run and a fused-weight run, each one is called, and the
     run's parameters equal those of the same run without pass-throughs, bit for bit."""
     seams = [s for s in SEAMS if s.startswith(MODEL_SEAM_MODULES)]
     got = run_on_ranks(sc.passthrough_world, world_size=sc.WORLD, tmp_path=tmp_path,
@@ -91,7 +92,10 @@ def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg
     ssm = ("scan_layout", "ssm_sequences", "pack_order")  # the SSM mixer's: built at its first call, SSM models only
     wanted = [s for s in seams if any(k in s for k in ssm) == (cfg["model"] == "tiny-hybrid")
               and ("mtp_columns" in s) <= (cfg["model"] == "tiny-gpt-mtp")
-              and ("stage_view" in s) <= (cfg.get("pp", 1) > 1)]
+              and ("stage_view" in s) <= (cfg.get("pp", 1) > 1)
+              # the fused weight mode accumulates in its GEMM, the others in the step copy's backward
+              and ("fused_linear" in s) == (cfg.get("weights") == "fused")
+              and ("weight_cache:accumulate" in s) == (cfg.get("weights") != "fused")]
     assert all(counts[s] > 0 for s in wanted), {s: counts[s] for s in wanted}
     for r in got:
         assert r["out"]["probes"]["dcp"]["digests"] == r["clean"]["probes"]["dcp"]["digests"]
