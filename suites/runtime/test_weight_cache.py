@@ -314,3 +314,23 @@ def test_the_fused_mode_is_a_train_config_and_a_bench_arm():
 
     TrainConfig(weights="fused").validate(2)
     assert step.parse_arm("dcp:balanced%fused").weights == "fused"
+
+
+@pytest.mark.slow
+def test_the_fused_gemm_under_inductor_accumulates_what_autograd_accumulates():
+    """The fused operators inside an Inductor-compiled chain (the step benchmark's default; C++ on the CPU, ~30 s of
+    compilation): two steps in fp32 within fp32 rounding of the per-call path."""
+    from harness.runtime import model as model_module
+
+    torch._dynamo.reset()
+    model_module._compiled_segments.clear()
+    out = {}
+    for mode in ("per-call", "fused"):
+        m = TinyLM(MODELS["tiny-gpt"]).compile_blocks("inductor", scope="chain")
+        try:
+            out[mode] = _step_grads(m, mode, False, steps=2)
+        finally:
+            m.compile_blocks(None)
+    (loss_a, grads_a), (loss_b, grads_b) = out["per-call"], out["fused"]
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    _close(grads_a, grads_b, 1e-6)
