@@ -32,13 +32,16 @@ _FUSED_OUT_DTYPE: dict = {}
 def gemm_accumulate(main_grad: Tensor, go_TO: Tensor, x_TI: Tensor) -> None:
     """``main_grad += go^T @ x`` in place (``O x I``), accumulated in ``main_grad``'s precision."""
     key = (main_grad.device.type, go_TO.dtype)
-    if go_TO.dtype != main_grad.dtype and _FUSED_OUT_DTYPE.get(key, True):
+    known = _FUSED_OUT_DTYPE.get(key)
+    if go_TO.dtype != main_grad.dtype and known is not False:
         try:
             torch.addmm(main_grad, go_TO.t(), x_TI, out_dtype=main_grad.dtype, out=main_grad)
             _FUSED_OUT_DTYPE[key] = True
             return
-        except (RuntimeError, TypeError):  # no mixed-dtype GEMM here (older torch, or the CPU): compute, then add
-            _FUSED_OUT_DTYPE[key] = False
+        except (RuntimeError, TypeError):
+            if known:  # it ran here before: this is a real error, not a missing mixed-dtype GEMM
+                raise
+            _FUSED_OUT_DTYPE[key] = False  # no mixed-dtype GEMM here (older torch, or the CPU): compute, then add
     main_grad.addmm_(go_TO.t().to(main_grad.dtype), x_TI.to(main_grad.dtype))
 
 

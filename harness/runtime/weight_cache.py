@@ -21,6 +21,10 @@ The numbers are those of the per-call path bit for bit: autocast's cast is the s
 fp32). Where one weight is used twice in one micro-batch (the LM head under multi-token prediction) each use
 adds its own gradient, where autograd would sum the two first: fp32 rounding of the order only.
 
+In the ``fused`` mode ``weight(w)`` gives the copy with the weight's fp32 ``.grad`` (a ``FusedWeight``) and the
+layers' ``linear(x, weight(w))`` runs ``harness.runtime.fused_linear``: the weight-gradient GEMM adds into ``.grad``
+itself, and the copy's backward adds nothing (within bf16 rounding of the other modes, not bit for bit).
+
 Outside ``cached_weights()`` ``weight(w)`` is ``w``: single-process references, evaluation, benchmarks of the
 model alone. ``refresh`` and ``accumulate`` are seams: the fault catalogue re-creates a copy that is never
 refreshed and an accumulation that keeps one micro-batch's gradient.
@@ -135,11 +139,11 @@ class _StepCopy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        if ctx.fused:  # the GEMM already added into .grad; g is its placeholder (harness.runtime.fused_linear)
-            return None, None
         if torch.is_grad_enabled():
             raise WeightCacheError("a step's weight copies do not support a differentiable backward "
                                    "(create_graph=True); run that model outside cached_weights()")
+        if ctx.fused:  # the GEMM already added into .grad; g is its placeholder (harness.runtime.fused_linear)
+            return None, None
         accumulate(ctx.weight, g)
         return None, None  # autograd's AccumulateGrad of the weight still runs next: its post-accumulate hooks fire
 

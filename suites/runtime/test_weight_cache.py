@@ -53,8 +53,16 @@ def _step_grads(model, mode: str, bf16: bool, steps: int = 1) -> tuple[list[floa
 
 
 def _both(model_name: str, bf16: bool, steps: int = 1, compiled: str | None = None, modes=("per-call", "cached")):
+    """Each mode's ``_step_grads`` on a fresh model; the copies and the fused GEMM are checked to have run (an
+    equality of two per-call runs would prove nothing)."""
+    from harness.runtime import fused_linear
+
     out = {}
     for mode in modes:
+        wc.release()
+        gemms = []
+        original = fused_linear.gemm_accumulate
+        fused_linear.gemm_accumulate = lambda mg, go, x, _o=original: (gemms.append(1), _o(mg, go, x))[1]
         m = TinyLM(MODELS[model_name])
         if compiled:
             m.compile_blocks("aot_eager", scope=compiled)
@@ -62,6 +70,8 @@ def _both(model_name: str, bf16: bool, steps: int = 1, compiled: str | None = No
             out[mode] = _step_grads(m, mode, bf16, steps)
         finally:
             m.compile_blocks(None)
+            fused_linear.gemm_accumulate = original
+        assert (wc.held_bytes() > 0) == (mode != "per-call") and bool(gemms) == (mode == "fused"), mode
     return tuple(out[m] for m in modes)
 
 
