@@ -15,10 +15,11 @@ pytestmark = pytest.mark.dist_cpu
                                                   "tiny-hybrid"])
 def runs(request, tmp_path_factory):
     """Each model with the all-gather K/V exchange, and tiny-gpt with the ring exchange (every CP
-    block of every layout then passes K/V around its ring)."""
+    block of every layout then passes K/V around its ring). tiny-moe runs bshd in micro-batches of 4 padded
+    sequences (as the nightly's GPU MoE cases do), the others one sequence per bshd micro-batch."""
     model, _, exchange = request.param.partition("@")
     cfg = {"model": model, "steps": 3, "max_seqlen_per_rank": 512, "cp_exchange": exchange or "gather",
-           "corpus": {"sequences_per_batch": 16}}
+           "corpus": {"sequences_per_batch": 16}, "micro_batch_size": 4 if model == "tiny-moe" else 1}
     out = run_on_ranks(train, world_size=2, tmp_path=tmp_path_factory.mktemp("conv"), args=(cfg,), timeout_s=600)
     return model, out[0]
 
@@ -46,6 +47,7 @@ def test_padding_and_schedules_differ_as_designed(runs):
     for step in range(3):
         assert rows["bshd"][step]["padding_fraction"] > rows["thd"][step]["padding_fraction"]
         assert rows["bshd"][step]["cp_histogram"] == {"2": 16}
+        assert rows["bshd"][step]["microbatches"] == (4 if model == "tiny-moe" else 16)
     assert all(rows[layout][0]["grad_norm"] > 0 for layout in rows)
     if model == "tiny-gpt-mtp":
         assert all(len(rows[layout][0]["mtp_loss"]) == 1 and rows[layout][0]["mtp_loss"][0] > 0 for layout in rows)

@@ -145,6 +145,24 @@ def test_every_model_and_machine_kind_mixes_cp_sizes_in_every_step():
             nc.check_mixing(case)
 
 
+def test_the_gpu_moe_cases_run_bshd_in_micro_batches_of_several_sequences():
+    """On GPUs the MoE cases' 128-sequence batches run bshd as 32 padded micro-batches of 4 (one stage and two),
+    not 128 of one; every other case keeps one sequence per bshd micro-batch."""
+    from harness.data.corpus import batch_lengths
+    from harness.train.layouts import plan as plan_layout
+
+    gpu = _plan(models=nc.NIGHTLY_MODELS, device="cuda", gpus=4).cases
+    moe = [c for c in gpu if c.cfg.model == "tiny-moe"]
+    assert sorted(c.cfg.pp for c in moe) == [1, 2]
+    for case in moe:
+        lengths = batch_lengths(case.cfg.corpus, 0)
+        sched, padding, longest = plan_layout("bshd", lengths, case.cfg.layout_config(case.world))
+        assert (padding, sched.num_microbatches) == ("fixed", nc.MOE_GPU_BATCH // nc.MOE_GPU_MICRO_BATCH)
+        assert {len(b.gids) for mb in sched.layout for b in mb} == {nc.MOE_GPU_MICRO_BATCH}
+    others = [c for c in gpu + _plan(models=nc.NIGHTLY_MODELS).cases if c.cfg.model != "tiny-moe"]
+    assert others and {c.cfg.micro_batch_size for c in others} == {1}
+
+
 # ----------------------------------------------------------------------------- the history
 
 

@@ -43,6 +43,10 @@ BATCH = 32
 """Sequences per global batch."""
 MOE_GPU_BATCH = 128
 """bf16 MoE: 128-sequence batches average routing flips the way a real batch does."""
+MOE_GPU_MICRO_BATCH = 4
+"""Sequences per bshd micro-batch of the bf16 MoE cases: 32 padded micro-batches of 4 a step instead of 128 of one
+(the bshd layout was most of those cases' time: the step is launch-bound). thd, dcp and the reference pack as
+always."""
 NUMERICS = "single-GPU numerics"
 NUMERICS_STEPS = 30
 """bf16 trajectories of bshd and thd separate with the steps (on one H100, tiny GPT on the nightly corpus:
@@ -189,9 +193,10 @@ def _config(model: str, steps: int, device: str, domain: int, pp: int):
 
     corpus = CorpusConfig(lengths=LENGTHS, seed=SEED)
     longest = int(parse_spec(corpus.lengths)[1]["max"])
-    batch = MOE_GPU_BATCH if MODELS[model].experts > 0 and device == "cuda" else BATCH
+    moe_gpu = MODELS[model].experts > 0 and device == "cuda"
     return TrainConfig(model=model, steps=steps, device=device, dtype="bfloat16" if device == "cuda" else "float32",
-                       corpus=replace(corpus, sequences_per_batch=batch), pp=pp,
+                       corpus=replace(corpus, sequences_per_batch=MOE_GPU_BATCH if moe_gpu else BATCH), pp=pp,
+                       micro_batch_size=MOE_GPU_MICRO_BATCH if moe_gpu else 1,
                        max_seqlen_per_rank=max(1, longest // domain))
 
 
