@@ -68,6 +68,8 @@ class _State:
         """(id(weight), dtype) -> the weight's version counter when this step copied it."""
         self.steps = 0
         """Steps opened so far in this process (``step_number``)."""
+        self.grads: dict = {}
+        """id(weight) -> (weakref to the weight, an alias of its ``.grad`` with a version counter of its own)."""
 
 
 _STATE = _State()
@@ -175,8 +177,36 @@ def weight(w: torch.Tensor) -> torch.Tensor:
     if _STATE.fused:
         if w.grad is None:
             w.grad = torch.zeros_like(w, memory_format=torch.contiguous_format)
-        return FusedWeight(copy, w.grad)
+        return FusedWeight(copy, _grad_alias(w))
     return copy
+
+
+def _grad_alias(w: torch.Tensor) -> torch.Tensor:
+    """``w.grad`` as a tensor of the same memory with a version counter of its own, for the fused operator.
+
+    A compiled graph saves the operator's ``main_grad`` input for its backward and checks there that its version is
+    unchanged. ``.grad`` is often a view of one flat buffer (``harness.parallel.grad_reduce.GradBuffer``), and views
+    share their base's version counter: every other gradient's in-place add and every bucket's all-reduce between a
+    micro-batch's forward and its backward would move it ("modified by an inplace operation", seen on the first
+    compiled step). The alias (``set_`` onto the same storage) is moved only by writes through itself."""
+    g = w.grad
+    held = _STATE.grads.get(id(w))
+    if held is not None and held[0]() is w:
+        a = held[1]
+        if (a.data_ptr(), a.shape, a.stride(), a.dtype) == (g.data_ptr(), g.shape, g.stride(), g.dtype):
+            return a  # the alias holds its storage: the same address is the same live gradient
+    a = torch.empty(0, dtype=g.dtype, device=g.device).set_(g.untyped_storage(), g.storage_offset(), g.shape,
+                                                            g.stride())
+    _STATE.grads[id(w)] = (weakref.ref(w, _forget_grad(id(w))), a)  # dropped with the weight (its storage too)
+    return a
+
+
+def _forget_grad(key):
+    def drop(_ref):
+        held = _STATE.grads.get(key)
+        if held is not None and held[0]() is None:
+            del _STATE.grads[key]
+    return drop
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
@@ -205,3 +235,4 @@ def release() -> None:
     if _STATE.active:
         raise WeightCacheError("release() inside cached_weights(): the step still computes with its copies")
     _STATE.buffers.clear()
+    _STATE.grads.clear()

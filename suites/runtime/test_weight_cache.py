@@ -22,12 +22,19 @@ from harness.train.layouts import LayoutError
 MICRO_BATCHES = ([7, 30, 64], [5, 3], [128])
 
 
-def _step_grads(model, mode: str, bf16: bool, steps: int = 1) -> tuple[list[float], dict]:
+def _step_grads(model, mode: str, bf16: bool, steps: int = 1, flat: bool = False) -> tuple[list[float], dict]:
     """``steps`` steps of three micro-batches (backward each, gradients accumulating), an SGD update between steps;
-    returns every micro-batch's loss and the last step's gradients."""
+    returns every micro-batch's loss and the last step's gradients. ``flat``: the gradients are views of one flat
+    buffer, as the training step's (``GradBuffer``)."""
+    from harness.parallel.grad_reduce import GradBuffer
+
     losses = []
+    buffer = GradBuffer(model.parameters()) if flat else None
     for step in range(steps):
-        model.zero_grad(set_to_none=False) if step else model.zero_grad(set_to_none=True)
+        if buffer is not None:
+            buffer.zero_()
+        else:
+            model.zero_grad(set_to_none=False) if step else model.zero_grad(set_to_none=True)
         with wc.cached_weights(mode):
             for seed, lengths in enumerate(MICRO_BATCHES):
                 cu = [0]
@@ -52,7 +59,8 @@ def _step_grads(model, mode: str, bf16: bool, steps: int = 1) -> tuple[list[floa
     return losses, grads
 
 
-def _both(model_name: str, bf16: bool, steps: int = 1, compiled: str | None = None, modes=("per-call", "cached")):
+def _both(model_name: str, bf16: bool, steps: int = 1, compiled: str | None = None, modes=("per-call", "cached"),
+          flat: bool = False):
     """Each mode's ``_step_grads`` on a fresh model; the copies and the fused GEMM are checked to have run (an
     equality of two per-call runs would prove nothing)."""
     from harness.runtime import fused_linear
@@ -67,7 +75,7 @@ def _both(model_name: str, bf16: bool, steps: int = 1, compiled: str | None = No
         if compiled:
             m.compile_blocks("aot_eager", scope=compiled)
         try:
-            out[mode] = _step_grads(m, mode, bf16, steps)
+            out[mode] = _step_grads(m, mode, bf16, steps, flat)
         finally:
             m.compile_blocks(None)
             fused_linear.gemm_accumulate = original
@@ -292,7 +300,8 @@ def test_the_fused_gemm_accumulates_what_autograd_accumulates(scope):
 
     torch._dynamo.reset()
     model_module._compiled_segments.clear()
-    (loss_a, grads_a), (loss_b, grads_b) = _both("tiny-gpt", False, steps=2, compiled=scope, modes=("per-call", "fused"))
+    (loss_a, grads_a), (loss_b, grads_b) = _both("tiny-gpt", False, steps=2, compiled=scope, modes=("per-call", "fused"),
+                                                 flat=True)
     assert loss_a == pytest.approx(loss_b, rel=1e-6)
     assert grads_a.keys() == grads_b.keys()
     _close(grads_a, grads_b, 1e-6)
