@@ -44,10 +44,26 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 must not inherit it."""
 
 POLL_S = 0.25
-FAILURE_OUTPUT = re.compile(r"^(Traceback \(most recent call last\)|\[rank\d+\]:|\[W\d+|E\d{4} |W\d{4} )|"
+FAILURE_OUTPUT = re.compile(r"^(Traceback \(most recent call last\)|\[rank\d+\]:|E\d{4} )|"
                             r"torch\.distributed\.elastic|ChildFailedError")
 """Output that starts a failure report (tracebacks, torchrun's summary): from there on the output only
 goes to the log, so the user sees one error line, not pages of every rank's traceback."""
+WARNING_OUTPUT = re.compile(r"^(\[rank\d+\]:)?(\[W\d{4} |W\d{4} )")
+"""torch's and torchrun's warning lines (``[W1127 16:41:02.1 ProcessGroupNCCL.cpp:5188] ...``, ``W1127 ...
+torch/distributed/run.py:...``, with or without the ``[rankN]:`` prefix): to the log only. They do not start a
+failure report: treating them as one silenced the rest of a run after any warning (the likely reason pipelined NCCL
+runs showed no layout progress lines on GPUs)."""
+
+
+def relay(line: str, stream) -> bool:
+    """Pass one output line to ``stream`` unless it is a warning or starts a failure report; returns whether it
+    started one (the caller then relays nothing more)."""
+    if WARNING_OUTPUT.search(line):
+        return False
+    if FAILURE_OUTPUT.search(line):
+        return True
+    stream(line.rstrip("\n"))
+    return False
 EXIT_RE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 ROOT_RE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)", re.S)
 
@@ -199,9 +215,7 @@ def _watch(proc, lines, stream, beats, nproc, started, timeout_s, stall_s, gone_
             if line is None:
                 done = True
             elif stream and not quiet:
-                quiet = FAILURE_OUTPUT.search(line) is not None
-                if not quiet:
-                    stream(line.rstrip("\n"))
+                quiet = relay(line, stream)
         except queue.Empty:
             pass
         now = time.time()

@@ -102,3 +102,23 @@ def test_a_bound_no_job_can_run_under_is_refused_before_anything_starts(tmp_path
     with pytest.raises(JobConfigError, match=re.escape(f"launch({name}={value!r})")):
         launch("selftest", 2, tmp_path / "out.json", {"device": "cpu", "steps": 1}, **bound)
     assert not (tmp_path / "out.json").exists()
+
+
+def test_warnings_go_to_the_log_and_the_progress_after_them_still_shows():
+    """torch's and torchrun's warning lines are not relayed, and do not silence what follows (they once did: after
+    any warning a run showed no more progress); a traceback still ends the relayed output."""
+    from harness.jobs.launcher import relay
+
+    out = ["[bshd] step    1/100  loss 5.553713",
+           "[rank0]:[W1127 16:41:02.242834319 ProcessGroupNCCL.cpp:5188] Guessing device ID based on global rank. "
+           "This can cause a hang if rank to GPU mapping is heterogeneous.",
+           "W1127 16:41:02.287000 951 torch/distributed/run.py:851] *****",
+           "[bshd] step    2/100  loss 5.499462",
+           "[rank1]: Traceback (most recent call last):",
+           "[dcp ] step    1/100  loss 5.553713"]
+    shown, quiet = [], False
+    for line in out:
+        if not quiet:
+            quiet = relay(line + "\n", shown.append)
+    assert shown == ["[bshd] step    1/100  loss 5.553713", "[bshd] step    2/100  loss 5.499462"]
+    assert quiet
