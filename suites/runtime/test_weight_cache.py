@@ -6,6 +6,7 @@ model, inputs and micro-batches."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -283,8 +284,16 @@ def test_the_head_hands_its_gradient_over_first_as_without_copies(scope):
         assert order.index("head.weight") < first_block and order[-1] == "embed.weight", (mode, order)
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor, name: str) -> float:
+    """Relative L2 distance of ``a`` from ``b``; a NaN or inf is a failure (``max`` would skip a NaN after the first
+    element)."""
+    v = ((a - b).norm() / b.norm()).item()
+    assert math.isfinite(v), (name, v)
+    return v
+
+
 def _close(grads_a: dict, grads_b: dict, rel: float) -> float:
-    worst = max(((grads_a[n] - grads_b[n]).norm() / grads_a[n].norm()).item() for n in grads_a)
+    worst = max(_rel(grads_b[n], grads_a[n], n) for n in grads_a)
     assert worst <= rel, worst
     return worst
 
@@ -308,7 +317,7 @@ def test_the_fused_gemm_accumulates_what_autograd_accumulates(scope):
     (_, exact), = _both("tiny-gpt", False, compiled=scope, modes=("per-call",))
     (loss_c, per_call), (loss_f, fused) = _both("tiny-gpt", True, compiled=scope, modes=("per-call", "fused"))
     assert loss_c == loss_f  # the forward is the same
-    err = {name: max(((g[n] - exact[n]).norm() / exact[n].norm()).item() for n in exact if n.endswith(
+    err = {name: max(_rel(g[n], exact[n], n) for n in exact if n.endswith(
         ("qkv.weight", "proj.weight", "up.weight", "down.weight", "head.weight"))) for name, g in
         (("per-call", per_call), ("fused", fused))}
     assert err["fused"] <= err["per-call"], err
