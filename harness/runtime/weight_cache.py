@@ -12,7 +12,8 @@ layers take their matrix weights through ``weight(w)``:
   once per step - at its first use in the step, and again only if the weight changed in place since
   (``refresh``);
 - the layer computes with that copy; its gradient, in the compute dtype, is added into the weight's fp32
-  ``.grad`` in place (``accumulate``: one mixed-dtype add, no cast kernel, no temporary). The weight's own
+  ``.grad`` in place (``accumulate``: one mixed-dtype add, no cast kernel, no temporary; on CUDA a Triton kernel
+  that casts in registers, ``harness.runtime.grad_add``). The weight's own
   ``AccumulateGrad`` node still runs after it (with no gradient to add) and fires the weight's post-accumulate-grad
   hooks once per use, as without the copy: the overlapped gradient reducer counts on them.
 
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.runtime import fused_linear
+from harness.runtime.grad_add import add_into
 
 MODES = ("cached", "fused", "per-call")
 """``cached``: one copy per step and in-place accumulation (this module); ``fused``: the copies, and the weight-gradient
@@ -128,7 +130,7 @@ def accumulate(w: torch.Tensor, g: torch.Tensor) -> None:
     if w.grad is None:
         w.grad = g.to(dtype=w.dtype, memory_format=torch.contiguous_format, copy=True)
     else:
-        w.grad.add_(g)
+        add_into(w.grad, g)  # w.grad.add_(g), vectorised on CUDA (harness.runtime.grad_add)
 
 
 class _StepCopy(torch.autograd.Function):

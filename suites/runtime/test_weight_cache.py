@@ -23,10 +23,11 @@ from harness.train.layouts import LayoutError
 MICRO_BATCHES = ([7, 30, 64], [5, 3], [128])
 
 
-def _step_grads(model, mode: str, bf16: bool, steps: int = 1, flat: bool = False) -> tuple[list[float], dict]:
+def _step_grads(model, mode: str, bf16: bool, steps: int = 1, flat: bool = False,
+                device: str = "cpu") -> tuple[list[float], dict]:
     """``steps`` steps of three micro-batches (backward each, gradients accumulating), an SGD update between steps;
     returns every micro-batch's loss and the last step's gradients. ``flat``: the gradients are views of one flat
-    buffer, as the training step's (``GradBuffer``)."""
+    buffer, as the training step's (``GradBuffer``). ``device``: where the model is (its inputs are made there)."""
     from harness.parallel.grad_reduce import GradBuffer
 
     losses = []
@@ -42,11 +43,11 @@ def _step_grads(model, mode: str, bf16: bool, steps: int = 1, flat: bool = False
                 for n in lengths:
                     cu.append(cu[-1] + n)
                 g = torch.Generator().manual_seed(seed)
-                toks = torch.randint(0, model.c.vocab, (cu[-1],), generator=g)
-                pos = torch.cat([torch.arange(n) for n in lengths])
-                mask = (torch.rand(cu[-1], generator=g) > 0.1).to(torch.int64)
-                chunks = DeviceChunks.build(whole_chunks(cu), "cpu")
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                toks = torch.randint(0, model.c.vocab, (cu[-1],), generator=g).to(device)
+                pos = torch.cat([torch.arange(n) for n in lengths]).to(device)
+                mask = (torch.rand(cu[-1], generator=g) > 0.1).to(torch.int64).to(device)
+                chunks = DeviceChunks.build(whole_chunks(cu), device)
+                with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
                     ce, aux = model.token_losses(toks, toks.roll(-1), mask, pos,
                                                  lambda q, k, v: chunk_attention(q, k, v, chunks))
                 (ce + aux).backward()
@@ -61,7 +62,7 @@ def _step_grads(model, mode: str, bf16: bool, steps: int = 1, flat: bool = False
 
 
 def _both(model_name: str, bf16: bool, steps: int = 1, compiled: str | None = None, modes=("per-call", "cached"),
-          flat: bool = False):
+          flat: bool = False, device: str = "cpu"):
     """Each mode's ``_step_grads`` on a fresh model; the copies and the fused GEMM are checked to have run (an
     equality of two per-call runs would prove nothing)."""
     from harness.runtime import fused_linear
@@ -72,11 +73,11 @@ def _both(model_name: str, bf16: bool, steps: int = 1, compiled: str | None = No
         gemms = []
         original = fused_linear.gemm_accumulate
         fused_linear.gemm_accumulate = lambda mg, go, x, _o=original: (gemms.append(1), _o(mg, go, x))[1]
-        m = TinyLM(MODELS[model_name])
+        m = TinyLM(MODELS[model_name]).to(device)
         if compiled:
             m.compile_blocks("aot_eager", scope=compiled)
         try:
-            out[mode] = _step_grads(m, mode, bf16, steps, flat)
+            out[mode] = _step_grads(m, mode, bf16, steps, flat, device)
         finally:
             m.compile_blocks(None)
             fused_linear.gemm_accumulate = original
