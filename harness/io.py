@@ -1,8 +1,15 @@
-"""Atomic file output: write to a temporary file in the same folder, fsync, then rename."""
+"""Atomic file output: write to a temporary file in the same folder, fsync, then rename.
+
+JSON files are strict JSON (RFC 8259): a NaN or an infinity - a diverged loss, a check's value where there was
+nothing to compare - is written as ``null``, as JavaScript's ``JSON.stringify`` writes it, because Python's
+``NaN`` / ``Infinity`` literals are refused by strict parsers (``JSON.parse``, jq, Go, Rust's serde). Readers of
+the harness's own files take ``null`` where a number belongs as not a number. Files that only the harness's own
+processes exchange (a job's result from its ranks) keep Python's literals: ``strict=False``."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -92,8 +99,27 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_write_json(path: str | Path, obj: Any) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
+def json_ready(obj: Any) -> Any:
+    """``obj`` with every float that JSON cannot hold (NaN, +-inf) replaced by None, through dicts, lists and tuples
+    (a tuple becomes a list, as ``json`` writes it)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_ready(v) for v in obj]
+    return obj
+
+
+def strict_json(obj: Any, **kw) -> str:
+    """``json.dumps`` of ``obj`` as strict JSON: NaN and infinities as ``null`` (``json_ready``)."""
+    return json.dumps(json_ready(obj), allow_nan=False, **kw)
+
+
+def atomic_write_json(path: str | Path, obj: Any, *, strict: bool = True) -> Path:
+    """``obj`` as JSON at ``path``, atomically; ``strict`` (default): NaN and infinities as ``null``."""
+    text = strict_json(obj, indent=1) if strict else json.dumps(obj, indent=1)
+    return atomic_write_text(path, text + "\n")
 
 
 def read_report(path: str | Path, benchmarks: tuple[str, ...], error: type[Exception], what: str) -> dict:

@@ -119,7 +119,8 @@ def run_rank(job: str, out, job_cfg: dict, rank: int, world: int, local_rank: in
         gathered = [None] * world
         dist.all_gather_object(gathered, result)
         if rank == 0:
-            atomic_write_json(out, {"job": job, "world": world, "cfg": cfg, "ranks": gathered})
+            atomic_write_json(out, {"job": job, "world": world, "cfg": cfg, "ranks": gathered},
+                              strict=False)  # the launcher reads it back: a NaN loss stays NaN
         dist.barrier()
         if watch is not None:
             watch.stop()

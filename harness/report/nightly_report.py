@@ -65,10 +65,13 @@ def flag(runs: list[dict]) -> tuple[str, float | None, float | None]:
     notes = []
     if len(runs) > 1 and runs[-2]["verdict"] != runs[-1]["verdict"]:
         notes.append(f"verdict changed: {runs[-2]['verdict']} -> {runs[-1]['verdict']}")
-    if now is not None and med is not None and not (math.isinf(now) and math.isinf(med)) and \
-            (now == 0 or med / now >= SHRINK):
-        notes.append(f"margin shrank {'from no deviation' if math.isinf(med) else f'{med / now:.1f}x'} against the "
-                     f"median")
+    if now is not None and med is not None and not (math.isinf(now) and math.isinf(med)):
+        if now == 0:  # a check saw no finite value (a diverged run): 0 against a median above it
+            if med > 0:
+                notes.append("margin shrank to 0 against the median")
+        elif med / now >= SHRINK:
+            notes.append(f"margin shrank {'from no deviation' if math.isinf(med) else f'{med / now:.1f}x'} against "
+                         f"the median")
     return "; ".join(notes), now, med
 
 
@@ -97,6 +100,12 @@ def _summary(groups) -> str:
                         f"median margin (last {WINDOW})", "flag"], left=3, classes=classes)
 
 
+def _number(v) -> float:
+    """A value read back from a history line or a results file: ``null`` (how strict JSON holds a NaN or an
+    infinity, ``harness.io.json_ready``) or a missing value is NaN."""
+    return math.nan if v is None else v
+
+
 def _date(e: dict) -> dt.datetime:
     return dt.datetime.fromisoformat(e["date"])
 
@@ -117,7 +126,7 @@ def _trends(by_series: dict[str, list[dict]]):
         for key, ax, log in ((p[0], axes[i], p[2]) for i, p in enumerate(panels)):
             layouts = sorted({lay for r in runs for lay in r.get(key, {})})
             for lay in layouts:
-                ys = [r.get(key, {}).get(lay, math.nan) for r in runs]
+                ys = [_number(r.get(key, {}).get(lay)) for r in runs]
                 ys = [max(y, 1e-12) if log and y == y else y for y in ys]
                 ax.plot(xs, ys, marker=marker, ls=ls, color=COLORS.get(lay), label=f"{lay} ({s})", ms=4)
         tol = runs[-1].get("tolerance")
@@ -178,12 +187,13 @@ def _latest_curves(root: Path, s: str, e: dict):
         return None
     import matplotlib.pyplot as plt
 
-    rows = res["layouts"]
+    rows = {lay: [{**r, "loss": _number(r.get("loss"))} for r in rs] for lay, rs in res["layouts"].items()}
     ref_name, ref = "bshd (reference)", [r["loss"] for r in rows.get("bshd") or next(iter(rows.values()))]
     gpath = res["config"].get("golden")
     if gpath:
         try:
-            ref, ref_name = json.loads(Path(gpath).read_text())["data"]["bshd"], "golden bshd"
+            ref = [_number(x) for x in json.loads(Path(gpath).read_text())["data"]["bshd"]]
+            ref_name = "golden bshd"
         except (OSError, ValueError, KeyError):
             pass
     n = min([len(ref)] + [len(rs) for rs in rows.values()])  # a golden serves every run of at most its length

@@ -11,7 +11,6 @@ Rank 0 prints one progress line per step and appends the step's metrics to ``cfg
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from harness.data.corpus import global_batch
 from harness.heartbeat import Heartbeat
+from harness.io import strict_json
 from harness.parallel import expert_parallel
 from harness.parallel.audit import GroupAuditError
 from harness.parallel.grad_reduce import GradBuffer
@@ -143,7 +143,7 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
               f"micro-batches {row['microbatches']}", flush=True)
         if path:
             with open(path, "a") as f:
-                f.write(json.dumps({k: v for k, v in row.items() if k != "timeline"}) + "\n")
+                f.write(strict_json({k: v for k, v in row.items() if k != "timeline"}) + "\n")
 
     probes = {layout: Probes(stage=stage.stage, sharded=cfg.expert_parallel) for layout in cfg.layouts} \
         if cfg.probes else {}

@@ -301,6 +301,36 @@ def test_a_diverged_run_still_draws_its_panel(tmp_path):
     assert ax.get_ylim() == pytest.approx((-2.4e-3, 2.4e-3))  # 1.2 x the per-step band: every finite deviation is 0
 
 
+def test_a_diverged_case_gets_its_history_line_and_its_page(tmp_path):
+    """The night a loss turns NaN: the case's history line is written (a NaN in it raised "Out of range float
+    values are not JSON compliant" and stopped the nightly before the page), as strict JSON with null where the NaN
+    was, and the page draws the case: its trends from that line, its latest run's curves from the results.json
+    that converge writes (null losses there too)."""
+    from types import SimpleNamespace
+
+    from harness.io import atomic_write_json
+
+    ref = [5.0 - 0.02 * i for i in range(40)]
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    rows = {lay: [{"loss": v, "tokens_per_s": 10.0} for v in ys] for lay, ys in (("bshd", ref),
+                                                                                ("thd", ref[:20] + [math.nan] * 20))}
+    atomic_write_json(run / "results.json", {"layouts": rows, "config": {}})  # as converge writes it
+    assert '"loss": null' in (run / "results.json").read_text()
+    checks = [{"target": "thd vs bshd: max |delta loss| (first 30 steps) <= 0.004", "value": math.nan, "limit": 0.004,
+               "pass": False}]
+    res = SimpleNamespace(rows=rows, checks=checks, case_id="converge__x__w4__bf16", verdict="FAIL", run_dir=run,
+                          config={"model": "tiny-gpt", "dtype": "bfloat16", "hardware": "h200", "world": 4})
+    history.append(tmp_path, history.entry(res, role=nc.DISTRIBUTED, root=tmp_path, producer=golden.producer(),
+                                           extra_checks=[]))
+    (line,) = history.read(tmp_path)
+    assert line["last_loss"] == {"bshd": ref[-1], "thd": None} and line["max_delta"] == {"thd": None}
+    assert (line["verdict"], line["margin"], line["failed"]) == ("FAIL", 0.0, [checks[0]["target"]])
+    html = nightly_report.render(history.read(tmp_path), tmp_path).read_text()
+    assert "FAIL" in html and "max |delta loss| (first 30 steps) &lt;= 0.004" in html  # the failed check, named
+    assert html.count("<img") >= 2  # the trends and the latest run's curves
+
+
 def test_the_late_window_is_the_runs_last_steps_when_the_golden_is_longer(tmp_path):
     """A golden of N steps serves every shorter run: the panel draws the run's 50 steps against the golden's first
     50 (it raised on the lengths' mismatch, so the page of a ``--steps 50`` nightly failed to draw), and the late

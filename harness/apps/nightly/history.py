@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 
 from harness.finite import is_finite_number
-from harness.io import writable_folder
+from harness.io import strict_json, writable_folder
 
 FORMAT = 2
 NAME = "history.jsonl"
@@ -44,7 +44,7 @@ def locked(root: Path):
 
 def append(root: Path, entry: dict) -> None:
     """Add one line (under the lock; the file keeps the umask's mode)."""
-    data = (json.dumps(entry, allow_nan=False) + "\n").encode()
+    data = (strict_json(entry) + "\n").encode()  # a diverged run's NaN loss as null (it raised here)
     with locked(root):
         fd = os.open(root / NAME, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
