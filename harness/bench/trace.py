@@ -8,7 +8,8 @@ trace's microseconds, e.g. a ``record_function`` annotation around the step) int
 - ``other``: every other compute kernel or copy (norms, activations, RoPE, index/gather, optimizer);
 - ``communication``: collective kernels (NCCL) *not overlapped* by compute. NCCL kernels start
   when launched and spin until their peers arrive, so this includes the wait for slower ranks;
-- ``idle``: no kernel running at all (host-bound launch gaps, host synchronisation).
+- ``idle``: no kernel running at all (host-bound launch gaps, host synchronisation); ``idle_causes`` charges
+  each idle stretch to the host operator that launched the kernel ending it (``harness.bench.trace_idle``).
 
 Each instant of the window counts once, for the highest-priority category running then
 (attention > linear > other > communication), so the five parts add up to the wall time. The same
@@ -32,6 +33,8 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
+
+from harness.bench.trace_idle import KEEP_CAUSES, idle_causes
 
 CATEGORIES = ("attention", "linear", "other", "communication")
 PARTS = CATEGORIES + ("idle",)
@@ -146,6 +149,7 @@ def breakdown(trace: dict, window: tuple[float, float]) -> dict:
     out["kernels"] = {n: [cat, us / 1e3, len(ids)] for n, (cat, us, ids) in kept}
     if source == "device":
         out["host"] = host_self_times(evs, window)
+        out["idle_causes"] = idle_causes(evs, window, device, _RUNTIME_CATS)
     return out
 
 
@@ -221,6 +225,10 @@ def kernel_lines(breakdowns: dict, n: int = 4) -> list[str]:
         if host:
             out.append(f"  {k} host (self time): " + ", ".join(f"{name[:48]} {ms:.1f} ms x{c:.0f}"
                                                               for name, (ms, c) in host))
+        idle = sorted(((b or {}).get("idle_causes") or {}).items(), key=lambda kv: -kv[1][0])[:n + 2]
+        if idle:
+            out.append(f"  {k} idle, by what the host was launching: " + ", ".join(
+                f"{name[:48]} {ms:.1f} ms x{c:.0f}" for name, (ms, c) in idle))
     return out
 
 
@@ -254,4 +262,12 @@ def mean_breakdown(parts: list[dict]) -> dict:
             h[1] += count / len(parts)
     if host:
         out["host"] = dict(sorted(host.items(), key=lambda kv: -kv[1][0])[:KEEP_KERNELS])
+    idle: dict[str, list] = {}
+    for p in parts:
+        for name, (ms, count) in (p.get("idle_causes") or {}).items():
+            c = idle.setdefault(name, [0.0, 0.0])
+            c[0] += ms / len(parts)
+            c[1] += count / len(parts)
+    if idle:
+        out["idle_causes"] = dict(sorted(idle.items(), key=lambda kv: -kv[1][0])[:KEEP_CAUSES])
     return out

@@ -229,7 +229,45 @@ def test_breakdown_charges_each_instant_to_one_kernel_of_its_category():
     lines = kernel_lines({"dcp:balanced": {**b, "host": None}, "none": None})
     assert lines == ["  dcp:balanced other: at::native::vectorized_elementwise_kernel 0.0 ms x1, "
                      "triton_poi_fused_add_mul_0 0.0 ms x2, at::native::CatArrayBatchedCopy 0.0 ms x1",
-                     "  dcp:balanced comm (exposed): ncclDevKernel_AllGather_RING_LL 0.0 ms x1"]
+                     "  dcp:balanced comm (exposed): ncclDevKernel_AllGather_RING_LL 0.0 ms x1",
+                     "  dcp:balanced idle, by what the host was launching: (no host operator) 0.0 ms x2, "
+                     "(after the last kernel) 0.0 ms x1"]
+
+
+def test_each_idle_stretch_is_charged_to_the_host_operator_that_launched_the_kernel_ending_it():
+    """The device waits for the host: the stretch before a kernel goes to the innermost host operator around that
+    kernel's launch (found by its correlation id, on the launching thread); the stretches before the first and
+    after the last kernel are named so; together they are the breakdown's idle time."""
+    def kernel(name, ts, dur, corr):
+        return {**_ev(name, ts, dur), "args": {"correlation": corr}}
+
+    def launch(ts, corr, tid):
+        return {**_ev("cudaLaunchKernel", ts, 1, "cuda_runtime"), "args": {"correlation": corr}, "tid": tid, "pid": 1}
+
+    def op(name, ts, dur, tid):
+        return {**_ev(name, ts, dur, "cpu_op"), "tid": tid, "pid": 1}
+
+    trace = {"traceEvents": [
+        kernel("sm90_xmma_gemm_bf16", 10, 10, 1), kernel("vectorized_elementwise_kernel", 30, 10, 2),
+        kernel("pytorch_flash::flash_bwd_dq_dk_dv_loop_kernel", 45, 5, 3), kernel("triton_poi_fused_0", 52, 4, 4),
+        launch(5, 1, 1), launch(25, 2, 1), launch(41, 3, 2), launch(51, 4, 1),
+        op("dcp_harness_step", 0, 60, 1), op("aten::mm", 4, 3, 1), op("aten::copy_", 24, 3, 1),
+        op("FlashAttentionBackward0", 40, 4, 2), op("aten::_flash_attention_backward", 40.5, 2, 2),  # another thread
+        op("## Call CompiledFxGraph f4k3h4sh ##", 50, 6, 1), op("triton_poi_fused_0", 50.5, 1, 1),
+        op("aten::cat", 55, 1, 1),  # after the launch it is not around it
+    ]}
+    b = breakdown(trace, (0.0, 60.0))
+    assert b["idle_causes"] == {"(before the first kernel)": [pytest.approx(10e-3), 1],
+                                "aten::copy_": [pytest.approx(10e-3), 1],
+                                "aten::_flash_attention_backward": [pytest.approx(5e-3), 1],
+                                "triton_poi_fused_0": [pytest.approx(2e-3), 1],
+                                "(after the last kernel)": [pytest.approx(4e-3), 1]}
+    assert sum(ms for ms, _ in b["idle_causes"].values()) == pytest.approx(b["idle"])
+    assert list(b["idle_causes"])[:2] == ["(before the first kernel)", "aten::copy_"]  # the most first (ties: order)
+    without = [e for e in trace["traceEvents"] if e.get("cat") != "cpu_op"]  # a device-only profile: no operators
+    assert breakdown({"traceEvents": without}, (0.0, 60.0))["idle_causes"]["(no host operator)"] == [
+        pytest.approx(17e-3), 3]
+    assert mean_breakdown([b, b])["idle_causes"]["aten::copy_"] == [pytest.approx(10e-3), 1.0]
 
 
 def test_a_device_only_profile_is_read_over_its_span():
