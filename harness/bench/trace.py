@@ -221,14 +221,10 @@ def kernel_lines(breakdowns: dict, n: int = 4) -> list[str]:
         for cat, label in (("other", "other"), ("communication", "comm (exposed)")):
             if top[cat]:
                 out.append(f"  {k} {label}: " + ", ".join(f"{name} {ms:.1f} ms x{c:.0f}" for name, ms, c in top[cat]))
-        host = sorted(((b or {}).get("host") or {}).items(), key=lambda kv: -kv[1][0])[:n + 2]
-        if host:
-            out.append(f"  {k} host (self time): " + ", ".join(f"{name[:48]} {ms:.1f} ms x{c:.0f}"
-                                                              for name, (ms, c) in host))
-        idle = sorted(((b or {}).get("idle_causes") or {}).items(), key=lambda kv: -kv[1][0])[:n + 2]
-        if idle:
-            out.append(f"  {k} idle, by what the host was launching: " + ", ".join(
-                f"{name[:48]} {ms:.1f} ms x{c:.0f}" for name, (ms, c) in idle))
+        for key, label in (("host", "host (self time)"), ("idle_causes", "idle, by what the host was launching")):
+            top = sorted(((b or {}).get(key) or {}).items(), key=lambda kv: -kv[1][0])[:n + 2]
+            if top:
+                out.append(f"  {k} {label}: " + ", ".join(f"{name[:48]} {ms:.1f} ms x{c:.0f}" for name, (ms, c) in top))
     return out
 
 
@@ -254,20 +250,13 @@ def mean_breakdown(parts: list[dict]) -> dict:
             k[1] += ms / len(parts)
             k[2] += count / len(parts)
     out["kernels"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1][1])[:KEEP_KERNELS])
-    host: dict[str, list] = {}
-    for p in parts:
-        for name, (ms, count) in (p.get("host") or {}).items():
-            h = host.setdefault(name, [0.0, 0.0])
-            h[0] += ms / len(parts)
-            h[1] += count / len(parts)
-    if host:
-        out["host"] = dict(sorted(host.items(), key=lambda kv: -kv[1][0])[:KEEP_KERNELS])
-    idle: dict[str, list] = {}
-    for p in parts:
-        for name, (ms, count) in (p.get("idle_causes") or {}).items():
-            c = idle.setdefault(name, [0.0, 0.0])
-            c[0] += ms / len(parts)
-            c[1] += count / len(parts)
-    if idle:
-        out["idle_causes"] = dict(sorted(idle.items(), key=lambda kv: -kv[1][0])[:KEEP_CAUSES])
+    for key, keep in (("host", KEEP_KERNELS), ("idle_causes", KEEP_CAUSES)):
+        table: dict[str, list] = {}
+        for p in parts:
+            for name, (ms, count) in (p.get(key) or {}).items():
+                t = table.setdefault(name, [0.0, 0.0])
+                t[0] += ms / len(parts)
+                t[1] += count / len(parts)
+        if table:
+            out[key] = dict(sorted(table.items(), key=lambda kv: -kv[1][0])[:keep])
     return out

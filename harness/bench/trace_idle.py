@@ -14,6 +14,7 @@ add up to the breakdown's ``idle``.
 from __future__ import annotations
 
 import bisect
+import itertools
 
 KEEP_CAUSES = 24
 """Host operators ``idle_causes`` keeps (the most idle time first)."""
@@ -35,17 +36,21 @@ class _Threads:
         for e in ops:
             self.ops.setdefault((e.get("pid"), e.get("tid")), []).append(
                 (float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e.get("name", ""))))
-        self.starts = {}
+        self.starts, self.reach = {}, {}
         for k, v in self.ops.items():
             v.sort()
             self.starts[k] = [a for a, _, _ in v]
+            self.reach[k] = list(itertools.accumulate((b for _, b, _ in v), max))  # the latest end so far
 
     def innermost(self, thread, t: float) -> str | None:
         """The latest-starting operator of ``thread`` that contains ``t`` (the innermost: operators nest)."""
         ops = self.ops.get(thread)
         if not ops:
             return None
+        reach = self.reach[thread]
         for i in range(bisect.bisect_right(self.starts[thread], t) - 1, -1, -1):
+            if reach[i] < t:  # no operator from here back reaches t: stop scanning
+                return None
             a, b, name = ops[i]
             if b >= t:
                 return name

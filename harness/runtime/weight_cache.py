@@ -169,7 +169,7 @@ def weight(w: torch.Tensor) -> torch.Tensor:
         if held is not None:  # a weight freed since; its id was reused
             del _STATE.buffers[key]
         buf = torch.empty_like(w, dtype=dtype, memory_format=torch.contiguous_format)
-        _STATE.buffers[key] = (weakref.ref(w, _forget(key)), buf)
+        _STATE.buffers[key] = (weakref.ref(w, _forget(_STATE.buffers, key)), buf)
     else:
         buf = held[1]
     if first or _STATE.fresh.get(key) != w._version:
@@ -199,16 +199,8 @@ def _grad_alias(w: torch.Tensor) -> torch.Tensor:
             return a  # the alias holds its storage: the same address is the same live gradient
     a = torch.empty(0, dtype=g.dtype, device=g.device).set_(g.untyped_storage(), g.storage_offset(), g.shape,
                                                             g.stride())
-    _STATE.grads[id(w)] = (weakref.ref(w, _forget_grad(id(w))), a)  # dropped with the weight (its storage too)
+    _STATE.grads[id(w)] = (weakref.ref(w, _forget(_STATE.grads, id(w))), a)  # dropped with the weight (its storage too)
     return a
-
-
-def _forget_grad(key):
-    def drop(_ref):
-        held = _STATE.grads.get(key)
-        if held is not None and held[0]() is None:
-            del _STATE.grads[key]
-    return drop
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
@@ -219,11 +211,13 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def _forget(key):
+def _forget(table: dict, key):
+    """A weak reference's callback: drop ``table[key]`` (a ``(weakref, value)`` entry) once its weight is gone - not an
+    entry a new weight, reusing the id, has taken since."""
     def drop(_ref):
-        held = _STATE.buffers.get(key)
+        held = table.get(key)
         if held is not None and held[0]() is None:
-            del _STATE.buffers[key]
+            del table[key]
     return drop
 
 

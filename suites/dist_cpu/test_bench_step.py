@@ -270,6 +270,17 @@ def test_each_idle_stretch_is_charged_to_the_host_operator_that_launched_the_ker
     assert mean_breakdown([b, b])["idle_causes"]["aten::copy_"] == [pytest.approx(10e-3), 1.0]
 
 
+def test_the_innermost_operator_is_found_past_siblings_that_ended_and_none_outside_every_operator():
+    from harness.bench.trace_idle import _Threads
+
+    ops = [{"name": n, "ts": a, "dur": d, "pid": 1, "tid": 1} for n, a, d in (
+        ("outer", 0, 100), ("early child", 10, 10), ("late child", 60, 10), ("after", 200, 5))]
+    threads = _Threads(ops)
+    assert threads.innermost((1, 1), 50) == "outer"  # past the child that ended at 20: its parent still runs
+    assert threads.innermost((1, 1), 65) == "late child"
+    assert threads.innermost((1, 1), 150) is None and threads.innermost((1, 2), 5) is None
+
+
 def test_a_device_only_profile_is_read_over_its_span():
     """A profile of the device alone has no host annotation: its window runs from the first CUDA call to the
     last kernel's end, and the line says how much of that the kernels computed."""
