@@ -45,6 +45,10 @@ def add_arguments(c) -> None:
                         "step, gradients added into .grad in place; default), fused (the copies, and the weight-"
                         "gradient GEMM accumulating into .grad: within bf16 rounding) or per-call (autocast's cast at "
                         "each call, autograd's accumulation; the same numbers as cached). The reference runs per-call")
+    c.add_argument("--optimizer", choices=["replicated", "distributed"], default="replicated",
+                   help="replicated (every rank keeps the whole AdamW; default) or distributed (each DP x CP rank of a "
+                        "stage keeps and updates 1/N of it: gradients reduce-scattered, parameters all-gathered, "
+                        "Megatron's --use-distributed-optimizer; the same update). The reference runs replicated")
     c.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: float32 on CPU, bfloat16 on GPU")
     c.add_argument("--lengths", default=None, help="length spec of the corpus (harness.data.workloads)")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from harness.faults import ep_faults as ep
 from harness.faults import model_faults as mf
+from harness.faults import optim_faults as of
 from harness.faults import pipeline_faults as pf
 from harness.faults import rl_faults as rl
 from harness.faults import schedule_faults as sf
@@ -27,7 +28,7 @@ from harness.plan.errors import PlanInputError
 LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "optimizer", "groups", "pipeline", "model", "replay",
           "step-wise")
 SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-hybrid", "train-reinit",
-             "train-ep", "train-fused", "replay", "plan", "stepwise")
+             "train-ep", "train-fused", "train-dist-opt", "replay", "plan", "stepwise")
 
 
 class UnknownFaultError(PlanInputError):
@@ -333,6 +334,24 @@ FAULTS: tuple[Fault, ...] = (
           url="https://github.com/NVIDIA/TransformerEngine/pull/2936", layer="gradients",
           seam="harness.runtime.fused_linear:gemm_accumulate", make=tf.make_wgrad_gemm_overwrites,
           check="step1-gradients", expect=r"step-1 gradient of .* differs", scenario="train-fused"),
+    Fault(name="dist-opt-norm-of-local-shard", title="the distributed optimiser clips by its own shard's norm",
+          source="Megatron-LM issue #580: with --use-distributed-optimizer the optimizer's param_groups are sharded "
+                 "over data parallelism, so clip_grad_norm's gradients are no longer global",
+          url="https://github.com/NVIDIA/Megatron-LM/issues/580", layer="optimizer",
+          seam="harness.parallel.dist_opt:grad_square_norm", make=of.make_norm_of_local_shard,
+          check="clipped-gradients", expect=r"clipped step-1 gradient of .* differs", scenario="train-dist-opt"),
+    Fault(name="dist-opt-norm-max-of-shards", title="the shards' gradient norms combined by their maximum",
+          source="fairscale PR #167 review: OSS clip_grad_norm took the max of the ranks' shard norms; the squares "
+                 "must be summed over the shards",
+          url="https://github.com/facebookresearch/fairscale/pull/167", layer="optimizer",
+          seam="harness.parallel.dist_opt:grad_square_norm", make=of.make_norm_max_of_shards,
+          check="clipped-gradients", expect=r"clipped step-1 gradient of .* differs", scenario="train-dist-opt"),
+    Fault(name="dist-opt-bucket-not-gathered", title="one bucket of updated parameters is never gathered",
+          source="Megatron-LM issue #950: with --overlap-param-gather a bucket's all-gather was not waited for before "
+                 "the forward used it, which computed with the previous step's weights",
+          url="https://github.com/NVIDIA/Megatron-LM/issues/950", layer="optimizer",
+          seam="harness.parallel.dist_opt:gather_params", make=of.make_first_bucket_not_gathered,
+          check="replica-consistency", expect=r"parameters differ between ranks", scenario="train-dist-opt"),
     Fault(name="replay-pp-offset-off-by-one", title="a PP stage replays the previous layer's routes",
           source="SkyRL PR #1335: _get_current_pp_stage_layer_range decides each stage's replay rows",
           url=SKYRL + "1335", layer="replay", seam="harness.train.replay:route_column",

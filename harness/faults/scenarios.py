@@ -60,7 +60,9 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  # the tiny MoE with expert parallelism over the 4-rank domain (one expert per rank)
                  "train-ep": {**TRAIN, "model": "tiny-moe", "expert_parallel": True},
                  # the step's weight copies with the weight-gradient GEMM accumulating into .grad itself
-                 "train-fused": {**TRAIN, "weights": "fused"}}
+                 "train-fused": {**TRAIN, "weights": "fused"},
+                 # the distributed optimiser, its tiny-GPT buffers in 4 buckets of whole parameters
+                 "train-dist-opt": {**TRAIN, "optimizer": "distributed", "grad_bucket_elements": 30_000}}
 FAULT_LAYOUTS = {"train-reinit": ["thd", "dcp"]}
 """The layouts a fault run trains (default: dcp only); the checks judge its dcp layout."""
 REPLAY = {"pp": 2, "cp": 2}

@@ -37,6 +37,8 @@ SEAMS: dict[str, str] = {
     "harness.train.step:loss_denominator": "the token count the summed loss is divided by",
     "harness.train.step:reduce_gradients": "the gradient all-reduce after the micro-batches",
     "harness.train.step:make_optimizer": "the optimiser a layout's run steps its parameters with",
+    "harness.parallel.dist_opt:grad_square_norm": "the distributed optimiser's squared gradient norm over its shards",
+    "harness.parallel.dist_opt:gather_params": "the distributed optimiser's all-gather of the updated parameters",
     "harness.parallel.reroute:block_sequences": "the sequences a rank packs for its block, in pack order",
     "harness.parallel.reroute:zigzag_index_array": "the zig-zag slice of the packed data a rank keeps",
     "harness.train.layouts:deliver": "the blocks every rank runs, rebuilt from the sample_id_groups it is handed",

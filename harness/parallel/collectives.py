@@ -12,8 +12,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""``all_gather(output, input, group=..., async_op=...)``: the tensor API of either torch (no deprecation warning)."""
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""``reduce_scatter(output, input, group=..., async_op=...)`` (SUM), as ``all_gather``."""
+_all_gather, _reduce_scatter = all_gather, reduce_scatter
 
 
 class _GatherChunkKeys(torch.autograd.Function):

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from harness.data.corpus import CorpusConfig, batch_lengths
 from harness.parallel import te_cp
 from harness.parallel.cp_attention import EXCHANGES
+from harness.parallel.dist_opt import OPTIMIZERS
+from harness.parallel.grad_reduce import DEFAULT_BUCKET_ELEMENTS
 from harness.parallel.expert_parallel import check_divisible
 from harness.plan import ALGORITHMS, CostModel
 from harness.plan.execution import INDEPENDENT, SYNCHRONOUS, Execution
@@ -63,6 +65,14 @@ class TrainConfig:
     weight-gradient GEMM accumulating into ``.grad``: within bf16 rounding) or ``per-call`` (autocast's cast at each
     call, autograd's accumulation; the same numbers as ``cached``). The reference run uses ``per-call``."""
 
+    optimizer: str = "replicated"
+    """``replicated`` (every rank keeps the whole AdamW) or ``distributed`` (each of a stage's DP x CP ranks keeps
+    and updates 1/N of it; the gradients reduce-scattered, the parameters all-gathered: ``harness.parallel.dist_opt``;
+    the same update). The reference run keeps the replicated optimiser."""
+    grad_bucket_elements: int = DEFAULT_BUCKET_ELEMENTS
+    """Elements of the distributed optimiser's buckets (Megatron's DDP bucket size, 40M): each bucket of whole
+    parameters is reduce-scattered and all-gathered as one collective."""
+
     def execution_model(self, world: int):
         """(the ``harness.plan.Execution`` the thd / dcp schedules are made for, why): ``synchronous``
         with expert parallelism, ``pipeline`` with stages, else ``independent``."""
@@ -104,6 +114,10 @@ class TrainConfig:
             raise LayoutError(f"steps must be >= 1, got {self.steps}")
         if self.weights not in WEIGHT_MODES:
             raise LayoutError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise LayoutError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not isinstance(self.grad_bucket_elements, int) or self.grad_bucket_elements < 1:
+            raise LayoutError(f"grad_bucket_elements must be an int >= 1, got {self.grad_bucket_elements!r}")
         if te_cp.comm_type(self.cp_exchange):  # TransformerEngine's CP attention: TE and a CUDA device, or one line
             te_cp.require_te(self.device)
         elif self.cp_exchange not in EXCHANGES:

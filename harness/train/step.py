@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from harness.parallel import expert_parallel
 from harness.parallel.audit import start_audit
+from harness.parallel.dist_opt import DistributedOptimizer
 from harness.parallel.groups import DynamicGroups
 from harness.parallel.reroute import SAMPLE_KEYS, ThdMicroBatch, build_microbatches, mtp_keys, reroute
 from harness.plan import Schedule, ScheduleError
@@ -52,6 +53,14 @@ def make_optimizer(params, *, lr: float, weight_decay: float = 0.0) -> torch.opt
     (a seam)."""
     fused = {"fused": True} if params and params[0].device.type == "cuda" else {}
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), **fused)
+
+
+def make_distributed_optimizer(buffers, group, *, lr: float, weight_decay: float = 0.0, local=()) -> DistributedOptimizer:
+    """The distributed optimiser (``harness.parallel.dist_opt``) over this rank's pieces of ``buffers`` (a
+    ``ShardedBuffers``) in ``group`` (the stage's DP x CP ranks) and its ``local`` parameters (experts it owns):
+    ``make_optimizer``'s AdamW, looked up when it is made (a fault of that seam applies here too)."""
+    return DistributedOptimizer(buffers, group, lambda ps: make_optimizer(ps, lr=lr, weight_decay=weight_decay),
+                                local=local)
 
 
 def loss_denominator(mbs: list[ThdMicroBatch], group):
@@ -339,17 +348,20 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
                                        before_last=before_last)
     timeline.cp_sizes = [mb.local_cp_size for mb in mbs]
     _mark(hooks)
-    if hooks.reducer is not None:
-        hooks.reducer.finish()
-        grad_norm = None
+    if isinstance(opt, DistributedOptimizer):
+        grad_norm = _sharded_reduce_and_clip(opt, hooks, groups, grad_clip, model, probes, step_index)
     else:
-        grad_norm = _global_norm(reduce_gradients(model, groups, lcfg), groups.pipeline, device)
-    if probes is not None:
-        probes.after_reduce(step_index, model, float(grad_norm))
-    if grad_clip:
-        clip_gradients(params, grad_clip, groups.pipeline, **({"shards": shards} if shards else {}))
-    if probes is not None:
-        probes.after_clip(step_index, model)
+        if hooks.reducer is not None:
+            hooks.reducer.finish()
+            grad_norm = None
+        else:
+            grad_norm = _global_norm(reduce_gradients(model, groups, lcfg), groups.pipeline, device)
+        if probes is not None:
+            probes.after_reduce(step_index, model, float(grad_norm))
+        if grad_clip:
+            clip_gradients(params, grad_clip, groups.pipeline, **({"shards": shards} if shards else {}))
+        if probes is not None:
+            probes.after_clip(step_index, model)
     _mark(hooks)
     opt.step()
     grads.zero_()
@@ -360,6 +372,27 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
     return StepResult(sums, local_tokens if run.stage.first else 0, local_tokens, sched.num_microbatches,
                       cp_usage(sched), total, timeline, grad_norm, sched, plan_s, wait_s,
                       {"cp_groups": [(mb.index, g) for mb, g in zip(mbs, cp_groups)]})
+
+
+def _sharded_reduce_and_clip(opt: DistributedOptimizer, hooks: StepHooks, groups, grad_clip, model, probes,
+                             step_index: int):
+    """The distributed optimiser's side of a step before its update: each bucket reduce-scattered (by the hooks'
+    reducer in scatter mode, overlapped with the last backward, or here), the whole model's norm from the pieces,
+    the pieces clipped. Probes read every summed gradient: the pieces are gathered for them (not otherwise)."""
+    if hooks.reducer is not None:
+        hooks.reducer.finish()
+    else:
+        opt.reduce_scatter()
+    norm = opt.grad_norm(groups.pipeline)
+    if probes is not None:
+        opt.gather_grads()
+        probes.after_reduce(step_index, model, float(norm))
+    if grad_clip:
+        opt.clip_(grad_clip, norm)
+    if probes is not None:
+        opt.gather_grads()
+        probes.after_clip(step_index, model)
+    return norm
 
 
 def _mark(hooks: StepHooks) -> None:

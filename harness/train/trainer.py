@@ -22,6 +22,7 @@ from harness.heartbeat import Heartbeat
 from harness.io import strict_json
 from harness.parallel import expert_parallel
 from harness.parallel.audit import GroupAuditError
+from harness.parallel.dist_opt import ShardedBuffers
 from harness.parallel.grad_reduce import GradBuffer
 from harness.parallel.groups import DynamicGroups, ParallelLayout, live_groups
 from harness.plan import ScheduleError
@@ -64,8 +65,7 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: step
                   run.groups.group(run.experts.size))
     params = [p for n, p in model.named_parameters() if run.stage.owns(n)]
     expert = {id(p) for p in shards[0]} if shards else set()
-    grads = GradBuffer(params, device, first=lambda p: id(p) not in expert)  # replicated first, then the experts
-    opt = step.make_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    grads, opt = _optimizer(cfg, run, lcfg, params, expert, device)
     cost, rows = model_cost(cfg), []
     heartbeat = heartbeat or Heartbeat(None, rank)
     N, me = lcfg.n_ranks, run.groups.layout.position(run.groups.rank)
@@ -103,6 +103,18 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: step
         if rank == 0:
             log(row, cfg.steps)
     return rows
+
+
+def _optimizer(cfg: TrainConfig, run: step.Run, lcfg, params, expert: set, device):
+    """(the gradient buffer, the optimiser) of a layout's run: the replicated parameters' gradients first, then the
+    experts'; under ``optimizer="distributed"`` the replicated ones sharded over the stage's DP x CP ranks."""
+    first = lambda p: id(p) not in expert  # noqa: E731
+    if cfg.optimizer == "distributed":
+        grads = ShardedBuffers(params, lcfg.n_ranks, device, first=first, bucket_elements=cfg.grad_bucket_elements)
+        local = [p for p in params if id(p) in expert]
+        return grads, step.make_distributed_optimizer(grads, run.groups.group(lcfg.n_ranks), lr=cfg.lr,
+                                                      weight_decay=cfg.weight_decay, local=local)
+    return GradBuffer(params, device, first=first), step.make_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def _gather_timeline(timeline, run: step.Run, device) -> list[dict] | None:

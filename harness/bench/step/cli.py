@@ -76,7 +76,7 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
           f"model {cfg.model}, {cfg.dtype}, "
           f"blocks {'compiled (' + cfg.compile_label() + ')' if cfg.compile_label() else 'eager'}"
           f"{f', token bucket {cfg.token_bucket}' if cfg.token_bucket else ''}, gradient all-reduce {cfg.grad_reduce}, "
-          f"arms {', '.join(cfg.arms)}", flush=True)
+          f"{cfg.optimizer} optimizer, arms {', '.join(cfg.arms)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         cfg_json = {**cfg.to_dict(), "arms": list(cfg.arms)}
         res = launch(JOB, n, Path(tmp) / "step.json", cfg_json, stream=_progress, stall_s=stall_s,
@@ -117,7 +117,7 @@ def _print_tables(summary: dict, cfg: StepBenchConfig) -> None:
             print(f"  {k}: no breakdown: {v['breakdown_error']}")
     if phase_rows(summary):
         print(f"step phases (trimmed-mean ms of the measured steps, each boundary when the slowest rank passed it; "
-              f"gradient all-reduce {cfg.grad_reduce}):")
+              f"gradient all-reduce {cfg.grad_reduce}, {cfg.optimizer} optimizer):")
         print(table(phase_rows(summary), PHASE_COLUMNS))
 
 

@@ -169,6 +169,10 @@ class StepBenchConfig:
     """Gradient all-reduce over the DP x CP group: ``overlap`` (buckets of 40M elements reduced as
     the step's last backward completes them, ``harness.parallel.grad_reduce``; Megatron's
     ``--overlap-grad-reduce``) or ``after`` (one all-reduce of the whole buffer after the last backward)."""
+    optimizer: str = "replicated"
+    """``replicated`` (every rank keeps the whole AdamW) or ``distributed`` (``harness.parallel.dist_opt``: each rank
+    keeps and updates 1/N of it; the gradient buckets reduce-scattered - overlapped with the last backward under
+    ``grad_reduce="overlap"`` - and the parameters all-gathered after the update). Every arm alike."""
     plan: str = "ahead"
     """Where each step's schedule is computed: ``ahead`` (a ``harness.plan.ahead.PlanAhead`` process
     plans step k + 1 while step k runs, as Megatron describes its asynchronous dynamic-CP solver; a
@@ -271,6 +275,8 @@ class StepBenchConfig:
             raise BenchConfigError(f"cp_exchange must be one of {', '.join(EXCHANGES)}, got {self.cp_exchange!r}")
         if self.gc not in ("manual", "auto"):
             raise BenchConfigError(f"gc must be manual or auto, got {self.gc!r}")
+        if self.optimizer not in ("replicated", "distributed"):
+            raise BenchConfigError(f"optimizer must be replicated or distributed, got {self.optimizer!r}")
         if self.grad_reduce not in GRAD_REDUCE_CHOICES:
             raise BenchConfigError(f"grad_reduce must be one of {', '.join(GRAD_REDUCE_CHOICES)}, got {self.grad_reduce!r}")
         if self.compile not in COMPILE_CHOICES:

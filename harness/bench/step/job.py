@@ -62,6 +62,7 @@ def _context(cfg: StepBenchConfig, rank: int, world: int) -> RankContext:
 
     # lazy: imports torch; the CLI imports this module without it
     from harness.parallel import expert_parallel
+    from harness.parallel.dist_opt import ShardedBuffers
     from harness.parallel.grad_reduce import BucketedGradReducer, GradBuffer
     from harness.runtime.model import MODELS, TinyLM  # lazy: torch, as above
     from harness.train import pipeline  # lazy: torch, as above
@@ -83,11 +84,15 @@ def _context(cfg: StepBenchConfig, rank: int, world: int) -> RankContext:
     params = [p for p in model.parameters()]
     expert = {id(p) for p in shards[0]} if shards else set()
     # gradients accumulate in place into views of one flat buffer: the replicated parameters first, then the experts
-    grads = GradBuffer(params, device, first=lambda p: id(p) not in expert)
+    first = lambda p: id(p) not in expert  # noqa: E731
+    sharded = cfg.optimizer == "distributed"
+    grads = ShardedBuffers(params, world, device, first=first) if sharded else GradBuffer(params, device, first=first)
     replicated = [p for p in params if id(p) not in expert]
     reducer = None
     if cfg.grad_reduce == "overlap":  # expert gradients are whole on their owner: never all-reduced
-        reducer = BucketedGradReducer(replicated, grads.flat[:sum(p.numel() for p in replicated)], everyone)
+        n = sum(p.numel() for p in replicated)
+        reducer = (BucketedGradReducer(replicated, grads.flat[:grads.end], everyone, buckets=grads.buckets, scatter=True)
+                   if sharded else BucketedGradReducer(replicated, grads.flat[:n], everyone))
     run = Run(groups, pipeline.PipelineConfig(), pipeline.Stage.of(mcfg.layers, 1, 1, 0), experts=shard)
     ctx = RankContext(cfg, rank, world, device, model, params, grads, [p.detach().clone() for p in params], groups,
                       everyone, model_cost(cfg), run, reducer, shards=shards)
@@ -165,9 +170,7 @@ def _run_arms(ctx: RankContext, arms: list[Arm], run: int = 0) -> dict:
 
     cfg, dev = ctx.cfg, ctx.device
     weights = {a.label: [p0.clone() for p0 in ctx.initial] for a in arms}
-    from harness.train.step import make_optimizer  # torch: the CLI imports this package without it
-
-    opts = {a.label: make_optimizer(ctx.params, lr=cfg.lr) for a in arms}  # the step's own optimiser, per arm
+    opts = {a.label: _optimizer(ctx) for a in arms}  # the step's own optimiser, per arm
     rec = _timed_steps(ctx, arms, weights, opts)
     if ctx.rank == 0:
         print("bench step: " + ", ".join(f"{a.label} median {1e3 * statistics.median(rec[a.label]['times']):.1f} ms"
@@ -181,6 +184,17 @@ def _run_arms(ctx: RankContext, arms: list[Arm], run: int = 0) -> dict:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def _optimizer(ctx: RankContext):
+    """An arm's optimiser (the step's: ``harness.train.step``), replicated or distributed over every rank."""
+    # lazy: imports torch; the CLI imports this module without it
+    from harness.train.step import make_distributed_optimizer, make_optimizer
+
+    if ctx.cfg.optimizer == "distributed":
+        local = ctx.shards[0] if ctx.shards else ()
+        return make_distributed_optimizer(ctx.grads, ctx.everyone, lr=ctx.cfg.lr, local=local)
+    return make_optimizer(ctx.params, lr=ctx.cfg.lr)
 
 
 def _load(ctx: RankContext, ws: list) -> None:

@@ -78,6 +78,10 @@ def add_arguments(p) -> None:
                         "may name the execution model their schedules are made for (dcp:balanced:local:synchronous)")
     p.add_argument("--grad-reduce", choices=list(GRAD_REDUCE_CHOICES), default=None,
                    help="gradient all-reduce: overlap (default; buckets reduced during the last backward) or after")
+    p.add_argument("--optimizer", choices=["replicated", "distributed"], default=None,
+                   help="replicated (default: every rank keeps the whole AdamW) or distributed (each rank keeps and "
+                        "updates 1/N of it: the overlapped buckets reduce-scattered, the parameters all-gathered after "
+                        "the update; the step converge --optimizer distributed verifies)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     p.add_argument("--cp-comm-flops-per-byte", type=T.FLOPS_PER_BYTE, default=None,
                    help="balanced scheduler's price of K/V exchange (default 2000)")
