@@ -29,9 +29,19 @@ def make_norm_max_of_shards(original):
 
 
 def make_first_bucket_not_gathered(original):
-    """The bucket holding the first parameters (the last to be gathered) misses its all-gather: other ranks run the
-    next step with their stale copies of its pieces (Megatron-LM issue #950: with --overlap-param-gather the buckets
-    were waited for in an order other than the forward's, and a layer computed with the previous step's weights)."""
+    """The bucket holding the first parameters (the last to be gathered) misses its all-gather: each rank's own piece
+    of it is updated, the rest keeps the previous step's values (Megatron-LM issue #950: with --overlap-param-gather
+    the buckets were waited for in an order other than the forward's, and a layer computed with the previous step's
+    weights)."""
+    import torch
+
     def gather_params(opt):
-        opt.gather(opt.buffers.param_flat, range(len(opt.buffers.buckets) - 1))
+        last = len(opt.buffers.buckets) - 1
+        opt.publish(range(last))
+        (a, b), master = opt.pieces[last], opt.masters[last]
+        with torch.no_grad():
+            for p, off in opt.buffers.members[last]:  # this rank's own elements only
+                lo, hi = max(a, off), min(b, off + p.numel())
+                if lo < hi:
+                    p.detach().view(-1)[lo - off:hi - off].copy_(master[lo - a:hi - a])
     return gather_params

@@ -1,17 +1,17 @@
 """The distributed optimiser (ZeRO-1; Megatron's ``--use-distributed-optimizer``): each of a stage's N DP x CP ranks
 keeps AdamW's state for, and updates, 1/N of the parameters.
 
-Layout (``ShardedBuffers``): the replicated parameters' gradients lie in one flat fp32 buffer (a ``GradBuffer``)
-and the parameters themselves in another of the same layout (every ``p.data`` a view of it): buckets of whole
-parameters in reverse order (the order a backward completes them), each padded at its end to a multiple of N.
-Rank r owns the r-th of N equal pieces of every bucket. Expert-parallel parameters (whole on their owner) follow the
-sharded region and are stepped by their owner as they are.
+Layout (``ShardedBuffers``): the replicated parameters' gradients lie in one flat fp32 buffer (a ``GradBuffer``) in
+buckets of whole parameters in reverse order (the order a backward completes them), each padded at its end to a
+multiple of N. Rank r owns the r-th of N equal pieces of every bucket, and keeps an fp32 master copy of the
+parameters' elements there. The parameters stay the model's own tensors (nothing aliases them). Expert-parallel
+parameters (whole on their owner) follow the sharded region and are stepped by their owner as they are.
 
 A step (``DistributedOptimizer``): each bucket of the gradient buffer is reduce-scattered over the group (in the last
 backward by the reducer in ``scatter`` mode, or after it: ``reduce_scatter``), so a rank's pieces hold the summed
 gradients; the norm is the pieces' squares summed over the group (and the pipeline's stages); the pieces are clipped
-and AdamW steps them; each bucket of the parameter buffer is all-gathered, so every rank holds every updated
-parameter again. AdamW is elementwise and the pieces are disjoint: each element is updated as the replicated
+and AdamW steps the master pieces; each bucket's updated pieces are all-gathered into the gradient buffer (spent by
+then) and copied into the parameters, so every rank holds every updated parameter again. AdamW is elementwise and the pieces are disjoint: each element is updated as the replicated
 optimiser updates it from the same summed gradient and clipping coefficient - what the suites check, bit for bit.
 """
 
@@ -62,25 +62,17 @@ def bucket_layout(sizes: list[int], bucket_elements: int, align: int) -> tuple[l
 
 
 class ShardedBuffers(GradBuffer):
-    """A ``GradBuffer`` for the distributed optimiser of ``shards`` ranks: the parameters ``first`` accepts (default
-    all: the replicated ones) in padded buckets (``bucket_layout``), the others after them; ``param_flat`` holds those
-    first parameters in the same layout, each ``p.data`` rebound to a view of it (their values kept)."""
+    """A ``GradBuffer`` for the distributed optimiser of ``shards`` ranks: the gradients of the parameters ``first``
+    accepts (default all: the replicated ones) in padded buckets (``bucket_layout``), the others after them."""
 
     def __init__(self, params, shards: int, device=None, dtype=torch.float32, first=None,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS):
         self.shards, self.bucket_elements = shards, bucket_elements
         super().__init__(params, device, dtype, first)
-        sharded = self.params[:self.count]
-        pdtype = sharded[0].dtype if sharded else dtype
-        self.param_flat = torch.zeros(self.end, dtype=pdtype, device=self.flat.device)
-        with torch.no_grad():
-            for p, off in zip(sharded, self.offsets):
-                if p.dtype != pdtype:
-                    raise DistributedOptimizerError(f"parameters of one distributed optimiser share a dtype: "
-                                                    f"{tuple(p.shape)} is {p.dtype}, the first {pdtype}")
-                view = self.param_flat[off:off + p.numel()].view_as(p)
-                view.copy_(p)
-                p.data = view
+        self.members: list[list[tuple[torch.Tensor, int]]] = [[] for _ in self.buckets]
+        for p, off in zip(self.params[:self.count], self.offsets):
+            k = next(k for k, (lo, hi) in enumerate(self.buckets) if lo <= off and off + p.numel() <= hi)
+            self.members[k].append((p, off))
 
     def _layout(self, params, first) -> tuple[list[int], int]:
         self.count = sum(1 for p in params if first(p)) if first is not None else len(params)
@@ -116,9 +108,9 @@ def grad_square_norm(opt: "DistributedOptimizer") -> torch.Tensor:
 
 
 def gather_params(opt: "DistributedOptimizer") -> None:
-    """Every bucket of the parameter buffer all-gathered from its owners' updated pieces (a seam: ``harness.faults``
+    """Every bucket's parameters gathered from their owners' updated master pieces (a seam: ``harness.faults``
     re-creates a bucket whose gather is missed, as with an overlapped gather waited for out of order)."""
-    opt.gather(opt.buffers.param_flat, range(len(opt.buffers.buckets)))
+    opt.publish(range(len(opt.buffers.buckets)))
 
 
 def _size(group) -> int:
@@ -140,12 +132,19 @@ class DistributedOptimizer:
         self.buffers, self.group = buffers, group
         self.rank = shard_index(group)
         self.pieces = buffers.pieces(self.rank)
-        self.shard = []
-        for a, b in self.pieces:
-            if b > a:
-                t = buffers.param_flat[a:b]
-                t.grad = buffers.flat[a:b]
-                self.shard.append(t)
+        self.masters: list[torch.Tensor | None] = []  # per bucket: this rank's fp32 master piece (None: empty)
+        for k, (a, b) in enumerate(self.pieces):
+            if b <= a:
+                self.masters.append(None)
+                continue
+            m = torch.zeros(b - a, dtype=torch.float32, device=buffers.flat.device)
+            for p, off in buffers.members[k]:  # the elements of each parameter that fall in the piece
+                lo, hi = max(a, off), min(b, off + p.numel())
+                if lo < hi:
+                    m[lo - a:hi - a].copy_(p.detach().reshape(-1)[lo - off:hi - off])
+            m.grad = buffers.flat[a:b]
+            self.masters.append(m)
+        self.shard = [m for m in self.masters if m is not None]
         self.local = list(local)
         self.inner = make_inner(self.shard + self.local)
 
@@ -154,7 +153,7 @@ class DistributedOptimizer:
         return self.inner.param_groups
 
     def _grads(self) -> list[torch.Tensor]:
-        return [t.grad for t in self.shard] + [p.grad for p in self.local if p.grad is not None]
+        return [m.grad for m in self.shard] + [p.grad for p in self.local if p.grad is not None]
 
     def reduce_scatter(self) -> None:
         """Sum every bucket of the gradient buffer over the group into its owners' pieces (no overlap)."""
@@ -192,13 +191,29 @@ class DistributedOptimizer:
             torch._foreach_mul_(grads, coef)
 
     def step(self) -> None:
-        """AdamW on this rank's pieces and local parameters, then every bucket's parameters gathered."""
+        """AdamW on this rank's master pieces and local parameters, then every bucket's parameters gathered."""
         self.inner.step()
-        if _size(self.group) > 1:
-            gather_params(self)
+        gather_params(self)
+
+    def publish(self, buckets) -> None:
+        """The updated master pieces of ``buckets`` (indices) all-gathered into the gradient buffer (spent after the
+        update; ``zero_()`` clears it for the next step) and copied from there into their parameters."""
+        flat = self.buffers.flat
+        with torch.no_grad():
+            for k in buckets:
+                a, b = self.pieces[k]
+                if self.masters[k] is not None:
+                    flat[a:b].copy_(self.masters[k])
+            self.gather(flat, buckets)
+            for k in buckets:
+                if self.buffers.members[k]:
+                    dst = [p.detach() for p, _ in self.buffers.members[k]]
+                    torch._foreach_copy_(dst, [flat[off:off + p.numel()].view_as(p) for p, off in self.buffers.members[k]])
 
     def gather(self, buffer: torch.Tensor, buckets) -> None:
-        """All-gather the pieces of ``buckets`` (indices) of ``buffer`` (the parameter or gradient buffer) in place."""
+        """All-gather the pieces of ``buckets`` (indices) of ``buffer`` (of the gradient buffer's layout) in place."""
+        if _size(self.group) == 1:
+            return
         works = []
         for k in buckets:
             (lo, hi), (a, b) = self.buffers.buckets[k], self.pieces[k]

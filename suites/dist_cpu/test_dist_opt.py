@@ -60,16 +60,21 @@ def test_bad_layouts_and_mismatched_groups_are_refused_with_the_fix():
         TrainConfig(grad_bucket_elements=0).validate(4)
 
 
-def test_the_parameters_become_views_of_one_buffer_with_their_values():
+def test_the_parameters_stay_the_models_own_and_the_masters_hold_their_values():
+    """One rank (a group of 1): the masters tile every bucket; each holds the parameters' elements at their offsets
+    (padding 0); the parameters are not rebound (their storage is their own)."""
     model = _model()
-    before = [p.detach().clone() for p in model.parameters()]
-    buffers = ShardedBuffers(model.parameters(), shards=4, bucket_elements=40)
-    for p, b, off in zip(buffers.params, before, buffers.offsets):
-        assert torch.equal(p, b)
-        assert p.untyped_storage().data_ptr() == buffers.param_flat.untyped_storage().data_ptr()
-        assert torch.equal(buffers.param_flat[off:off + p.numel()].view_as(p), b)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    buffers = ShardedBuffers(model.parameters(), shards=1, bucket_elements=40)
+    opt = DistributedOptimizer(buffers, None, lambda ps: torch.optim.AdamW(ps))
+    assert [p.data_ptr() for p in model.parameters()] == ptrs and len(buffers.buckets) > 2
+    whole = torch.zeros(buffers.end)
+    for (lo, hi), m in zip(buffers.buckets, opt.masters):
+        whole[lo:hi] = m
+    for p, off in zip(buffers.params, buffers.offsets):
+        assert torch.equal(whole[off:off + p.numel()].view_as(p), p.detach())
         assert p.grad.untyped_storage().data_ptr() == buffers.flat.untyped_storage().data_ptr()
-    assert len(buffers.buckets) > 2
+    assert whole.count_nonzero() == sum(p.numel() for p in model.parameters())  # the padding holds zeros
 
 
 def _model():
