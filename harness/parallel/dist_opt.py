@@ -97,7 +97,7 @@ def shard_index(group) -> int:
     return dist.get_rank(group) if _size(group) > 1 else 0
 
 
-def grad_square_norm(opt: "DistributedOptimizer") -> torch.Tensor:
+def grad_square_norm(opt: DistributedOptimizer) -> torch.Tensor:
     """The squared norm of the stage's summed gradients: the squares of this rank's pieces and local (expert)
     gradients, summed over the group (a 0-d fp64 tensor on the device; a seam: ``harness.faults`` re-creates the
     norm of one rank's shard alone)."""
@@ -107,7 +107,7 @@ def grad_square_norm(opt: "DistributedOptimizer") -> torch.Tensor:
     return sq
 
 
-def gather_params(opt: "DistributedOptimizer") -> None:
+def gather_params(opt: DistributedOptimizer) -> None:
     """Every bucket's parameters gathered from their owners' updated master pieces (a seam: ``harness.faults``
     re-creates a bucket whose gather is missed, as with an overlapped gather waited for out of order)."""
     opt.publish(range(len(opt.buffers.buckets)))
@@ -159,7 +159,7 @@ class DistributedOptimizer:
         """Sum every bucket of the gradient buffer over the group into its owners' pieces (no overlap)."""
         if _size(self.group) == 1:
             return
-        flat, n, works = self.buffers.flat, self.buffers.shards, []
+        flat, works = self.buffers.flat, []
         for (lo, hi), (a, b) in zip(self.buffers.buckets, self.pieces):
             if hi > lo:
                 works.append(reduce_scatter(flat[a:b], flat[lo:hi], group=self.group, async_op=True))

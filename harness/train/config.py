@@ -9,8 +9,8 @@ from harness.data.corpus import CorpusConfig, batch_lengths
 from harness.parallel import te_cp
 from harness.parallel.cp_attention import EXCHANGES
 from harness.parallel.dist_opt import OPTIMIZERS
-from harness.parallel.grad_reduce import DEFAULT_BUCKET_ELEMENTS
 from harness.parallel.expert_parallel import check_divisible
+from harness.parallel.grad_reduce import DEFAULT_BUCKET_ELEMENTS
 from harness.plan import ALGORITHMS, CostModel
 from harness.plan.execution import INDEPENDENT, SYNCHRONOUS, Execution
 from harness.runtime.model import MODELS

@@ -168,7 +168,7 @@ def _run_arms(ctx: RankContext, arms: list[Arm], run: int = 0) -> dict:
     window) and AdamW state, from the same initial weights. Then each arm's profiled steps."""
     import torch
 
-    cfg, dev = ctx.cfg, ctx.device
+    dev = ctx.device
     weights = {a.label: [p0.clone() for p0 in ctx.initial] for a in arms}
     opts = {a.label: _optimizer(ctx) for a in arms}  # the step's own optimiser, per arm
     rec = _timed_steps(ctx, arms, weights, opts)
