@@ -6,7 +6,8 @@ position that loaded it (DP shards: gid % N) to the ranks of its block, build TH
 micro-batch's process group, count the batch's loss tokens, build every micro-batch's CP operations, run the
 passes of the rank's model chunks in its pipeline schedule (``harness.train.pipeline``; one stage: forward and
 backward per micro-batch) with CP attention in the block's group, sum-reduce the gradients over the stage's
-DP x CP ranks, clip by the norm over all stages, and step the optimiser. In exact arithmetic every layout and
+DP x CP ranks, clip by the norm over all stages, and step the optimiser - or, with the distributed optimiser
+(``harness.parallel.dist_opt``), reduce-scatter them, clip and step this rank's 1/N and gather the parameters. In exact arithmetic every layout and
 every pipeline computes the same loss and update.
 
 ``StepHooks`` is what a benchmark adds without changing the maths: a schedule planned ahead by another process,
@@ -284,7 +285,7 @@ class StepResult:
     timeline: pipeline.Timeline
     grad_norm: object
     """The whole model's reduced gradient norm before clipping (a 0-d tensor or a float); None with a reducer
-    hook (the bucketed reduction reports none)."""
+    hook and the replicated optimiser (the bucketed all-reduce reports none; the distributed optimiser does)."""
     schedule: Schedule
     plan_s: float
     wait_s: float
