@@ -155,7 +155,8 @@ def _phases(summary: dict, cfg) -> str:
                 else "inline, on the step's critical path") + "), rerouting the samples and building the "
             "micro-batches; it grows with the CP micro-batches to build (host work and small copies), so static "
             "CP's is the longest. Dynamic CP changes mostly the micro-batches phase; the gradient all-reduce left "
-            f"after the last backward (mode: {esc(cfg.grad_reduce)}) and AdamW cost every arm about the same and "
+            f"after the last backward (mode: {esc(cfg.grad_reduce)}) and the optimiser ({esc(cfg.optimizer)}: under the "
+            "distributed one, AdamW on 1/N and the parameters' all-gather) cost every arm about the same and "
             "dilute the whole step's speedup.</p>"
             + table([[_fmt(r.get(k), f) for k, _, f in PHASE_COLUMNS] for r in rows],
                     [h for _, h, _ in PHASE_COLUMNS], left=1))
@@ -195,7 +196,7 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
         f'{esc(cfg.lengths)}; max_seqlen_per_rank {cfg.max_seqlen_per_rank}; global batch {_batch_size(cfg, gb, gpus)} (mean {gb["tokens_mean"]:.0f} tokens in '
         f'{gb["sequences_mean"]:.1f} sequences, longest {gb["longest"]}, {gb["clipped"]} clipped); {cfg.warmup} '
         f'warm-up + {cfg.iters} measured steps per arm on identical global batches, interleaved, '
-        f'{len(summary["runs"])} run(s); Python GC {esc(cfg.gc)}; gradient all-reduce {esc(cfg.grad_reduce)}; peak for MFU: '
+        f'{len(summary["runs"])} run(s); Python GC {esc(cfg.gc)}; gradient all-reduce {esc(cfg.grad_reduce)}; {esc(cfg.optimizer)} optimizer; peak for MFU: '
         f'{_fmt(summary["peak_tflops"], ".0f")} TFLOP/s per GPU.</p>',
         table(verdicts, ["target", "value", "per run", "verdict"], left=1) if verdicts else "",
         _bound(summary),

@@ -19,7 +19,7 @@ BREAKDOWN_COLUMNS = [("arm", "arm", "s"), ("wall", "wall ms", ".1f"), ("attentio
                      ("idle", "idle", ".1f"), ("compute_imbalance_ms", "imbalance", ".1f"),
                      ("host_syncs", "host syncs", ".0f"), ("host_sync_ms", "sync ms", ".1f")]
 PHASE_COLUMNS = [("arm", "arm", "s"), ("schedule", "schedule ms", ".1f"), ("microbatches", "micro-batches ms", ".1f"),
-                 ("grad_reduce", "grad reduce ms", ".1f"), ("optimizer", "AdamW ms", ".1f"), ("total", "total ms", ".1f"),
+                 ("grad_reduce", "grad reduce ms", ".1f"), ("optimizer", "optimizer ms", ".1f"), ("total", "total ms", ".1f"),
                  ("microbatch_speedup_vs_static", "micro-batch speedup", ".3f")]
 
 
