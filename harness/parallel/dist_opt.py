@@ -11,8 +11,9 @@ A step (``DistributedOptimizer``): each bucket of the gradient buffer is reduce-
 backward by the reducer in ``scatter`` mode, or after it: ``reduce_scatter``), so a rank's pieces hold the summed
 gradients; the norm is the pieces' squares summed over the group (and the pipeline's stages); the pieces are clipped
 and AdamW steps the master pieces; each bucket's updated pieces are all-gathered into the gradient buffer (spent by
-then) and copied into the parameters, so every rank holds every updated parameter again. AdamW is elementwise and the pieces are disjoint: each element is updated as the replicated
-optimiser updates it from the same summed gradient and clipping coefficient - what the suites check, bit for bit.
+then) and copied into the parameters, so every rank holds every updated parameter again. AdamW is elementwise and the
+pieces are disjoint: each element is updated as the replicated optimiser updates it from the same summed gradient and
+clipping coefficient - what the suites check, bit for bit.
 """
 
 from __future__ import annotations
@@ -39,16 +40,16 @@ def bucket_layout(sizes: list[int], bucket_elements: int, align: int) -> tuple[l
         raise DistributedOptimizerError(f"align must be an int >= 1, got {align!r}")
     if not isinstance(bucket_elements, int) or bucket_elements < 1:
         raise DistributedOptimizerError(f"bucket_elements must be an int >= 1, got {bucket_elements!r}")
-    groups: list[list[int]] = []
+    groups: list[list[int]] = [[]]
     held = 0
     for i in reversed(range(len(sizes))):
-        if groups and groups[-1] and held >= bucket_elements:
+        if groups[-1] and held >= bucket_elements:  # full: the next item opens a bucket
             groups.append([])
             held = 0
-        if not groups:
-            groups.append([])
         groups[-1].append(i)
         held += sizes[i]
+    if not groups[-1]:  # no items at all
+        groups.pop()
     offsets, buckets = [0] * len(sizes), [(0, 0)] * len(groups)
     pos = 0
     for b in reversed(range(len(groups))):  # memory order: the first parameters first
@@ -91,12 +92,6 @@ class ShardedBuffers(GradBuffer):
 
 
 # ---------------------------------------------------------------------------------------- seams
-def shard_index(group) -> int:
-    """Which piece of every bucket this rank owns: its rank in the stage's DP x CP ``group`` (a seam:
-    ``harness.faults`` re-creates a rank that indexes its pieces by its global rank)."""
-    return dist.get_rank(group) if _size(group) > 1 else 0
-
-
 def grad_square_norm(opt: DistributedOptimizer) -> torch.Tensor:
     """The squared norm of the stage's summed gradients: the squares of this rank's pieces and local (expert)
     gradients, summed over the group (a 0-d fp64 tensor on the device; a seam: ``harness.faults`` re-creates the
@@ -130,7 +125,7 @@ class DistributedOptimizer:
             raise DistributedOptimizerError(f"the buffers are sharded {buffers.shards} ways but the group has {n} ranks: "
                                             f"build ShardedBuffers(params, shards={n})")
         self.buffers, self.group = buffers, group
-        self.rank = shard_index(group)
+        self.rank = dist.get_rank(group) if n > 1 else 0  # its rank in the stage's DP x CP group, not the world's
         self.pieces = buffers.pieces(self.rank)
         self.masters: list[torch.Tensor | None] = []  # per bucket: this rank's fp32 master piece (None: empty)
         for k, (a, b) in enumerate(self.pieces):
@@ -207,8 +202,9 @@ class DistributedOptimizer:
             self.gather(flat, buckets)
             for k in buckets:
                 if self.buffers.members[k]:
-                    dst = [p.detach() for p, _ in self.buffers.members[k]]
-                    torch._foreach_copy_(dst, [flat[off:off + p.numel()].view_as(p) for p, off in self.buffers.members[k]])
+                    members = self.buffers.members[k]
+                    torch._foreach_copy_([p.detach() for p, _ in members],
+                                         [flat[off:off + p.numel()].view_as(p) for p, off in members])
 
     def gather(self, buffer: torch.Tensor, buckets) -> None:
         """All-gather the pieces of ``buckets`` (indices) of ``buffer`` (of the gradient buffer's layout) in place."""

@@ -198,7 +198,7 @@ def _given_buckets(buckets, spans, n: int) -> tuple[list[tuple[int, int]], dict[
             raise GradReduceError(f"bucket ({lo}, {hi}) is not a range of the flat buffer of {n} elements")
     bucket_of: dict[int, int] = {}
     for a, b, i in spans:
-        inside = [k for k, (lo, hi) in enumerate(buckets) if lo <= a and b <= hi and (a < hi or a == b == hi)]
+        inside = [k for k, (lo, hi) in enumerate(buckets) if lo <= a and b <= hi]
         if not inside:
             raise GradReduceError(f"parameter {i} (elements {a}..{b} of the flat buffer) lies in no single bucket")
         bucket_of[i] = inside[0]

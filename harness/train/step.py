@@ -7,8 +7,8 @@ micro-batch's process group, count the batch's loss tokens, build every micro-ba
 passes of the rank's model chunks in its pipeline schedule (``harness.train.pipeline``; one stage: forward and
 backward per micro-batch) with CP attention in the block's group, sum-reduce the gradients over the stage's
 DP x CP ranks, clip by the norm over all stages, and step the optimiser - or, with the distributed optimiser
-(``harness.parallel.dist_opt``), reduce-scatter them, clip and step this rank's 1/N and gather the parameters. In exact arithmetic every layout and
-every pipeline computes the same loss and update.
+(``harness.parallel.dist_opt``), reduce-scatter them, clip and step this rank's 1/N and gather the parameters. In
+exact arithmetic every layout and every pipeline computes the same loss and update.
 
 ``StepHooks`` is what a benchmark adds without changing the maths: a schedule planned ahead by another process,
 phase marks for timing, the overlapped bucketed gradient reducer (``harness.parallel.grad_reduce``) in place of
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from harness.parallel import expert_parallel
 from harness.parallel.audit import start_audit
 from harness.parallel.dist_opt import DistributedOptimizer
+from harness.parallel.grad_reduce import GradReduceError
 from harness.parallel.groups import DynamicGroups
 from harness.parallel.reroute import SAMPLE_KEYS, ThdMicroBatch, build_microbatches, mtp_keys, reroute
 from harness.plan import Schedule, ScheduleError
@@ -308,6 +309,7 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
     accumulation: ``cached`` and ``per-call`` give the same numbers)."""
     hooks = hooks or StepHooks()
     weight_cache.check_mode(weights)  # before any work: a bad mode is one clear error
+    check_reducer(opt, hooks.reducer)
     groups = run.groups
     t = time.perf_counter()
     if hooks.planned is None:
@@ -373,6 +375,20 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
     return StepResult(sums, local_tokens if run.stage.first else 0, local_tokens, sched.num_microbatches,
                       cp_usage(sched), total, timeline, grad_norm, sched, plan_s, wait_s,
                       {"cp_groups": [(mb.index, g) for mb, g in zip(mbs, cp_groups)]})
+
+
+def check_reducer(opt, reducer) -> None:
+    """A reducer hook fits the optimiser: a reduce-scattering one (``scatter``) leaves only each rank's pieces summed,
+    which only the distributed optimiser reads; an all-reducing one would sum the distributed optimiser's whole buffer
+    for nothing. Raises ``GradReduceError`` naming the fix."""
+    if reducer is None:
+        return
+    sharded = isinstance(opt, DistributedOptimizer)
+    if bool(getattr(reducer, "scatter", False)) != sharded:
+        raise GradReduceError(
+            f"the gradient reducer {'reduce-scatters' if not sharded else 'all-reduces'} but the optimiser is "
+            f"{'replicated' if not sharded else 'distributed'}: build BucketedGradReducer(..., scatter={sharded}"
+            + (", buckets=buffers.buckets" if sharded else "") + ") for it")
 
 
 def _sharded_reduce_and_clip(opt: DistributedOptimizer, hooks: StepHooks, groups, grad_clip, model, probes,

@@ -60,6 +60,28 @@ def test_bad_layouts_and_mismatched_groups_are_refused_with_the_fix():
         TrainConfig(grad_bucket_elements=0).validate(4)
 
 
+def test_a_reducer_that_does_not_fit_the_optimiser_is_refused_before_the_step():
+    """A reduce-scattering reducer leaves only each rank's pieces summed: with the replicated AdamW the step would
+    update from partial sums (silently wrong); an all-reducing one beside the distributed optimiser is refused too."""
+    from harness.train.step import check_reducer
+
+    model = _model()
+    buffers = ShardedBuffers(model.parameters(), shards=1, bucket_elements=40)
+    sharded = DistributedOptimizer(buffers, None, lambda ps: torch.optim.AdamW(ps))
+    params = buffers.params[:buffers.count]
+    scatter = BucketedGradReducer(params, buffers.flat[:buffers.end], buckets=buffers.buckets, scatter=True)
+    plain = BucketedGradReducer(params, buffers.flat[:buffers.end])
+    with pytest.raises(GradReduceError, match=r"reduce-scatters but the optimiser is replicated: build "
+                                              r"BucketedGradReducer\(\.\.\., scatter=False\)"):
+        check_reducer(torch.optim.AdamW(model.parameters()), scatter)
+    with pytest.raises(GradReduceError, match=r"all-reduces but the optimiser is distributed: build "
+                                              r"BucketedGradReducer\(\.\.\., scatter=True, buckets=buffers.buckets\)"):
+        check_reducer(sharded, plain)
+    check_reducer(sharded, scatter)
+    check_reducer(torch.optim.AdamW(model.parameters()), plain)
+    check_reducer(sharded, None)
+
+
 def test_the_parameters_stay_the_models_own_and_the_masters_hold_their_values():
     """One rank (a group of 1): the masters tile every bucket; each holds the parameters' elements at their offsets
     (padding 0); the parameters are not rebound (their storage is their own)."""

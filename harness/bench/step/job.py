@@ -90,9 +90,10 @@ def _context(cfg: StepBenchConfig, rank: int, world: int) -> RankContext:
     replicated = [p for p in params if id(p) not in expert]
     reducer = None
     if cfg.grad_reduce == "overlap":  # expert gradients are whole on their owner: never all-reduced
-        n = sum(p.numel() for p in replicated)
-        reducer = (BucketedGradReducer(replicated, grads.flat[:grads.end], everyone, buckets=grads.buckets, scatter=True)
-                   if sharded else BucketedGradReducer(replicated, grads.flat[:n], everyone))
+        if sharded:  # each rank's pieces of the padded buckets, for the distributed optimiser
+            reducer = BucketedGradReducer(replicated, grads.flat[:grads.end], everyone, buckets=grads.buckets, scatter=True)
+        else:
+            reducer = BucketedGradReducer(replicated, grads.flat[:sum(p.numel() for p in replicated)], everyone)
     run = Run(groups, pipeline.PipelineConfig(), pipeline.Stage.of(mcfg.layers, 1, 1, 0), experts=shard)
     ctx = RankContext(cfg, rank, world, device, model, params, grads, [p.detach().clone() for p in params], groups,
                       everyone, model_cost(cfg), run, reducer, shards=shards)
