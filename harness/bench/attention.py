@@ -43,7 +43,7 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
     import torch.distributed as dist
 
     # lazy: imports torch; the CLI imports this module without it
-    from harness.parallel.collectives import gather_chunk_keys
+    from harness.parallel.collectives import gather_keys_values
     from harness.parallel.cp_attention import CPAttentionPlan, cp_attention  # lazy: torch, as above
     from harness.runtime.attention import LSE_BACKENDS, chunk_attention  # lazy: torch, as above
 
@@ -96,15 +96,16 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
                         out = cp_attention(q, k, v, plan, group, backend=backend)
                         out.backward(torch.ones_like(out))
 
-                    kv_local = torch.stack([k, v], dim=1).detach().requires_grad_()
-                    kv_keys = gather_chunk_keys(kv_local.detach(), group, plan.chunks.key_index).detach().requires_grad_()
+                    k_local, v_local = (t.detach().requires_grad_() for t in (k, v))
+                    k_keys, v_keys = (t.detach().requires_grad_() for t in gather_keys_values(
+                        k_local.detach(), v_local.detach(), group, plan.chunks.key_index, plan.key_sources))
 
                     def comm():  # K/V all-gather + key gather, and their backward (fp32 sum, reduce-scatter)
-                        g = gather_chunk_keys(kv_local, group, plan.chunks.key_index)
-                        g.backward(torch.ones_like(g))
+                        gk, gv = gather_keys_values(k_local, v_local, group, plan.chunks.key_index, plan.key_sources)
+                        torch.autograd.backward((gk, gv), (torch.ones_like(gk), torch.ones_like(gv)))
 
                     def compute():  # chunk attention on already-gathered keys only
-                        out = chunk_attention(q, kv_keys[:, 0], kv_keys[:, 1], plan.chunks, backend=backend,
+                        out = chunk_attention(q, k_keys, v_keys, plan.chunks, backend=backend,
                                               keys_gathered=True)
                         out.backward(torch.ones_like(out))
 

@@ -138,3 +138,15 @@ def make_ssm_reset_at_cp_shards(original):
             bounds += [a + step * (i + 1) for i in range(2 * cp - 1)] + [b]
         return SequenceLayout(tuple(bounds))
     return ssm_sequences
+
+
+def make_key_grads_overwritten(original):
+    """The gathered keys' gradients written, not summed: a key seen by two query chunks (a sequence's two zig-zag
+    chunks on one rank both attend its first chunk) keeps one chunk's gradient - ``out[index] = grad`` where the
+    duplicates must add (PyTorch issue #1528: indexing with repeated indices kept only the last copy's gradient;
+    pytensor PR #2242: an increment with duplicate indices written as gather-add-scatter)."""
+    def sum_rows(srcs, index, sources, out):
+        out.zero_()
+        for p, src in enumerate(srcs):
+            out[:, p].index_copy_(0, index, src.to(out.dtype))  # repeated rows: one write wins
+    return sum_rows

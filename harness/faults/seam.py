@@ -39,6 +39,8 @@ SEAMS: dict[str, str] = {
     "harness.train.step:make_optimizer": "the optimiser a layout's run steps its parameters with",
     "harness.parallel.dist_opt:grad_square_norm": "the distributed optimiser's squared gradient norm over its shards",
     "harness.parallel.dist_opt:gather_params": "the distributed optimiser's all-gather of the updated parameters",
+    "harness.runtime.row_sum:sum_rows": "the fp32 sum of the gathered keys' repeated gradient rows (CP attention's "
+                                        "backward, before the reduce-scatter)",
     "harness.parallel.reroute:block_sequences": "the sequences a rank packs for its block, in pack order",
     "harness.parallel.reroute:zigzag_index_array": "the zig-zag slice of the packed data a rank keeps",
     "harness.train.layouts:deliver": "the blocks every rank runs, rebuilt from the sample_id_groups it is handed",

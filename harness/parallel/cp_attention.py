@@ -5,7 +5,8 @@ sequence, see ``harness.plan.thd``). ``cp_attention``:
 
 1. all-gathers K and V (one collective on the stacked pair) inside the block's process group and
    picks, in one index, the key prefix each local query chunk may see, straight from the gathered
-   (rank-major) layout; the backward sums the duplicated keys' gradients in fp32 and reduce-scatters
+   (rank-major) layout; the backward sums the duplicated keys' gradients in fp32 (one pass on CUDA:
+   ``harness.runtime.row_sum``, with the index inverted once per micro-batch) and reduce-scatters
    them in fp32, so each rank gets its slice's gradient summed over the block, rounded once;
 2. runs chunk attention with a backend of ``harness.runtime.attention``.
 
@@ -29,10 +30,11 @@ import numpy as np
 import torch
 
 from harness.parallel import te_cp
-from harness.parallel.collectives import gather_chunk_keys
+from harness.parallel.collectives import gather_keys_values
 from harness.parallel.ring import RingPlan, ring_attention
 from harness.plan.thd import whole_chunks, zigzag_chunks, zigzag_permutation
 from harness.runtime.attention import DeviceChunks, backend_available, chunk_attention, resolve_lse_backend
+from harness.runtime.row_sum import RowSources
 
 EXCHANGES = ("gather", "ring", "auto")
 
@@ -72,6 +74,7 @@ class CPAttentionPlan:
     chunks: DeviceChunks | None  # key_index points into the *gathered* (rank-major) K/V; None with ring
     exchange: str = "gather"  # as run: gather or ring (``auto`` resolved at build)
     ring: RingPlan | None = None
+    key_sources: RowSources | None = None  # gather: ``chunks.key_index`` inverted, for the K/V gradients' sum
 
     @classmethod
     def build(cls, cu_seqlens_padded, cp_size: int, cp_rank: int, device, exchange: str = "gather") -> CPAttentionPlan:
@@ -87,10 +90,12 @@ class CPAttentionPlan:
         plan = zigzag_chunks(cu_seqlens_padded, cp_size, cp_rank)
         row_of = np.empty(int(cu_seqlens_padded[-1]), dtype=np.int64)  # pack position -> gathered row
         row_of[zigzag_permutation(cu_seqlens_padded, cp_size)] = np.arange(row_of.size)
+        key_index = row_of[plan.key_index()]
         chunks = DeviceChunks.build(plan, device)
-        chunks = DeviceChunks(plan, chunks.cu_q, chunks.cu_k, torch.as_tensor(row_of[plan.key_index()], device=device),
+        chunks = DeviceChunks(plan, chunks.cu_q, chunks.cu_k, torch.as_tensor(key_index, device=device),
                               chunks.max_q, chunks.max_k)
-        return cls(cp_size, cp_rank, tuple(int(x) for x in cu_seqlens_padded), chunks, "gather")
+        return cls(cp_size, cp_rank, tuple(int(x) for x in cu_seqlens_padded), chunks, "gather",
+                   key_sources=RowSources.build(key_index, row_of.size, device))
 
 
 def cp_attention(q_TH, k_TH, v_TH, plan: CPAttentionPlan, group, *, backend: str = "auto", scale=None):
@@ -104,5 +109,5 @@ def cp_attention(q_TH, k_TH, v_TH, plan: CPAttentionPlan, group, *, backend: str
     if plan.exchange == "ring":
         return ring_attention(q_TH, k_TH, v_TH, plan.ring, group, backend=resolve_lse_backend(backend, q_TH.device),
                               scale=scale)
-    kv = gather_chunk_keys(torch.stack([k_TH, v_TH], dim=1), group, plan.chunks.key_index)  # [sum k_len, 2, Hkv, D]
-    return chunk_attention(q_TH, kv[:, 0], kv[:, 1], plan.chunks, backend=backend, scale=scale, keys_gathered=True)
+    k_TK, v_TK = gather_keys_values(k_TH, v_TH, group, plan.chunks.key_index, plan.key_sources)  # [sum k_len, Hkv, D]
+    return chunk_attention(q_TH, k_TK, v_TK, plan.chunks, backend=backend, scale=scale, keys_gathered=True)
