@@ -10,8 +10,13 @@ a layer.
 
 ``sum_rows`` does it in one pass on CUDA (one Triton kernel for K and V, a program per output row, part and column
 block): it reads each selected row once, adds its sources in fp32 in ascending order and writes every output row
-once (zeros where no chunk sees the row). ``RowSources`` is the index inverted (for each output row its source rows, ascending: a
-CSR table), made on the host once per micro-batch with the plan and reused by every layer.
+once (zeros where no chunk sees the row). ``RowSources`` is the index inverted (for each output row its source rows,
+ascending: a CSR table), made on the host once per micro-batch with the plan (~0.2 ms for 20K rows on a 2-core CPU)
+and reused by every layer.
+
+Measured (``reports/recorded/kv_grad_sum.h200x2.log``): the exchange's forward and backward alone on one H200, a CP-4
+plan of an 8K-token pack, 0.52 against 1.15 ms; in ``bench step`` on 2 x H200 the profiled "other" kernels fall 74.0 ->
+59.6 ms a step (dcp:balanced) and 100.0 -> 70.8 ms (static CP).
 
 The numbers are ``out.zero_(); out.index_add_(0, index, src.float())`` bit for bit wherever that is deterministic:
 the sum starts at zero and adds the sources in ascending order, as the CPU's ``index_add_`` does; on CUDA

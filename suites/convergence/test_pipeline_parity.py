@@ -10,21 +10,21 @@ import pytest
 
 from harness.jobs.launch import run_on_ranks
 from harness.train.trainer import train
+from suites.computed_once import computed_once
 
 pytestmark = pytest.mark.dist_cpu
 
 BASE = {"steps": 3, "max_seqlen_per_rank": 512, "corpus": {"sequences_per_batch": 16}}
 PIPELINES = {"pp2": {"pp": 2}, "pp2-vpp2": {"pp": 2, "vpp": 2},
              "pp2-afab-compute": {"pp": 2, "pipeline": "afab", "schedule_delivery": "compute"}}
-_RUNS: dict = {}
 
 
-def _rows(model: str, world: int, tmp, **kw) -> dict:
-    key = (model, world, json.dumps(kw, sort_keys=True))
-    if key not in _RUNS:
-        cfg = {**BASE, "model": model, **kw}
-        _RUNS[key] = run_on_ranks(train, world_size=world, tmp_path=tmp, args=(cfg,), timeout_s=600)[0]["layouts"]
-    return _RUNS[key]
+def _rows(model: str, world: int, tmp_path_factory, name: str, **kw) -> dict:
+    """One training run's rows, once per test session (the xdist workers share the references)."""
+    cfg = {**BASE, "model": model, **kw}
+    return computed_once(tmp_path_factory, f"pipeline-parity-{model}-{world}-{json.dumps(kw, sort_keys=True)}",
+                         lambda: run_on_ranks(train, world_size=world, tmp_path=tmp_path_factory.mktemp(name),
+                                              args=(cfg,), timeout_s=600)[0]["layouts"])
 
 
 def _agree(got: dict, ref: dict, layouts=("bshd", "thd", "dcp")) -> None:
@@ -37,8 +37,8 @@ def _agree(got: dict, ref: dict, layouts=("bshd", "thd", "dcp")) -> None:
 
 @pytest.mark.parametrize("name", list(PIPELINES))
 def test_tiny_gpt_pipelines_equal_one_stage(name, tmp_path_factory):
-    ref = _rows("tiny-gpt", 2, tmp_path_factory.mktemp("ref"))
-    got = _rows("tiny-gpt", 4, tmp_path_factory.mktemp(name), **PIPELINES[name])
+    ref = _rows("tiny-gpt", 2, tmp_path_factory, "ref")
+    got = _rows("tiny-gpt", 4, tmp_path_factory, name, **PIPELINES[name])
     _agree(got, ref)
     if name == "pp2-vpp2":  # the interleaved schedule ran micro-batch counts aligned to its group
         assert all(r["microbatches"] % 2 == 0 for rows in got.values() for r in rows)
@@ -48,8 +48,8 @@ def test_tiny_gpt_pipelines_equal_one_stage(name, tmp_path_factory):
 
 
 def test_tiny_moe_pipeline_equals_one_stage(tmp_path_factory):
-    _agree(_rows("tiny-moe", 4, tmp_path_factory.mktemp("moe-pp"), pp=2),
-           _rows("tiny-moe", 2, tmp_path_factory.mktemp("moe-ref")))
+    _agree(_rows("tiny-moe", 4, tmp_path_factory, "moe-pp", pp=2),
+           _rows("tiny-moe", 2, tmp_path_factory, "moe-ref"))
 
 
 @pytest.mark.parametrize("model, kw", [("tiny-gpt-mtp", {"pp": 2, "vpp": 2}), ("tiny-hybrid", {"pp": 2})],
@@ -58,8 +58,8 @@ def test_mtp_and_hybrid_pipelines_equal_one_stage(model, kw, tmp_path_factory):
     """The MTP block runs on the last stage (its own embedding, the trunk's output head); the SSM mixers
     sit on both stages of "M*M-". Both still train exactly as one stage (the dynamic-CP layout here;
     bshd and thd under PP are the 50-step goldens' in the slow suite)."""
-    got = _rows(model, 4, tmp_path_factory.mktemp(model), layouts=["dcp"], **kw)
-    ref = _rows(model, 2, tmp_path_factory.mktemp(model + "-ref"), layouts=["dcp"])
+    got = _rows(model, 4, tmp_path_factory, model, layouts=["dcp"], **kw)
+    ref = _rows(model, 2, tmp_path_factory, model + "-ref", layouts=["dcp"])
     _agree(got, ref, layouts=("dcp",))
     if model == "tiny-gpt-mtp":
         for a, b in zip(got["dcp"], ref["dcp"], strict=True):
@@ -70,8 +70,8 @@ def test_fewer_micro_batches_than_stages_and_a_single_one(tmp_path_factory):
     """One short sequence a step: one micro-batch per step on a 2-stage pipeline (1F1B warm-up capped).
     (With two, the pipeline execution model prefers two micro-batches: they fill the pipeline.)"""
     kw = {"corpus": {"sequences_per_batch": 1, "lengths": "uniform:min=20,max=60"}, "layouts": ["dcp"]}
-    got = _rows("tiny-gpt", 4, tmp_path_factory.mktemp("one"), pp=2, **kw)
-    ref = _rows("tiny-gpt", 2, tmp_path_factory.mktemp("one-ref"), **kw)
+    got = _rows("tiny-gpt", 4, tmp_path_factory, "one", pp=2, **kw)
+    ref = _rows("tiny-gpt", 2, tmp_path_factory, "one-ref", **kw)
     assert [r["microbatches"] for r in got["dcp"]] == [1, 1, 1]
     for a, b in zip(got["dcp"], ref["dcp"], strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5

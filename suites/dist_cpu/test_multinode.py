@@ -40,13 +40,17 @@ def _results(out: Path) -> dict:
 
 
 def test_two_agents_give_what_one_agent_gives_bit_for_bit(tmp_path):
+    """bshd and dcp (CP blocks across the two nodes) on 2 x 2 ranks equal the same run on 1 x 4, and so do the
+    report's checks (the reference lines too). Without thd (the same launcher and groups as dcp's static sizes):
+    the killed / stopped node tests and the two-node step benchmark run whole jobs."""
     port = _free_port()
-    nodes = [_node(1, port, tmp_path / "n1"), _node(0, port, tmp_path / "n0")]
+    lean = ("--layouts", "bshd,dcp")
+    nodes = [_node(1, port, tmp_path / "n1", *lean), _node(0, port, tmp_path / "n0", *lean)]
     outs = [p.communicate(timeout=300) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs
     assert "node 1 of 2: its 2 ranks finished; node 0 writes the report" in outs[0][0]
     assert not list((tmp_path / "n1").glob("converge-*")), "only node 0 writes a report"
-    one = subprocess.run([sys.executable, "-m", "harness", "converge", *SMALL, "--out", str(tmp_path / "one")],
+    one = subprocess.run([sys.executable, "-m", "harness", "converge", *SMALL, *lean, "--out", str(tmp_path / "one")],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr
     a, b = _results(tmp_path / "n0"), _results(tmp_path / "one")
@@ -54,6 +58,7 @@ def test_two_agents_give_what_one_agent_gives_bit_for_bit(tmp_path):
     for layout in b["layouts"]:
         assert [(r["loss"], r["grad_norm"]) for r in a["layouts"][layout]] == \
             [(r["loss"], r["grad_norm"]) for r in b["layouts"][layout]], layout
+    assert set(b["layouts"]) == {"bshd", "dcp"} and a["checks"]
     assert [c["value"] for c in a["checks"]] == [c["value"] for c in b["checks"]]  # the reference lines too
 
 

@@ -1,7 +1,8 @@
 """Every fault of the catalogue is caught, by its cheapest detecting check, with the expected message;
 the clean runs raise no alarm; every seam is live and a pass-through replacement changes nothing.
 
-A scenario's clean run and all its faults share one 4-rank gloo world, run once per test process. The whole catalogue through the CLI (with its timing) is the ``slow`` test."""
+A scenario's clean run and all its faults share one 4-rank gloo world, run once per test session
+(``suites.computed_once``: the xdist workers share it). The whole catalogue through the CLI (with its timing) is the ``slow`` test."""
 
 from __future__ import annotations
 
@@ -16,20 +17,20 @@ from harness.faults import FAULTS, SEAMS
 from harness.faults import scenarios as sc
 from harness.faults.run import ORDER
 from harness.jobs.launch import run_on_ranks
+from suites.computed_once import computed_once
 
 pytestmark = pytest.mark.dist_cpu
 
-_OUTCOMES: dict = {}
 
 
 def _outcomes(scenario, tmp_path_factory) -> dict:
-    """Clean and fault outcomes of a scenario, computed once per test process (one world for all)."""
-    if scenario not in _OUTCOMES:
-        from harness.faults.run import _outcomes as outcomes
+    """Clean and fault outcomes of a scenario, computed once per test session (one world for all, shared by the
+    xdist workers)."""
+    from harness.faults.run import _outcomes as outcomes
 
-        names = [f.name for f in FAULTS if f.scenario == scenario]
-        _OUTCOMES[scenario] = outcomes(scenario, names, tmp_path_factory.mktemp(f"faults-{scenario}"))
-    return _OUTCOMES[scenario]
+    names = [f.name for f in FAULTS if f.scenario == scenario]
+    return computed_once(tmp_path_factory, f"faults-{scenario}",
+                         lambda: outcomes(scenario, names, tmp_path_factory.mktemp(f"faults-{scenario}")))
 
 
 @pytest.mark.parametrize("scenario", ["train", "train-small-batch", "train-dist-opt", "replay", "plan", "stepwise"])
