@@ -8,14 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_and_triton")]
 
-
-@pytest.fixture(autouse=True)
-def _cuda_and_triton():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

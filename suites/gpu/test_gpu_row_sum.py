@@ -10,14 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_and_triton")]
 
-
-@pytest.fixture(autouse=True)
-def _cuda_and_triton():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("triton")
 
 
 def _plan_index(cp: int, rank: int):
