@@ -118,8 +118,9 @@ FAULTS: tuple[Fault, ...] = (
           source="PyTorch issue #1528: indexing with repeated indices back-propagated only the last copy's gradient "
                  "(also pytensor PR #2242: duplicate-index increments as gather-add-scatter); here the gathered keys' "
                  "gradient rows before the reduce-scatter",
-          url="https://github.com/pytorch/pytorch/issues/1528", layer="attention", seam="harness.runtime.row_sum:sum_rows",
-          make=mf.make_key_grads_overwritten, check="step1-gradients", expect=r"step-1 gradient of .* differs"),
+          url="https://github.com/pytorch/pytorch/issues/1528", layer="attention",
+          seam="harness.runtime.row_sum:sum_rows", make=mf.make_key_grads_overwritten, check="step1-gradients",
+          expect=r"step-1 gradient of .* differs"),
     Fault(name="stale-cp-group", title="the previous micro-batch's CP group kept",
           source="Megatron-LM PR #2000: attention.py did not restore the CP group after a dynamic-CP forward "
                  "(also PR #6821 / issue #5352: RoPE given the static CP group)",

@@ -3,8 +3,9 @@
 ``gather_keys_values(k, v, group, index)`` = ``all_gather(k)[index], all_gather(v)[index]`` (one
 collective for both): every rank's K/V slice, concatenated in rank order, then the rows each local query
 chunk may attend. Its backward sums the gradients of duplicated rows in fp32, reduce-scatters in fp32 and
-casts once, so each rank receives its own slice's gradient summed over the CP block. (With bf16 partial sums, one dV element of a 128K
-GQA pack on 4 H200s was 6 bf16 ulps off unsharded attention: 1.02x TE's 2.5e-2 tolerance.)
+casts once, so each rank receives its own slice's gradient summed over the CP block. (With bf16 partial
+sums, one dV element of a 128K GQA pack on 4 H200s was 6 bf16 ulps off unsharded attention: 1.02x TE's
+2.5e-2 tolerance.)
 """
 
 from __future__ import annotations
