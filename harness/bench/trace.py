@@ -236,6 +236,20 @@ def device_only_line(name: str, b: dict) -> str:
             f"other {b['other']:.1f}; exposed comm {b['communication']:.1f}, idle {b['idle']:.1f})")
 
 
+def rank_line(name: str, per_rank: list[dict]) -> str | None:
+    """One line of an arm's ``breakdown_per_rank`` (rank order): each rank's idle and exposed communication (ms a
+    step) and the rank whose GPU idled most. A rank that idles while its partners' exposed communication grows is
+    a rank whose host ran late: the partners wait for it inside the collectives, so that step is bound by the
+    slowest host, and device time saved elsewhere turns into waiting. None for fewer than two ranks."""
+    if len(per_rank) < 2:
+        return None
+    idle = [p["idle"] for p in per_rank]
+    late = max(range(len(idle)), key=idle.__getitem__)
+    cells = ", ".join(f"{r}: {p['idle']:.1f} / {p['communication']:.1f}" for r, p in enumerate(per_rank))
+    return (f"  {name} by rank (idle / exposed comm ms): {cells}; the most idle: rank {late}, "
+            f"{idle[late] - min(idle):.1f} ms more than the least")
+
+
 def mean_breakdown(parts: list[dict]) -> dict:
     """Element-wise mean of ``breakdown`` results (same source)."""
     if not parts:

@@ -162,6 +162,22 @@ def _phases(summary: dict, cfg) -> str:
                     [h for _, h, _ in PHASE_COLUMNS], left=1))
 
 
+def _by_rank(summary: dict) -> str:
+    """Each rank's idle and exposed communication in the profiled steps (``breakdown_per_rank``), for arms profiled
+    on two ranks or more; empty otherwise."""
+    arms = {k: v.get("breakdown_per_rank") or [] for k, v in summary["arms"].items()}
+    arms = {k: p for k, p in arms.items() if len(p) >= 2}
+    if not arms:
+        return ""
+    n = max(len(p) for p in arms.values())
+    rows = [[k] + [f"{p['idle']:.1f} / {p['communication']:.1f}" for p in per] + [""] * (n - len(per))
+            for k, per in arms.items()]
+    return ("<h3>Idle and exposed communication by rank</h3><p>ms a profiled step, idle / exposed communication. "
+            "A rank whose GPU idles while its partners' exposed communication grows is a rank whose host ran late: "
+            "its partners wait for it inside the collectives, and device time saved on them turns into waiting.</p>"
+            + table(rows, ["arm"] + [f"rank {r}" for r in range(n)], left=1))
+
+
 def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
     arms = summary["arms"]
     rows = [[k, _fmt(v["trimmed_mean_ms"], ".1f"), _fmt(v["median_ms"], ".1f"), _fmt(v["mean_ms"], ".1f"),
@@ -218,6 +234,7 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
          "the slowest rank's compute time minus the mean rank's.</p>"
          + table(brows, ["arm", "wall ms"] + list(PART_COLORS) + ["imbalance ms", "source"], left=1)
          + figure_png(_breakdown_plot(summary))) if brows else "<p>No breakdown was measured.</p>",
+        _by_rank(summary),
         "".join(f'<p class="small">no breakdown for {esc(m)}</p>' for m in missing),
         _phases(summary, cfg),
         _calibration(summary),

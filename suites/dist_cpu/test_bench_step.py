@@ -18,6 +18,7 @@ from harness.bench.trace import (
     device_only_line,
     kernel_lines,
     mean_breakdown,
+    rank_line,
     span,
     top_kernels,
 )
@@ -301,6 +302,23 @@ def test_a_device_only_profile_is_read_over_its_span():
         span({"traceEvents": []})
 
 
+def test_the_rank_line_names_each_ranks_idle_and_exposed_communication_and_the_most_idle_rank():
+    """The figures of a 4 x H200 dcp step (rank 2's host ran late: its GPU idled, its partners waited in the
+    collectives); one rank has no line; the HTML shows the same numbers in a table by rank."""
+    from harness.report.step_report import _by_rank
+
+    per_rank = [{"idle": 29.8, "communication": 204.1}, {"idle": 124.4, "communication": 109.7},
+                {"idle": 198.0, "communication": 41.6}, {"idle": 33.4, "communication": 205.3}]
+    assert rank_line("dcp:balanced", per_rank) == (
+        "  dcp:balanced by rank (idle / exposed comm ms): 0: 29.8 / 204.1, 1: 124.4 / 109.7, 2: 198.0 / 41.6, "
+        "3: 33.4 / 205.3; the most idle: rank 2, 168.2 ms more than the least")
+    assert rank_line("dcp:balanced", per_rank[:1]) is None and rank_line("x", []) is None
+    html = _by_rank({"arms": {"dcp:balanced": {"breakdown_per_rank": per_rank},
+                              "thd:dp-balanced": {"breakdown_per_rank": []}}})
+    assert "rank 3" in html and "198.0 / 41.6" in html and "thd:dp-balanced" not in html
+    assert _by_rank({"arms": {"dcp:balanced": {"breakdown_per_rank": per_rank[:1]}}}) == ""
+
+
 def test_breakdown_falls_back_to_host_operators_without_kernels():
     trace = {"traceEvents": [
         _ev("autograd::engine::evaluate_function: MmBackward0", 0, 50, "cpu_op"),  # encloses an mm
@@ -501,6 +519,8 @@ def test_cli_smoke_writes_json_and_html(tmp_path, capsys):
     assert list((tmp_path / "bench_step_traces").glob("trace_*_rank0.json.gz"))
     printed = capsys.readouterr().out
     assert "USDT:" not in printed and "trimmed ms" in printed
+    assert "dcp:balanced by rank (idle / exposed comm ms): 0: " in printed  # the 2-rank world's profiled step
+    assert "Idle and exposed communication by rank" in html
     # pinning the calibrated model: no calibration, the same model, the same schedules
     again = tmp_path / "again.json"
     assert main(["bench", "step", "--cpu", "--iters", "2", "--warmup", "0", "--profile-iters", "0",

@@ -17,7 +17,7 @@ from pathlib import Path
 from harness.bench.common import REPORTS, table, write_report
 from harness.bench.step.config import BenchConfigError, StepBenchConfig
 from harness.bench.step.summarise import TARGETS, checks, summarize
-from harness.bench.trace import device_only_line, kernel_lines
+from harness.bench.trace import device_only_line, kernel_lines, rank_line
 from harness.io import atomic_write_text
 from harness.jobs.entry import launch, register
 from harness.jobs.nodes import Nodes
@@ -109,6 +109,10 @@ def _print_tables(summary: dict, cfg: StepBenchConfig) -> None:
         print(table(brows, BREAKDOWN_COLUMNS))
         for line in kernel_lines({k: v.get("breakdown") for k, v in summary["arms"].items()}):
             print(line)
+        for k, v in summary["arms"].items():
+            line = rank_line(k, v.get("breakdown_per_rank") or [])
+            if line:
+                print(line)
         for k, v in summary["arms"].items():
             if v.get("breakdown_device"):
                 print(device_only_line(k, v["breakdown_device"]))
