@@ -45,11 +45,19 @@ def add_nodes(p) -> None:
                    help="where the nodes meet: node 0's address and a free port there, the same on every node")
     g.add_argument("--rdzv-timeout", type=T.STALL_S, default=None, metavar="SECONDS",
                    help="fail, naming the endpoint, when the nodes have not all started within this long (300)")
+    g.add_argument("--numa-binding", default=None, metavar="MODE",
+                   help="bind each rank to the CPUs near its GPU (torchrun's --numa-binding, torch >= 2.9, GPU runs): "
+                        "node, socket, exclusive (CPUs of its own) or core-complex; default: no binding")
 
 
-def nodes_from(a, world: int):
-    """The ``Nodes`` of the options, checked, and the processes this node runs (``world`` / nnodes)."""
-    nodes = Nodes(a.nnodes, a.node_rank, a.rdzv_endpoint, a.rdzv_timeout or DEFAULT_RDZV_TIMEOUT_S)
+def nodes_from(a, world: int, device: str = "cuda"):
+    """The ``Nodes`` of the options, checked, and the processes this node runs (``world`` / nnodes); ``device``: the
+    job's (``--numa-binding`` binds ranks to the CPUs near their GPUs: refused for a CPU job)."""
+    numa = getattr(a, "numa_binding", None)
+    if numa is not None and device == "cpu":
+        raise NodesError(f"--numa-binding {numa} binds each rank to the CPUs near its GPU: a CPU job has none; leave "
+                         "it out on the CPU")
+    nodes = Nodes(a.nnodes, a.node_rank, a.rdzv_endpoint, a.rdzv_timeout or DEFAULT_RDZV_TIMEOUT_S, numa)
     nodes.check()
     if world % nodes.nnodes:
         raise NodesError(f"--world {world} cannot be split evenly over --nnodes {nodes.nnodes}: give a world that is "

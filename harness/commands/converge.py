@@ -78,7 +78,7 @@ def run(a) -> int:
         import torch  # heavy to import; only --device auto asks it for a GPU
 
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    nodes, local = nodes_from(a, a.world)
+    nodes, local = nodes_from(a, a.world, a.device)
     if a.device == "cpu":
         T.check_cpu_ranks(local, "--world" if not nodes.multi else "--world / --nnodes")
     T.check_run_size(a.steps, a.batch_size or converge.DEFAULT_BATCH)

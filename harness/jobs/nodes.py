@@ -15,12 +15,17 @@ already in use. Inside the job every rank checks that every node runs the same n
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import re
 import socket
 from dataclasses import dataclass
 
 from harness.plan.errors import PlanInputError
 
 MAX_NODES = 4096
+NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
+"""torchrun's ``--numa-binding`` modes (torch >= 2.9): each rank bound to CPUs near its GPU (``exclusive``: CPUs of
+its own, shared with no other rank)."""
 DEFAULT_RDZV_TIMEOUT_S = 300.0
 """How long the nodes may take to meet (every node's command started) before the job fails naming the endpoint."""
 
@@ -36,6 +41,9 @@ class Nodes:
     endpoint: str | None = None
     """``HOST:PORT`` where the nodes meet: node 0's address, a free port there."""
     rdzv_timeout_s: float = DEFAULT_RDZV_TIMEOUT_S
+    numa_binding: str | None = None
+    """torchrun's ``--numa-binding`` mode for this node's ranks (``NUMA_BINDINGS``); None: the ranks run wherever the
+    OS puts them."""
 
     @property
     def multi(self) -> bool:
@@ -60,6 +68,8 @@ class Nodes:
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
             raise NodesError(f"--node-rank {self.node_rank!r} is out of range for --nnodes {self.nnodes}: give each "
                              f"node a distinct rank from 0 to {self.nnodes - 1} (node 0 writes the reports)")
+        if self.numa_binding is not None:
+            _check_numa_binding(self.numa_binding)
         if not self.multi:
             return
         if self.endpoint is None:
@@ -74,17 +84,30 @@ class Nodes:
 
     def torchrun_args(self) -> list[str]:
         """torchrun's options for this node (one node: a private rendezvous on a free local port)."""
+        numa = [f"--numa-binding={self.numa_binding}"] if self.numa_binding else []
         if not self.multi:
-            return ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0"]
+            return ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", *numa]
         host, port = self.host_port()
         return [f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}", f"--master-addr={host}",
-                f"--master-port={port}"]
+                f"--master-port={port}", *numa]
 
     def first_rank(self, nproc: int) -> int:
         return self.node_rank * nproc
 
     def describe(self) -> str:
         return f"node {self.node_rank} of {self.nnodes}" if self.multi else "one node"
+
+
+def _check_numa_binding(mode: str, torch_version: str | None = None) -> None:
+    """Refuse a ``--numa-binding`` mode torchrun does not have, or a torch whose torchrun has no such option."""
+    if mode not in NUMA_BINDINGS:
+        raise NodesError(f"--numa-binding {mode!r} is not one of torchrun's modes: {', '.join(NUMA_BINDINGS)} (node: "
+                         "if in doubt; exclusive: no two ranks share a CPU)")
+    version = torch_version if torch_version is not None else importlib.metadata.version("torch")
+    major_minor = re.match(r"(\d+)\.(\d+)", version)
+    if major_minor is None or tuple(map(int, major_minor.groups())) < (2, 9):
+        raise NodesError(f"--numa-binding needs torchrun's --numa-binding (torch >= 2.9); this torch is {version}: "
+                         "upgrade torch or leave the option out")
 
 
 def _is_local(host: str) -> bool:

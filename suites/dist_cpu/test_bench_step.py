@@ -577,6 +577,10 @@ def test_cli_refuses_gpu_run_without_gpus_and_bad_arms(capsys):
     assert "thd:dp-balanced" in capsys.readouterr().err
     assert main(["bench", "step", "--cpu", "--nproc", "3"]) == 2  # dynamic groups need a power of two
     assert "world size 3" in capsys.readouterr().err
+    assert main(["bench", "step", "--cpu", "--numa-binding", "node"]) == 2  # binding needs GPUs to bind near
+    assert "--numa-binding node binds each rank to the CPUs near its GPU" in capsys.readouterr().err
+    assert main(["bench", "step", "--stack", "megatron-core", "--numa-binding", "node"]) == 2
+    assert "the stack's job starts its own ranks" in capsys.readouterr().err
 
 
 def _measure_with_broken_trace_on_rank_1(rank, world, cfg):

@@ -83,7 +83,9 @@ def test_bad_multinode_options_are_one_line_before_anything_starts(tmp_path, cap
               "--node-rank 2 is out of range for --nnodes 2"),
              (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
              (["--nnodes", "2", "--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0' is not HOST:PORT"),
-             (["--nnodes", "3", "--rdzv-endpoint", f"127.0.0.1:{port}"], "--world 4 cannot be split evenly over --nnodes 3")]
+             (["--nnodes", "3", "--rdzv-endpoint", f"127.0.0.1:{port}"], "--world 4 cannot be split evenly over --nnodes 3"),
+             (["--numa-binding", "node", "--device", "cpu"], "--numa-binding node binds each rank to the CPUs near its GPU"),
+             (["--numa-binding", "nodes", "--device", "cuda"], "--numa-binding 'nodes' is not one of torchrun's modes")]
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -93,6 +95,22 @@ def test_bad_multinode_options_are_one_line_before_anything_starts(tmp_path, cap
             lines = capsys.readouterr().err.strip().splitlines()
             assert code == 2 and len(lines) == 1 and expect in lines[0], (args, lines)
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_numa_binding_reaches_torchrun_on_one_node_and_on_several():
+    """``--numa-binding`` is torchrun's own option, passed to every node's torchrun as given; a torch whose torchrun
+    lacks it (< 2.9) is refused by name before anything starts. (Binding itself needs GPUs: a CPU job is refused.)"""
+    from harness.jobs.nodes import Nodes, NodesError, _check_numa_binding
+
+    assert Nodes(numa_binding="exclusive").torchrun_args() == [
+        "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--numa-binding=exclusive"]
+    two = Nodes(2, 1, "127.0.0.1:29500", numa_binding="node")
+    assert two.torchrun_args()[-1] == "--numa-binding=node" and "--node-rank=1" in two.torchrun_args()
+    assert not any("numa" in x for x in Nodes().torchrun_args())
+    Nodes(numa_binding="core-complex").check()  # this torch has it
+    with pytest.raises(NodesError, match=r"needs torchrun's --numa-binding \(torch >= 2.9\); this torch is 2.8.1"):
+        _check_numa_binding("node", "2.8.1")
+    _check_numa_binding("socket", "2.11.0+cu130")
 
 
 def test_a_rendezvous_that_never_completes_ends_within_its_bound(tmp_path):
@@ -266,7 +284,7 @@ def test_the_step_benchmark_on_two_nodes_writes_one_report(tmp_path):
     assert n0.returncode == 0 and n1.returncode == 0, (n0.stderr[-1500:], err1[-1500:])
     assert "on node 0 of 2 (2 ranks)" in n0.stdout and "node 1 of 2: its ranks finished" in out1
     report = json.loads((tmp_path / "n0" / "b.json").read_text())
-    assert report["config"]["gpus"] == 2 and report["config"]["nodes"] == 2
+    assert report["config"]["gpus"] == 2 and report["config"]["nodes"] == 2 and report["config"]["numa_binding"] is None
     assert not (tmp_path / "n1" / "b.json").exists()
 
 

@@ -34,7 +34,7 @@ def test_every_command_module_has_the_interface():
 
 @pytest.mark.parametrize("module, config, job", [
     (step_command, StepBenchConfig, {"nproc", "cpu", "stall_timeout", "out", "html", "nnodes", "node_rank",
-                                     "rdzv_endpoint", "rdzv_timeout", "stack", "stack_option",
+                                     "rdzv_endpoint", "rdzv_timeout", "numa_binding", "stack", "stack_option",
                                      "stack_arms", "workarounds"}),
     (microbatch_command, MicrobatchConfig, {"cpu", "out"}),
 ], ids=["bench step", "bench microbatch"])

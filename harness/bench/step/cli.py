@@ -88,7 +88,8 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
     _print_tables(summary, cfg)
     cks = checks(summary, "cuda" if cuda else "cpu")
     _print_verdicts(summary, cks)
-    path = write_report("step", {**cfg.to_dict(), "gpus": world, "nodes": nodes.nnodes}, summary, out=out, checks=cks)
+    path = write_report("step", {**cfg.to_dict(), "gpus": world, "nodes": nodes.nnodes,
+                                  "numa_binding": nodes.numa_binding}, summary, out=out, checks=cks)
     atomic_write_text(html, render(summary, cfg, cks, world))
     print(f"wrote {path}\nwrote {html}")
     return 0 if all(c["pass"] is not False for c in cks) else 1

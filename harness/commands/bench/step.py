@@ -113,6 +113,9 @@ def run(a) -> int:
     if a.stack == "megatron-core":
         if a.cpu:
             raise T.UsageError("bench step --stack megatron-core runs on CUDA GPUs only (TransformerEngine); drop --cpu")
+        if a.numa_binding is not None:
+            raise T.UsageError("--numa-binding binds the harness runtime's ranks (torchrun's option); with --stack "
+                               "megatron-core the stack's job starts its own ranks: leave it out")
         if a.arm_cost_models:
             raise T.UsageError("--arm-cost-model gives the runtime's arms (dcp:balanced~NAME) a cost model; with --stack "
                                "megatron-core its balanced arm takes --cost-model FILE (or the stack's calibration)")
@@ -123,6 +126,6 @@ def run(a) -> int:
                           workarounds=a.workarounds, stack_options=options(a.stack_option))
     if a.cpu and a.nproc is not None:
         T.check_cpu_ranks(a.nproc, "--nproc")
-    nodes, _ = nodes_from(a, a.nnodes)
+    nodes, _ = nodes_from(a, a.nnodes, "cpu" if a.cpu else "cuda")
     return main(nproc=a.nproc, out=a.out, html=a.html, cpu=a.cpu, overrides=overrides(a, StepBenchConfig, CONVERT),
                 nodes=nodes, stall_s=a.stall_timeout)
