@@ -37,12 +37,12 @@ from harness.apps.nightly.cases import (
 from harness.golden import producer
 from harness.io import atomic_write_json, writable
 from harness.jobs.watchdog import JobFailure
-from harness.paths import ROOT
+from harness.paths import REPORTS
 from harness.report.nightly_report import render
 
 __all__ = ["NIGHTLY", "NIGHTLY_MODELS", "NightlyCase", "prepare", "run", "run_cases"]
 
-NIGHTLY = ROOT / "reports" / "nightly"
+NIGHTLY = REPORTS / "nightly"
 
 
 def prepare(*, steps: int, models, device: str, world: int | None, root: Path, json_path: Path | None = None,
