@@ -49,11 +49,6 @@ def installed_data() -> Path | None:
     return next((b.joinpath(*SHARE) for b in bases if (b.joinpath(*SHARE) / "golden").is_dir()), None)
 
 
-def project_root(cwd: Path | None = None) -> Path:
-    """The checkout, else the package's parent."""
-    return checkout(cwd) or _package_parent()
-
-
 def data_root(cwd: Path | None = None) -> Path:
     """Where ``golden/`` and ``fixtures/`` are read (see the module doc)."""
     return checkout(cwd) or installed_data() or _package_parent()

@@ -15,7 +15,6 @@ already in use. Inside the job every rank checks that every node runs the same n
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import re
 import socket
 from dataclasses import dataclass
@@ -103,7 +102,11 @@ def _check_numa_binding(mode: str, torch_version: str | None = None) -> None:
     if mode not in NUMA_BINDINGS:
         raise NodesError(f"--numa-binding {mode!r} is not one of torchrun's modes: {', '.join(NUMA_BINDINGS)} (node: "
                          "if in doubt; exclusive: no two ranks share a CPU)")
-    version = torch_version if torch_version is not None else importlib.metadata.version("torch")
+    if torch_version is None:
+        import torch  # lazy: only a job that asks for a binding pays for it (it imports torch anyway)
+
+        torch_version = torch.__version__
+    version = str(torch_version)
     major_minor = re.match(r"(\d+)\.(\d+)", version)
     if major_minor is None or tuple(map(int, major_minor.groups())) < (2, 9):
         raise NodesError(f"--numa-binding needs torchrun's --numa-binding (torch >= 2.9); this torch is {version}: "
