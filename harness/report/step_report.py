@@ -178,6 +178,23 @@ def _by_rank(summary: dict) -> str:
             + table(rows, ["arm"] + [f"rank {r}" for r in range(n)], left=1))
 
 
+def _host_lead(summary: dict) -> str:
+    """Each rank's lead over its GPU in the timed steps (``host_lead_per_rank``, CUDA runs of two ranks or more);
+    empty otherwise."""
+    arms = {k: v.get("host_lead_per_rank") or [] for k, v in summary["arms"].items()}
+    arms = {k: p for k, p in arms.items() if len(p) >= 2 and all(x is not None for x in p)}
+    if not arms:
+        return ""
+    n = max(len(p) for p in arms.values())
+    rows = [[k] + [f"{_fmt(p['forward_median_ms'], '.2f')} / {_fmt(p['backward_median_ms'], '.2f')}; "
+                   f"{100 * p['starved']:.0f}%" for p in per] + [""] * (n - len(per))
+            for k, per in arms.items()]
+    return ("<h3>Host lead by rank</h3><p>Median ms the host ran ahead of its GPU when a forward / backward pass "
+            "started, over the timed steps (CUDA events, no profiler); the share of passes that found the GPU "
+            "waiting for the host. The rank with the least lead is the host the others wait for.</p>"
+            + table(rows, ["arm"] + [f"rank {r}" for r in range(n)], left=1))
+
+
 def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
     arms = summary["arms"]
     rows = [[k, _fmt(v["trimmed_mean_ms"], ".1f"), _fmt(v["median_ms"], ".1f"), _fmt(v["mean_ms"], ".1f"),
@@ -235,6 +252,7 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
          + table(brows, ["arm", "wall ms"] + list(PART_COLORS) + ["imbalance ms", "source"], left=1)
          + figure_png(_breakdown_plot(summary))) if brows else "<p>No breakdown was measured.</p>",
         _by_rank(summary),
+        _host_lead(summary),
         "".join(f'<p class="small">no breakdown for {esc(m)}</p>' for m in missing),
         _phases(summary, cfg),
         _calibration(summary),

@@ -238,16 +238,19 @@ class P2P:
 
 
 def run_passes(stage: Stage, actions, passes: ChunkPasses, p2p: P2P | None, on_loss=None,
-               before_last=None) -> Timeline:
+               before_last=None, on_pass=None) -> Timeline:
     """Run this rank's passes in order; returns their timeline. ``on_loss(m, ce, aux)``: called on the
     last chunk's forward (before its backward). Aux losses of every chunk join the backward.
-    ``before_last()``: called once, before the first pass of the last micro-batch."""
+    ``before_last()``: called once, before the first pass of the last micro-batch. ``on_pass(action)``: called
+    as each pass starts, before anything of it is launched (a benchmark's clock)."""
     last, live, tl, t0 = stage.num_chunks - 1, {}, Timeline(), time.perf_counter()
     final = max((a.microbatch for a in actions), default=-1) if before_last is not None else None
     for a in actions:
         if final is not None and a.microbatch == final:
             before_last()
             final = None
+        if on_pass is not None:
+            on_pass(a)
         c, start = stage.index(a.chunk), time.perf_counter()
         if a.kind == "F":
             x = None

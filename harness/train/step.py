@@ -268,6 +268,8 @@ class StepHooks:
     """Called before the last micro-batch's passes (after arming the reducer)."""
     token_multiple: int = 0
     """Pad each micro-batch to a multiple of this many tokens (``build_microbatches``; 0: no padding)."""
+    on_pass: Callable[[object], None] | None = None
+    """Called as each pass (a micro-batch's forward or backward: ``pipeline.run_passes``' actions) starts."""
 
 
 @dataclass
@@ -348,7 +350,7 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
                 hooks.before_last()
     with weight_cache.cached_weights(weights):
         timeline = pipeline.run_passes(run.stage, run.actions(len(mbs)), chunk_passes, run.p2p,
-                                       before_last=before_last)
+                                       before_last=before_last, on_pass=hooks.on_pass)
     timeline.cp_sizes = [mb.local_cp_size for mb in mbs]
     _mark(hooks)
     if isinstance(opt, DistributedOptimizer):

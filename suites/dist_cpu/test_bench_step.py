@@ -319,6 +319,59 @@ def test_the_rank_line_names_each_ranks_idle_and_exposed_communication_and_the_m
     assert _by_rank({"arms": {"dcp:balanced": {"breakdown_per_rank": per_rank[:1]}}}) == ""
 
 
+def test_the_host_lead_names_the_rank_whose_gpu_waits_for_its_host():
+    """Leads from the host's and the GPU's clocks at each pass (ms from the step's start): rank 1's GPU reaches
+    every pass microseconds after its host (starved), rank 0's runs 2-4 ms behind its host (waiting for rank 1
+    in the collectives). The summary, its line and the HTML table say so."""
+    from harness.bench.host_lead import STARVED_MS, lead_line, leads_ms, summarize_rank
+    from harness.report.step_report import _host_lead
+
+    assert leads_ms([0.0, 5.0, 9.0], [0.01, 7.5, 12.0]) == pytest.approx([0.01, 2.5, 3.0])
+    with pytest.raises(ValueError, match="differ in length: 2 != 1"):
+        leads_ms([0.0, 1.0], [0.0])
+    ahead = [{"kinds": ["F", "B", "F", "B"], "leads": [2.0, 4.0, 2.5, 3.5], "end": 6.0},
+             {"kinds": ["F", "B"], "leads": [1.5, 3.0], "end": 5.0}]
+    starved = [{"kinds": ["F", "B", "F", "B"], "leads": [0.01, 0.02, 0.3, 0.02], "end": 0.02},
+               {"kinds": ["F", "B"], "leads": [0.02, 0.01], "end": 0.03}]
+    r0, r1 = summarize_rank(ahead), summarize_rank(starved)
+    assert r0 == {"passes": 6, "median_ms": 2.75, "forward_median_ms": 2.0, "backward_median_ms": 3.5,
+                  "starved": 0.0, "end_median_ms": 5.5}
+    assert r1["passes"] == 6 and r1["starved"] == pytest.approx(5 / 6) and r1["median_ms"] < STARVED_MS
+    assert summarize_rank([]) is None and summarize_rank([{"kinds": [], "leads": [], "end": 0.0}]) is None
+    line = lead_line("dcp:balanced", [r0, r1])
+    assert line == ("  dcp:balanced host lead by rank (median ms the host ran ahead of its GPU at a forward / "
+                    "backward's start; passes that found the GPU waiting): 0: 2.00 / 3.50, 0%, 1: 0.02 / 0.02, 83%; "
+                    "the least: rank 1, 0.02 ms (83% of its passes starved)")
+    assert lead_line("x", [r0]) is None and lead_line("x", [r0, None]) is None  # one rank, or a CPU run
+    html = _host_lead({"arms": {"dcp:balanced": {"host_lead_per_rank": [r0, r1]},
+                                "thd:dp-balanced": {"host_lead_per_rank": [None, None]}}})
+    assert "rank 1" in html and "0.02 / 0.02; 83%" in html and "thd:dp-balanced" not in html
+    assert _host_lead({"arms": {"a": {"host_lead_per_rank": [None, None]}}}) == ""
+
+
+def test_each_pass_announces_itself_before_it_runs():
+    """``run_passes``' ``on_pass`` (the bench's CUDA clock at each pass's start) sees every action of the stage's
+    schedule in order, each before its pass has run anything."""
+    from harness.train import pipeline
+
+    torch.manual_seed(0)
+    w = torch.nn.Linear(4, 4)
+    ran, seen = [], []
+
+    def forward(v, m, x):
+        ran.append(("F", m))
+        y = w(torch.ones(3, 4) * (m + 1)).square().sum()
+        return y, torch.zeros(())
+
+    passes = pipeline.ChunkPasses(forward=forward, num_tokens=lambda m: 3, total=1.0, hidden=4, device="cpu")
+    actions = pipeline.single_stage_passes(3)
+    w.weight.register_hook(lambda g: ran.append(("B", None)))
+    pipeline.run_passes(pipeline.Stage.of(2, 1, 1, 0), actions, passes, None,
+                        on_pass=lambda a: seen.append((a.kind, a.microbatch, len(ran))))
+    assert [(k, m) for k, m, _ in seen] == [(a.kind, a.microbatch) for a in actions]
+    assert [n for _, _, n in seen] == list(range(len(actions)))  # nothing of the pass had run yet
+
+
 def test_breakdown_falls_back_to_host_operators_without_kernels():
     trace = {"traceEvents": [
         _ev("autograd::engine::evaluate_function: MmBackward0", 0, 50, "cpu_op"),  # encloses an mm
@@ -521,6 +574,9 @@ def test_cli_smoke_writes_json_and_html(tmp_path, capsys):
     assert "USDT:" not in printed and "trimmed ms" in printed
     assert "dcp:balanced by rank (idle / exposed comm ms): 0: " in printed  # the 2-rank world's profiled step
     assert "Idle and exposed communication by rank" in html
+    # a CPU run has no GPU clock: no lead per rank, no line, no table
+    assert all(a["host_lead_per_rank"] == [None, None] for a in doc["results"]["arms"].values())
+    assert "host lead by rank" not in printed and "Host lead by rank" not in html
     # pinning the calibrated model: no calibration, the same model, the same schedules
     again = tmp_path / "again.json"
     assert main(["bench", "step", "--cpu", "--iters", "2", "--warmup", "0", "--profile-iters", "0",

@@ -29,4 +29,7 @@ def test_bench_step_runs_on_two_gpus(tmp_path):
         assert sum(b[p] for p in PARTS) == pytest.approx(b["wall"], rel=1e-6)
         assert 0 < a["mfu"] < 1 and a["peak_memory_gb"] > 1
         assert all(a["phases_ms"][p] > 0 for p in step.PHASES)  # CUDA-event phases, gradients overlapped
+        # each rank's lead over its GPU: a pass of every measured step, never reached by the GPU before its host
+        for lead in a["host_lead_per_rank"]:
+            assert lead["passes"] >= 2 * 2 and lead["median_ms"] > -0.01 and 0 <= lead["starved"] <= 1
     assert s["arms"]["thd:dp-balanced"]["breakdown"]["communication"] > 0  # static CP 2 exchanges K/V

@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from harness.bench.host_lead import summarize_rank as summarize_leads
 from harness.bench.step.calibrate import calibrate_cost
 from harness.bench.step.config import PHASES, Arm, StepBenchConfig, arm_cost, cost_model_from
 from harness.bench.step.rank import (
@@ -250,7 +251,7 @@ def _timed_steps(ctx: RankContext, arms: list[Arm], weights: dict, opts: dict) -
 
     cfg, dev = ctx.cfg, ctx.device
     rec = {a.label: {"times": [], "plan_ms": [], "plan_wait_ms": [], "tokens": [], "figures": [], "marks": [],
-                     "slots": []} for a in arms}
+                     "slots": [], "leads": []} for a in arms}
     # the timed steps in order: step i runs every arm once, the arm order rotating with i
     order = [(i, arms[(i + k) % len(arms)], k) for i in range(len(ctx.batches)) for k in range(len(arms))]
     ahead = _Ahead(ctx, order) if cfg.plan == "ahead" else None
@@ -280,6 +281,9 @@ def _timed_steps(ctx: RankContext, arms: list[Arm], weights: dict, opts: dict) -
                 x["plan_wait_ms"].append(r["plan_wait_s"] * 1e3)
                 x["tokens"].append(r["local_tokens"])
                 x["marks"].append(r["marks"].cumulative_ms())
+                leads = r["marks"].leads()
+                if leads is not None:
+                    x["leads"].append(leads)
                 x["slots"].append(k)  # its place in this step's rotation
                 if ctx.rank == 0:
                     x["figures"].append(_schedule_figures(r["schedule"], arm_cost(ctx.cfg, arm, ctx.cost)))
@@ -312,7 +316,7 @@ def _arm_result(ctx: RankContext, arm: Arm, x: dict, ws: list, opt, run: int, pe
            "phase_marks_ms": last.tolist(),
            "breakdown": parts, "breakdown_device": device_parts,
            "breakdown_error": error, "peak_memory_gb": peak, "weights_digest": digest,
-           "slots": x["slots"]}
+           "slots": x["slots"], "host_lead": summarize_leads(x["leads"])}
     if ctx.rank == 0:
         out["schedules"] = x["figures"]
     return out

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.bench.host_lead import leads_ms
 from harness.bench.step.config import Arm, StepBenchConfig, arm_cost
 from harness.heartbeat import Heartbeat
 from harness.io import atomic_write_bytes
@@ -57,28 +58,49 @@ def sync(device) -> None:
 
 class _Marks:
     """Phase boundaries of one step: CUDA events on the current stream (read only after the step's
-    closing synchronisation, so timing adds no synchronisation), the host clock on CPU."""
+    closing synchronisation, so timing adds no synchronisation), the host clock on CPU. On CUDA also each pass's
+    start (``pass_started``) and the host clock beside every event: how far the host ran ahead of its GPU
+    (``harness.bench.host_lead``)."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
         self.points: list = []
+        self.host: list[float] = []
+        self.passes: list[tuple[str, float, object]] = []  # (kind, host clock, event) at each pass's start
         self.mark()
 
-    def mark(self) -> None:
+    def _event(self):
         import torch
 
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def mark(self) -> None:
+        t = time.perf_counter()
+        self.host.append(t)
+        self.points.append(self._event() if self.cuda else t)
+
+    def pass_started(self, action) -> None:
         if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.points.append(e)
-        else:
-            self.points.append(time.perf_counter())
+            self.passes.append((action.kind, time.perf_counter(), self._event()))
 
     def cumulative_ms(self) -> list[float]:
         """Milliseconds from the step's start to each later mark."""
         if self.cuda:
             return [self.points[0].elapsed_time(e) for e in self.points[1:]]
         return [1e3 * (t - self.points[0]) for t in self.points[1:]]
+
+    def leads(self) -> dict | None:
+        """The host's lead over the GPU at each pass's start and at the step's last mark
+        (``harness.bench.host_lead``); None on CPU."""
+        if not self.cuda:
+            return None
+        t0, e0 = self.host[0], self.points[0]
+        host = [1e3 * (t - t0) for _, t, _ in self.passes] + [1e3 * (self.host[-1] - t0)]
+        dev = [e0.elapsed_time(e) for _, _, e in self.passes] + [e0.elapsed_time(self.points[-1])]
+        lead = leads_ms(host, dev)
+        return {"kinds": [k for k, _, _ in self.passes], "leads": lead[:-1], "end": lead[-1]}
 
 
 def local_samples(lengths: list[int], index: int, me: int, n: int, vocab: int, seed: int, device) -> dict:
@@ -130,7 +152,7 @@ def train_step(ctx: RankContext, arm: Arm, lengths: list[int], local: dict, opt,
     # that the overlapped reducer has buckets to launch during it
     last = (lambda: use_scope(ctx, scope="segments")) if chain and ctx.reducer is not None else None
     hooks = StepHooks(planned=planned, mark=marks.mark, reducer=ctx.reducer, before_last=last,
-                      token_multiple=ctx.cfg.token_bucket)
+                      token_multiple=ctx.cfg.token_bucket, on_pass=marks.pass_started)
     r = step(ctx.model, ctx.run, arm.layout, lengths, local, layout_cfg(ctx, arm), arm_cost(ctx.cfg, arm, ctx.cost),
              device=ctx.device,
              opt=opt, params=ctx.params, grads=ctx.grads, dtype=ctx.cfg.dtype,

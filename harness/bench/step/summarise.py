@@ -189,6 +189,8 @@ def _arm_summary(a: dict, mine: list[dict], batches: dict, *, world: int, peak: 
         "peak_memory_gb": max((m["peak_memory_gb"] or 0.0) for m in mine) or None,
         **_breakdown_summary(mine),
         "phases_ms": phase_times(a.get("phase_marks_ms"), trim),
+        # each rank's lead over its GPU in the timed steps (CUDA only: None per rank elsewhere)
+        "host_lead_per_rank": [m.get("host_lead") for m in mine],
     }
 
 
