@@ -22,6 +22,7 @@ from harness.bench.step.rank import (
     layout_cfg,
     local_samples,
     profiled_step,
+    start_marks,
     sync,
     train_step,
     use_scope,
@@ -268,9 +269,10 @@ def _timed_steps(ctx: RankContext, arms: list[Arm], weights: dict, opts: dict) -
                 gc.collect(1)
             dist.barrier(group=ctx.everyone)
             sync(dev)
+            marks = start_marks(dev)  # before the timed window: its origin waits for the idle GPU
             t0 = time.perf_counter()
             planned = None if ahead is None else ahead.planned_for(j)
-            r = train_step(ctx, arm, lengths, local, opts[arm.label], planned=planned)
+            r = train_step(ctx, arm, lengths, local, opts[arm.label], planned=planned, marks=marks)
             sync(dev)
             dt = time.perf_counter() - t0
             _keep(ctx, weights[arm.label])

@@ -68,6 +68,9 @@ class _Marks:
         self.host: list[float] = []
         self.passes: list[tuple[str, float, object]] = []  # (kind, host clock, event) at each pass's start
         self.mark()
+        if self.cuda:  # one origin for both clocks: the host's read once the GPU has reached the first event
+            self.points[0].synchronize()
+            self.host[0] = time.perf_counter()
 
     def _event(self):
         import torch
@@ -101,6 +104,12 @@ class _Marks:
         dev = [e0.elapsed_time(e) for _, _, e in self.passes] + [e0.elapsed_time(self.points[-1])]
         lead = leads_ms(host, dev)
         return {"kinds": [k for k, _, _ in self.passes], "leads": lead[:-1], "end": lead[-1]}
+
+
+def start_marks(device) -> _Marks:
+    """A step's clock, started on an idle device (after the closing synchronisation of the step before): its
+    origin's one event synchronisation then returns at once."""
+    return _Marks(device)
 
 
 def local_samples(lengths: list[int], index: int, me: int, n: int, vocab: int, seed: int, device) -> dict:
@@ -137,16 +146,17 @@ def use_scope(ctx: RankContext, arm: Arm | None = None, scope: str | None = None
     return scope
 
 
-def train_step(ctx: RankContext, arm: Arm, lengths: list[int], local: dict, opt, planned=None) -> dict:
+def train_step(ctx: RankContext, arm: Arm, lengths: list[int], local: dict, opt, planned=None, marks=None) -> dict:
     """One training step (``harness.train.step.train_step``); returns host-side figures (no device
     synchronisation inside). ``planned``: None = plan inline; else a callable returning ``(plan(...)'s result,
     seconds it took)`` - the plan computed ahead by a ``PlanAhead`` process (waiting for it, if it is behind,
-    is inside the step)."""
+    is inside the step). ``marks``: the step's clock (``start_marks``, started before the timed window; a new
+    one by default)."""
     # lazy: imports torch; the CLI imports this module without it
     from harness.train.step import StepHooks
     from harness.train.step import train_step as step  # lazy: torch, as above
 
-    marks = _Marks(ctx.device)
+    marks = marks or _Marks(ctx.device)
     chain = use_scope(ctx, arm) == "chain"
     # a chain's backward hands every gradient over at its very end: the last micro-batch runs the segments so
     # that the overlapped reducer has buckets to launch during it
