@@ -1,7 +1,7 @@
 """How far each rank's host runs ahead of its GPU in the timed steps, without a profiler.
 
 At the start of every pass (a micro-batch's forward or backward) and at the step's end, a timed ``bench step``
-records the host clock and a CUDA event (``rank._Marks``); after the step's closing synchronisation, the event's
+records the host clock and a CUDA event (``rank.StepMarks``); after the step's closing synchronisation, the event's
 time from the step's start says when the GPU got there. The difference is the host's **lead**: the work queued
 ahead of the GPU when the host reached that point. Near zero the GPU had run out of work and was waiting for this
 host (the pass *starved* it); large, the host was ahead - its GPU is the bound, or it waits inside a collective for

@@ -238,9 +238,9 @@ def device_only_line(name: str, b: dict) -> str:
 
 def rank_line(name: str, per_rank: list[dict]) -> str | None:
     """One line of an arm's ``breakdown_per_rank`` (rank order): each rank's idle and exposed communication (ms a
-    step) and the rank whose GPU idled most. A rank that idles while its partners' exposed communication grows is
-    a rank whose host ran late: the partners wait for it inside the collectives, so that step is bound by the
-    slowest host, and device time saved elsewhere turns into waiting. None for fewer than two ranks."""
+    step) and the rank whose GPU idled most in the *profiled* steps, whose host-side recording lengthens host work by
+    ~1.5x: whether the timed steps wait for a host is ``harness.bench.host_lead``'s reading. None for fewer than two
+    ranks."""
     if len(per_rank) < 2:
         return None
     idle = [p["idle"] for p in per_rank]

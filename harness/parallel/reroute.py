@@ -182,11 +182,11 @@ def _slice(samples, gids: tuple[int, ...], lengths: list[int], cu_padded, idx: n
     pad = real_t == 0
     out = {}
     for k in keys:
-        col = torch.cat([samples[g][k] for g in gids])
-        if col.shape != (int(starts[-1] + L[-1]),):
-            bad = [(g, tuple(samples[g][k].shape)) for g, n in zip(gids, lengths) if samples[g][k].shape != (n,)]
+        pieces = [samples[g][k] for g in gids]
+        bad = [(g, tuple(t.shape)) for g, t, n in zip(gids, pieces, lengths) if t.shape != (n,)]
+        if bad:
             raise RerouteError(f"samples' {k!r} do not match the schedule's lengths: (gid, shape) {bad[:5]}")
-        got = col[source_t]
+        got = torch.cat(pieces)[source_t]
         if k == "position_ids":
             out[k] = torch.where(pad, within_t.to(got.dtype), got)
         else:

@@ -162,37 +162,36 @@ def _phases(summary: dict, cfg) -> str:
                     [h for _, h, _ in PHASE_COLUMNS], left=1))
 
 
-def _by_rank(summary: dict) -> str:
-    """Each rank's idle and exposed communication in the profiled steps (``breakdown_per_rank``), for arms profiled
-    on two ranks or more; empty otherwise."""
-    arms = {k: v.get("breakdown_per_rank") or [] for k, v in summary["arms"].items()}
-    arms = {k: p for k, p in arms.items() if len(p) >= 2}
-    if not arms:
-        return ""
-    n = max(len(p) for p in arms.values())
-    rows = [[k] + [f"{p['idle']:.1f} / {p['communication']:.1f}" for p in per] + [""] * (n - len(per))
-            for k, per in arms.items()]
-    return ("<h3>Idle and exposed communication by rank</h3><p>ms a profiled step, idle / exposed communication. "
-            "A rank whose GPU idles while its partners' exposed communication grows is a rank whose host ran late: "
-            "its partners wait for it inside the collectives, and device time saved on them turns into waiting.</p>"
-            + table(rows, ["arm"] + [f"rank {r}" for r in range(n)], left=1))
-
-
-def _host_lead(summary: dict) -> str:
-    """Each rank's lead over its GPU in the timed steps (``host_lead_per_rank``, CUDA runs of two ranks or more);
-    empty otherwise."""
-    arms = {k: v.get("host_lead_per_rank") or [] for k, v in summary["arms"].items()}
+def _rank_table(summary: dict, key: str, cell, title: str, blurb: str) -> str:
+    """A table of each arm's per-rank figures ``summary["arms"][arm][key]`` (one cell each), for arms with two ranks or
+    more that all have figures; empty when there is none."""
+    arms = {k: v.get(key) or [] for k, v in summary["arms"].items()}
     arms = {k: p for k, p in arms.items() if len(p) >= 2 and all(x is not None for x in p)}
     if not arms:
         return ""
     n = max(len(p) for p in arms.values())
-    rows = [[k] + [f"{_fmt(p['forward_median_ms'], '.2f')} / {_fmt(p['backward_median_ms'], '.2f')}; "
-                   f"{100 * p['starved']:.0f}%" for p in per] + [""] * (n - len(per))
-            for k, per in arms.items()]
-    return ("<h3>Host lead by rank</h3><p>Median ms the host ran ahead of its GPU when a forward / backward pass "
-            "started, over the timed steps (CUDA events, no profiler); the share of passes that found the GPU "
-            "waiting for the host. The rank with the least lead is the host the others wait for.</p>"
-            + table(rows, ["arm"] + [f"rank {r}" for r in range(n)], left=1))
+    rows = [[k] + [cell(p) for p in per] + [""] * (n - len(per)) for k, per in arms.items()]
+    return f"<h3>{title}</h3><p>{blurb}</p>" + table(rows, ["arm"] + [f"rank {r}" for r in range(n)], left=1)
+
+
+def _by_rank(summary: dict) -> str:
+    """Each rank's idle and exposed communication in the profiled steps (``breakdown_per_rank``)."""
+    return _rank_table(summary, "breakdown_per_rank", lambda p: f"{p['idle']:.1f} / {p['communication']:.1f}",
+                       "Idle and exposed communication by rank",
+                       "ms a profiled step, idle / exposed communication. The profiler's host-side recording lengthens "
+                       "host work by ~1.5x, so a rank idling here need not idle in the timed steps: the host lead below "
+                       "says whether a GPU waits for its host there.")
+
+
+def _host_lead(summary: dict) -> str:
+    """Each rank's lead over its GPU in the timed steps (``host_lead_per_rank``; CUDA runs only)."""
+    return _rank_table(summary, "host_lead_per_rank",
+                       lambda p: (f"{_fmt(p['forward_median_ms'], '.2f')} / {_fmt(p['backward_median_ms'], '.2f')}; "
+                                  f"{100 * p['starved']:.0f}%"),
+                       "Host lead by rank",
+                       "Median ms the host ran ahead of its GPU when a forward / backward pass started, over the timed "
+                       "steps (CUDA events, no profiler); the share of passes that found the GPU waiting for the host. "
+                       "The rank with the least lead is the host the others wait for.")
 
 
 def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:

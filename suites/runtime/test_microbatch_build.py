@@ -78,9 +78,15 @@ def test_every_rank_slice_equals_the_sequence_by_sequence_reference(sched, paddi
             assert real == [sched.lengths[g] for g in mb.gids] and all(w >= n for w, n in zip(widths, real))
 
 
-def test_a_sample_that_disagrees_with_the_schedule_is_named():
+def test_a_sample_that_disagrees_with_the_schedule_is_named(monkeypatch):
     sched = Schedule.from_blocks([[Block(0, 1, (0, 1))]], lengths=[(0, 5), (1, 7)], n_ranks=1,
                                  max_seqlen_per_rank=64, algorithm="test")
     samples = {0: sample_for(0, 5), 1: sample_for(1, 6)}  # gid 1 is a token short
     with pytest.raises(RerouteError, match=r"'tokens' do not match the schedule's lengths: \(gid, shape\) \[\(1, \(6,\)\)\]"):
         build_microbatches(samples, sched, 0)
+    samples = {0: sample_for(0, 6), 1: sample_for(1, 6)}  # one too long, one too short: the total still matches
+    with pytest.raises(RerouteError, match=r"\[\(0, \(6,\)\), \(1, \(6,\)\)\]"):
+        build_microbatches(samples, sched, 0)
+    monkeypatch.setattr("harness.parallel.reroute.block_sequences", lambda block, position: ())
+    with pytest.raises(RerouteError, match="micro-batch 0's block at position 0 packs no sequence"):
+        build_microbatches({0: sample_for(0, 5), 1: sample_for(1, 7)}, sched, 0)

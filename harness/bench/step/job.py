@@ -19,10 +19,10 @@ from harness.bench.step.calibrate import calibrate_cost
 from harness.bench.step.config import PHASES, Arm, StepBenchConfig, arm_cost, cost_model_from
 from harness.bench.step.rank import (
     RankContext,
+    StepMarks,
     layout_cfg,
     local_samples,
     profiled_step,
-    start_marks,
     sync,
     train_step,
     use_scope,
@@ -269,7 +269,7 @@ def _timed_steps(ctx: RankContext, arms: list[Arm], weights: dict, opts: dict) -
                 gc.collect(1)
             dist.barrier(group=ctx.everyone)
             sync(dev)
-            marks = start_marks(dev)  # before the timed window: its origin waits for the idle GPU
+            marks = StepMarks(dev)  # before the timed window: its origin waits for the idle GPU
             t0 = time.perf_counter()
             planned = None if ahead is None else ahead.planned_for(j)
             r = train_step(ctx, arm, lengths, local, opts[arm.label], planned=planned, marks=marks)

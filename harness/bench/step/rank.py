@@ -56,13 +56,15 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Marks:
+class StepMarks:
     """Phase boundaries of one step: CUDA events on the current stream (read only after the step's
     closing synchronisation, so timing adds no synchronisation), the host clock on CPU. On CUDA also each pass's
     start (``pass_started``) and the host clock beside every event: how far the host ran ahead of its GPU
     (``harness.bench.host_lead``)."""
 
     def __init__(self, device):
+        """Started on an idle device (after the closing synchronisation of the step before, outside the timed window):
+        the origin's one event synchronisation then returns at once."""
         self.cuda = device.type == "cuda"
         self.points: list = []
         self.host: list[float] = []
@@ -106,12 +108,6 @@ class _Marks:
         return {"kinds": [k for k, _, _ in self.passes], "leads": lead[:-1], "end": lead[-1]}
 
 
-def start_marks(device) -> _Marks:
-    """A step's clock, started on an idle device (after the closing synchronisation of the step before): its
-    origin's one event synchronisation then returns at once."""
-    return _Marks(device)
-
-
 def local_samples(lengths: list[int], index: int, me: int, n: int, vocab: int, seed: int, device) -> dict:
     """The samples of global batch ``index`` this rank loads (sequence ``g`` on rank ``g % n``, a DP
     shard), with random tokens seeded by (seed, batch, sequence): the same on every run and arm."""
@@ -150,13 +146,13 @@ def train_step(ctx: RankContext, arm: Arm, lengths: list[int], local: dict, opt,
     """One training step (``harness.train.step.train_step``); returns host-side figures (no device
     synchronisation inside). ``planned``: None = plan inline; else a callable returning ``(plan(...)'s result,
     seconds it took)`` - the plan computed ahead by a ``PlanAhead`` process (waiting for it, if it is behind,
-    is inside the step). ``marks``: the step's clock (``start_marks``, started before the timed window; a new
-    one by default)."""
+    is inside the step). ``marks``: the step's clock (a ``StepMarks`` started before the timed window; a new one by
+    default)."""
     # lazy: imports torch; the CLI imports this module without it
     from harness.train.step import StepHooks
     from harness.train.step import train_step as step  # lazy: torch, as above
 
-    marks = marks or _Marks(ctx.device)
+    marks = StepMarks(ctx.device) if marks is None else marks
     chain = use_scope(ctx, arm) == "chain"
     # a chain's backward hands every gradient over at its very end: the last micro-batch runs the segments so
     # that the overlapped reducer has buckets to launch during it
