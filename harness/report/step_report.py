@@ -122,6 +122,13 @@ def _cost_ab(summary: dict) -> str:
     return _twins((summary.get("cost_ab") or {}).items(), "Cost models side by side", "{base} / {label}", "{label}")
 
 
+def _bucket_ab(summary: dict) -> str:
+    """Arms with their own token bucket against their twins without one (``summary["bucket_ab"]``)."""
+    return _twins((summary.get("bucket_ab") or {}).items(), "Token buckets side by side (each rank's micro-batch "
+                  "padded to a multiple of the arm's bucket, the padding's work included)", "{base} / {label}",
+                  "{label}")
+
+
 def _weights_ab(summary: dict) -> str:
     """Arms that took their weights per call against their twins with the step's weight copies."""
     return _twins((summary.get("weights_ab") or {}).items(), "The step's weight copies "
@@ -224,7 +231,7 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
         f'<p class="meta">{gpus} x {esc(summary["device_name"])}, torch {esc(summary["torch"])}; model '
         f'{esc(cfg.model)} ({summary["parameters"] / 1e6:.3g}M parameters), {esc(cfg.dtype)}, blocks '
         f'{"compiled (" + esc(summary["compile"]) + ")" if summary.get("compile") else "eager"}'
-        f'{f", micro-batches padded to multiples of {cfg.token_bucket} tokens per rank" if cfg.token_bucket else ""}; lengths '
+        f'{f", micro-batches padded to multiples of {cfg.bucket()} tokens per rank" if cfg.bucket() else ""}; lengths '
         f'{esc(cfg.lengths)}; max_seqlen_per_rank {cfg.max_seqlen_per_rank}; global batch {_batch_size(cfg, gb, gpus)} (mean {gb["tokens_mean"]:.0f} tokens in '
         f'{gb["sequences_mean"]:.1f} sequences, longest {gb["longest"]}, {gb["clipped"]} clipped); {cfg.warmup} '
         f'warm-up + {cfg.iters} measured steps per arm on identical global batches, interleaved, '
@@ -234,6 +241,7 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
         _bound(summary),
         _cost_ab(summary),
         _weights_ab(summary),
+        _bucket_ab(summary),
         _runs(summary),
         "<h2>Step time" + (f" (run {summary['representative_run'] + 1} of {len(summary['runs'])})"
                            if len(summary["runs"]) > 1 else "") + "</h2>",

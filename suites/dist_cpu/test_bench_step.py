@@ -724,6 +724,68 @@ def test_the_distributed_optimiser_trains_every_arm_to_the_replicated_weights(tm
     assert a == b  # the ranks' replicas agree
 
 
+def test_token_bucket_arms_pad_their_micro_batches_and_train_to_the_same_weights(tmp_path):
+    """``#16`` arms pad every rank's micro-batch to a multiple of 16 tokens (their own bucket, beside twins with the
+    config's: none), interleaved with their twins on a pinned cost model: the padding is processed (counted) but
+    never trained on, so each pair ends with the same weights up to fp32 rounding (a padded token in the loss or a
+    shifted label moves them far more), and the schedules are the same."""
+    cost = {"quadratic": 1e-9, "linear": 1e-6, "constant": 1e-5, "per_microbatch": 1e-3, "name": "pinned"}
+    arms = ("thd:dp-balanced", "thd:dp-balanced#16", "dcp:balanced", "dcp:balanced#16")
+    cfg = {**TINY, "warmup": 1, "iters": 2, "profile_iters": 1, "cost_model": cost, "device": "cpu", "arms": arms,
+           "trace_dir": str(tmp_path / "traces")}
+    ranks = run_on_ranks(_measure, world_size=2, tmp_path=tmp_path, args=(cfg,), timeout_s=240)
+    # trace names keep to letters, digits, '.', '_' and '-' ('#' would cut a link to the file at the fragment)
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == \
+        ["trace_dcp_balanced_16_rank0.json.gz", "trace_dcp_balanced_rank0.json.gz",
+         "trace_thd_dp-balanced_16_rank0.json.gz", "trace_thd_dp-balanced_rank0.json.gz"]
+    for r in ranks:
+        got = r["runs"][0]["arms"]
+        for base in ("thd:dp-balanced", "dcp:balanced"):
+            plain, bucket = got[base], got[base + "#16"]
+            assert all(t % 16 == 0 for t in bucket["processed_tokens"]), (base, bucket["processed_tokens"])
+            assert all(b >= p for b, p in zip(bucket["processed_tokens"], plain["processed_tokens"]))
+            assert sum(bucket["processed_tokens"]) > sum(plain["processed_tokens"])  # padding really added
+            assert bucket["weights_digest"] == pytest.approx(plain["weights_digest"], rel=1e-6, abs=1e-8), base
+            if r["rank"] == 0:
+                assert bucket["schedules"] == plain["schedules"]
+
+
+def test_the_token_bucket_is_auto_64_on_cuda_where_it_divides_a_full_pack_and_off_on_the_cpu():
+    c = step.StepBenchConfig
+    assert c().token_bucket == "auto" and c().bucket() == 0  # CPU: off (the goldens and the catalogue's runs unpadded)
+    assert c(device="cuda").bucket() == 64 and c(device="cuda", max_seqlen_per_rank=4096).bucket() == 64
+    assert c(device="cuda", max_seqlen_per_rank=1000).bucket() == 0  # 64 would push a full pack past 1000 tokens
+    assert c(device="cuda", token_bucket=0).bucket() == 0 and c(token_bucket=16).bucket() == 16
+    for bad in (7, -2, True, "x", 2.0):
+        with pytest.raises(step.BenchConfigError, match="token_bucket must be 'auto', 0"):
+            c(token_bucket=bad).validate(2)
+
+
+def test_a_token_bucket_arm_is_reported_against_its_twin_without_one():
+    runs = [{"thd:dp-balanced": 500.0, "dcp:balanced": 300.0, "dcp:balanced#64": 280.0},
+            {"thd:dp-balanced": 400.0, "dcp:balanced": 310.0, "dcp:balanced#64": 320.0},
+            {"thd:dp-balanced": 450.0, "dcp:balanced": 320.0, "dcp:balanced#64": 290.0}]
+    s = step.summarize(_fake_job(runs), step.StepBenchConfig(arms=("thd:dp-balanced", "dcp:balanced",
+                                                                   "dcp:balanced#64")))
+    ab = s["bucket_ab"]["dcp:balanced#64"]
+    assert ab["base"] == "dcp:balanced" and ab["per_run"] == pytest.approx([300 / 280, 310 / 320, 320 / 290])
+    assert ab["median"] == pytest.approx(300 / 280) and s["cost_ab"] == {} and s["weights_ab"] == {}
+    from harness.report.step_report import _bucket_ab
+
+    html = _bucket_ab(s)
+    assert "Token buckets side by side" in html and "dcp:balanced / dcp:balanced#64: 1.071" in html
+    assert "&gt; 1: dcp:balanced#64 faster" in html
+    arm = step.parse_arm("dcp:balanced+chain%per-call#64~fit")
+    assert (arm.token_bucket, arm.cost, arm.label) == (64, "fit", "dcp:balanced+chain%per-call#64~fit")
+    assert step.parse_arm("dcp:balanced#0").token_bucket == 0 and step.parse_arm("dcp:balanced").token_bucket is None
+    cfg = step.StepBenchConfig(token_bucket=32)
+    assert [cfg.token_bucket_of(step.parse_arm(a)) for a in ("dcp:balanced", "dcp:balanced#0", "dcp:balanced#8")] == \
+        [32, 0, 8]
+    for bad in ("dcp:balanced#7", "dcp:balanced#", "dcp:balanced#x", "dcp:balanced#1234568", "dcp:balanced#\uff16\uff14"):
+        with pytest.raises(step.BenchConfigError, match="after '#' comes the token bucket"):
+            step.parse_arm(bad)
+
+
 def _measure_counting_opaque(rank, world, cfg):
     from harness.runtime import opaque
 

@@ -120,7 +120,7 @@ def _time_shape(ctx: RankContext, size: int, lengths: list[int]) -> float:
                                  max_seqlen_per_rank=cfg.max_seqlen_per_rank, algorithm="calibration")
     mine = next(b for b in blocks if b.start <= me < b.start + size)
     samples = {g: sample_for(g, lengths[g % k], vocab=ctx.model.c.vocab, device=dev) for g in mine.gids}
-    (mb,) = build_microbatches(samples, sched, me, token_multiple=cfg.token_bucket)
+    (mb,) = build_microbatches(samples, sched, me, token_multiple=cfg.bucket())
     run = microbatch_runner(ctx, mb, float(sum(lengths)), cfg.cp_exchange)
     reps = []
     for r in range(cfg.calibration_reps + 1):

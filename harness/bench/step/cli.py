@@ -76,7 +76,7 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
     print(f"bench step: {n} x {where}{f' on {nodes.describe()} ({world} ranks)' if nodes.multi else ''}, "
           f"model {cfg.model}, {cfg.dtype}, "
           f"blocks {'compiled (' + cfg.compile_label() + ')' if cfg.compile_label() else 'eager'}"
-          f"{f', token bucket {cfg.token_bucket}' if cfg.token_bucket else ''}, gradient all-reduce {cfg.grad_reduce}, "
+          f"{f', token bucket {cfg.bucket()}' if cfg.bucket() else ''}, gradient all-reduce {cfg.grad_reduce}, "
           f"{cfg.optimizer} optimizer, arms {', '.join(cfg.arms)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         cfg_json = {**cfg.to_dict(), "arms": list(cfg.arms)}
@@ -145,6 +145,10 @@ def _print_verdicts(summary: dict, cks: list[dict]) -> None:
         each = ", ".join("-" if x is None else f"{x:.3f}" for x in r["per_run"])
         print(f"  weight copies side by side: {label} / {r['base']} time ratio (> 1: the step's weight copies "
               f"faster), median over runs: {r['median']:.3f} (runs: {each})")
+    for label, r in summary.get("bucket_ab", {}).items():
+        each = ", ".join("-" if x is None else f"{x:.3f}" for x in r["per_run"])
+        print(f"  token buckets side by side: {r['base']} / {label} time ratio (> 1: {label} faster, padding "
+              f"included), median over runs: {r['median']:.3f} (runs: {each})")
     for c in cks:
         verdict = "n/a (targets apply to 4 GPUs)" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")
         each = f" (runs: {', '.join(f'{x:.3f}' for x in c['per_run'])})" if c["runs"] > 1 else ""

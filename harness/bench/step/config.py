@@ -44,13 +44,18 @@ class Arm:
     weights: str | None = None
     """How the step's layers take their matrix weights (``%MODE``, ``harness.runtime.weight_cache.MODES``); None =
     ``cached``. ``dcp:balanced%per-call`` beside ``dcp:balanced`` is an A/B of the step's weight copies."""
+    token_bucket: int | None = None
+    """Pad each rank's micro-batch to a multiple of this many tokens (``#N``; 0 = off); None = the config's
+    ``token_bucket``. ``dcp:balanced#64`` beside ``dcp:balanced`` is an A/B of the bucket: fewer distinct matrix
+    shapes (a GEMM shape seen for the first time costs the host a library lookup) against the padding's work."""
 
     @property
     def label(self) -> str:
         tail = f":{self.padding}" if self.padding != "local" or self.execution else ""
         return (f"{self.layout}:{self.scheduler}" + tail + (f":{self.execution}" if self.execution else "")
                 + (f"@{self.exchange}" if self.exchange else "") + (f"+{self.scope}" if self.scope else "")
-                + (f"%{self.weights}" if self.weights else "") + (f"~{self.cost}" if self.cost else ""))
+                + (f"%{self.weights}" if self.weights else "")
+                + (f"#{self.token_bucket}" if self.token_bucket is not None else "") + (f"~{self.cost}" if self.cost else ""))
 
 
 def parse_arm(text: str) -> Arm:
@@ -64,6 +69,10 @@ def parse_arm(text: str) -> Arm:
     if tilde and not _COST_NAME.fullmatch(cost):
         raise BenchConfigError(f"arm {text!r}: after '~' comes the name of a cost model given by --arm-cost-model "
                                f"NAME=PATH (letters, digits, '-' and '_'), got {cost!r}")
+    text_, hash_, bucket = text_.partition("#")
+    if hash_ and not (bucket.isascii() and bucket.isdigit() and len(bucket) <= 6 and int(bucket) % 2 == 0):
+        raise BenchConfigError(f"arm {text!r}: after '#' comes the token bucket, 0 (off) or an even number of tokens "
+                               f"(at most 6 digits), e.g. dcp:balanced#64; got {bucket!r}")
     text_, percent, weights = text_.partition("%")
     if percent and weights not in WEIGHT_MODES:
         raise BenchConfigError(f"arm {text!r}: after '%' comes how the step takes its weights, one of "
@@ -77,7 +86,7 @@ def parse_arm(text: str) -> Arm:
         raise BenchConfigError(f"arm {text!r}: exchange must be one of {', '.join(EXCHANGES)} after '@', got {exchange!r}")
     parts = body.split(":")
     if len(parts) not in (2, 3, 4):
-        raise BenchConfigError(f"arm {text!r} is not layout:scheduler[:padding[:execution]][@exchange][+scope][%weights][~cost], e.g. "
+        raise BenchConfigError(f"arm {text!r} is not layout:scheduler[:padding[:execution]][@exchange][+scope][%weights][#bucket][~cost], e.g. "
                                f"thd:dp-balanced, dcp:balanced@ring, dcp:balanced:local:synchronous or "
                                f"dcp:balanced+chain")
     layout, scheduler = parts[0], parts[1]
@@ -97,7 +106,14 @@ def parse_arm(text: str) -> Arm:
     if cost and scheduler.startswith("megatron"):
         raise BenchConfigError(f"arm {text!r}: the {scheduler} scheduler ignores the cost model (as upstream); name a "
                                f"cost model on a balanced or dp-balanced arm")
-    return Arm(layout, scheduler, padding, exchange or None, scope or None, execution, cost or None, weights or None)
+    return Arm(layout, scheduler, padding, exchange or None, scope or None, execution, cost or None, weights or None,
+               int(bucket) if hash_ else None)
+
+
+AUTO_BUCKET = 64
+"""``token_bucket="auto"`` on CUDA. Side by side with unpadded twins on 2 x H200 (``reports/recorded/
+token_bucket.h200x2.log``): the default workload's step 1.031x faster (static CP) and 1.038x (dynamic CP),
+Megatron's batch 0.994-1.130x and 1.043-1.093x; padding 1.0-1.8% of the tokens."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,14 +221,30 @@ class StepBenchConfig:
     faster). An arm's ``+segments`` / ``+chain`` overrides the scope.
     With ``grad_reduce="overlap"`` the last micro-batch of a chain arm's step runs the segments: a
     chain's backward hands over every gradient at its end, leaving the all-reduce nothing to overlap."""
-    token_bucket: int = 0
-    """Pad every rank's micro-batch to a multiple of this many tokens (0 = off; even): the padding
-    is counted, and with ``reduce-overhead`` the graphs are recorded once per multiple."""
+    token_bucket: int | str = "auto"
+    """Pad every rank's micro-batch to a multiple of this many tokens (0 = off; even), or ``auto``: ``AUTO_BUCKET``
+    on CUDA when it divides ``max_seqlen_per_rank`` (a full pack then stays full), else off. The padding is
+    processed and counted (``padding_fraction``), never trained on. Why on CUDA: every matrix multiply of a
+    micro-batch has its token count as a dimension, and cuBLASLt picks a kernel per shape through a heuristics
+    cache of ~8K shapes; variable-length packs give ~1K token counts per rank times ~10 GEMM shapes each, so the
+    cache thrashes and a miss costs the host ~0.1-0.2 ms per GEMM (a micro-batch pass makes ~70). With ``reduce-overhead``
+    the graphs are recorded once per multiple."""
     expert_parallel: bool = False
     """MoE models: shard the experts over the DP x CP domain (``harness.parallel.expert_parallel``; every rank joins
     every micro-batch's all-to-alls, so micro-batches run in lockstep: the ``synchronous`` execution model fits);
     expert gradients are not all-reduced."""
     device: str = "cpu"
+
+    def bucket(self) -> int:
+        """The resolved ``token_bucket``: ``auto`` is ``AUTO_BUCKET`` on CUDA when it divides
+        ``max_seqlen_per_rank``, else 0."""
+        if self.token_bucket == "auto":
+            return AUTO_BUCKET if self.device == "cuda" and self.max_seqlen_per_rank % AUTO_BUCKET == 0 else 0
+        return self.token_bucket
+
+    def token_bucket_of(self, arm: Arm) -> int:
+        """The token bucket ``arm``'s micro-batches are padded to: its own (``#N``), else the config's."""
+        return self.bucket() if arm.token_bucket is None else arm.token_bucket
 
     def arm_list(self) -> list[Arm]:
         arms = [parse_arm(a) for a in self.arms]
@@ -291,8 +323,9 @@ class StepBenchConfig:
         if self.compile_mode() == "reduce-overhead" and any(a.scope == "chain" for a in arms):
             raise BenchConfigError("compile=reduce-overhead records CUDA graphs of segments; a '+chain' arm cannot "
                                    "(its attentions run collectives); drop '+chain' or use compile=inductor")
-        if not isinstance(self.token_bucket, int) or self.token_bucket < 0 or self.token_bucket % 2:
-            raise BenchConfigError(f"token_bucket must be 0 (off) or an even int, got {self.token_bucket!r}")
+        tb = self.token_bucket
+        if tb != "auto" and (not isinstance(tb, int) or isinstance(tb, bool) or tb < 0 or tb % 2):
+            raise BenchConfigError(f"token_bucket must be 'auto', 0 (off) or an even int, got {tb!r}")
 
     def batch_sequences(self, world: int) -> int | None:
         """Sequences per global batch (None for ``global_batch="tokens"``); raises

@@ -9,6 +9,7 @@ Rank 0's result carries the slowest-rank times and the schedules' figures that
 from __future__ import annotations
 
 import gc
+import re
 import statistics
 import time
 from dataclasses import replace
@@ -338,7 +339,7 @@ def _profile(ctx: RankContext, arm: Arm, opt, run: int) -> tuple[list[dict], lis
     for j in range(cfg.profile_iters if run == cfg.runs - 1 else 0):
         lengths, _, local = ctx.batches[cfg.warmup + j]
         suffix = f"_run{run + 1}" if cfg.runs > 1 else ""
-        kept = (Path(cfg.trace_dir) / f"trace_{arm.label.replace(':', '_')}_rank0{suffix}.json.gz"
+        kept = (Path(cfg.trace_dir) / f"trace_{re.sub(r'[^A-Za-z0-9._-]', '_', arm.label)}_rank0{suffix}.json.gz"
                 if cfg.trace_dir and ctx.rank == 0 and j == 0 else None)
         if cfg.gc == "manual":
             gc.collect(1)

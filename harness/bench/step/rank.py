@@ -158,7 +158,7 @@ def train_step(ctx: RankContext, arm: Arm, lengths: list[int], local: dict, opt,
     # that the overlapped reducer has buckets to launch during it
     last = (lambda: use_scope(ctx, scope="segments")) if chain and ctx.reducer is not None else None
     hooks = StepHooks(planned=planned, mark=marks.mark, reducer=ctx.reducer, before_last=last,
-                      token_multiple=ctx.cfg.token_bucket, on_pass=marks.pass_started)
+                      token_multiple=ctx.cfg.token_bucket_of(arm), on_pass=marks.pass_started)
     r = step(ctx.model, ctx.run, arm.layout, lengths, local, layout_cfg(ctx, arm), arm_cost(ctx.cfg, arm, ctx.cost),
              device=ctx.device,
              opt=opt, params=ctx.params, grads=ctx.grads, dtype=ctx.cfg.dtype,

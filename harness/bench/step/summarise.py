@@ -8,6 +8,7 @@ results and a report can be redrawn from a ``bench_step.json``.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 
 from harness.bench.step.config import PHASES, StepBenchConfig
@@ -48,7 +49,7 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
         top["arms"] = {label: {**a, **{f: runs[profiled]["arms"][label][f] for f in BREAKDOWN_FIELDS}}
                        for label, a in runs[rep]["arms"].items()}
     return {**top, "runs": runs, "representative_run": rep, "breakdown_run": profiled, "ratios": ratios,
-            "cost_ab": cost_ab(runs), "weights_ab": weights_ab(runs), "world": world,
+            "cost_ab": cost_ab(runs), "weights_ab": weights_ab(runs), "bucket_ab": bucket_ab(runs), "world": world,
             "device_name": r0["device_name"], "peak_tflops": peak_tflops(cfg, r0["device_name"]),
             "parameters": r0["parameters"], "torch": r0["torch"], "compile": r0.get("compile"),
             "global_batch": _global_batch(r0["batches"], cfg, world)}
@@ -94,6 +95,14 @@ def weights_ab(runs: list[dict]) -> dict:
     (> 1: the copies made the step faster) and its median."""
     return _twins(runs, lambda label: label.replace("%per-call", "", 1) if "%per-call" in label else None,
                   lambda base, arm: arm["trimmed_mean_ms"] / base["trimmed_mean_ms"])
+
+
+def bucket_ab(runs: list[dict]) -> dict:
+    """Each arm with its own token bucket (``dcp:balanced#64``) against the same arm without one, when both ran: the
+    ratio time(base) / time(label) per run (> 1: the labelled arm's bucket made its step faster, padding included;
+    ``#0`` beside a config-wide bucket is the same A/B the other way round) and its median."""
+    return _twins(runs, lambda label: re.sub(r"#\d+", "", label, count=1) if "#" in label else None,
+                  lambda base, arm: base["trimmed_mean_ms"] / arm["trimmed_mean_ms"])
 
 
 def _representative(ours: list[float | None]) -> int:

@@ -102,7 +102,8 @@ def add_arguments(p) -> None:
                         "reduce-overhead: + CUDA graphs, with --token-bucket; inductor-chain: the whole model as "
                         "one compiled call per micro-batch, attentions opaque)")
     p.add_argument("--token-bucket", type=T.TOKEN_BUCKET, default=None,
-                   help="pad each rank's micro-batch to a multiple of this many tokens (default 0 = off)")
+                   help="pad each rank's micro-batch to a multiple of this many tokens: 0 = off, or auto (default: "
+                        "64 on CUDA when it divides --max-seqlen-per-rank, else off; an arm's #N overrides it)")
     add_out(p, "bench_step.json")
     p.add_argument("--html", type=Path, default=None, help="HTML path (default: the JSON path with .html)")
 
