@@ -117,6 +117,9 @@ _TOKEN_BUCKET = _bounded(lambda text: int(text, 10), "auto or an integer", 0, MA
                          WHY_LENGTH, "d")
 
 
+TOKEN_COUNT_BUCKET = integer(0, MAX_LENGTH, "0 turns it off", WHY_LENGTH)
+
+
 def TOKEN_BUCKET(text: str) -> int | str:  # noqa: N802 - a type like the others here
     """``auto`` or a number of tokens from 0 (off) to ``MAX_LENGTH``."""
     return "auto" if text == "auto" else _TOKEN_BUCKET(text)

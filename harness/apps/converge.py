@@ -489,7 +489,8 @@ def config_from_args(a) -> TrainConfig:
                       schedule_delivery=a.schedule_delivery, expert_parallel=bool(getattr(a, "ep", False)),
                       dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
                       weights=getattr(a, "weights", None) or "cached",
-                      optimizer=getattr(a, "optimizer", None) or "replicated")
+                      optimizer=getattr(a, "optimizer", None) or "replicated",
+                      token_bucket=getattr(a, "token_bucket", None) or 0)
     if a.max_seqlen_per_rank:
         cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank)
     return cfg

@@ -28,7 +28,7 @@ from harness.plan.errors import PlanInputError
 LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "optimizer", "groups", "pipeline", "model", "replay",
           "step-wise")
 SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-hybrid", "train-reinit",
-             "train-ep", "train-fused", "train-dist-opt", "replay", "plan", "stepwise")
+             "train-ep", "train-fused", "train-dist-opt", "train-bucketed", "replay", "plan", "stepwise")
 
 
 class UnknownFaultError(PlanInputError):
@@ -83,6 +83,12 @@ FAULTS: tuple[Fault, ...] = (
                  "(also prime-rl PR #2562)",
           url=VERL + "5869", layer="loss", seam="harness.train.step:loss_denominator",
           make=tf.make_loss_tokens_per_cp_rank, check="step1-gradients", expect=r"step-1 gradient of .* differs"),
+    Fault(name="loss-counts-padding", title="loss divided by the processed tokens, padding included",
+          source="prime-rl PR #674: the padded tokens counted in the loss scale (also maxtext PR #366: normalise the "
+                 "loss by unpadded tokens); here the zig-zag slices' and the token bucket's padding",
+          url="https://github.com/PrimeIntellect-ai/prime-rl/pull/674", layer="loss",
+          seam="harness.train.step:loss_denominator", make=tf.make_loss_counts_padding, check="step1-gradients",
+          expect=r"step-1 gradient of .* differs", scenario="train-bucketed"),
     Fault(name="adam-eps-underflow", title="AdamW's epsilon rounded to zero: 0 / 0 on rows without a gradient yet",
           source="optax issue #1754: Adam's eps underflows in float16, a zero-gradient step (an unused embedding "
                  "row) updates by 0 / 0 = NaN and silently poisons the rest of training (also apex issue #240)",

@@ -5,6 +5,8 @@
   sequences of 200-400 tokens, fewer than the ranks). The clean run trains bshd and dcp; a fault run
   trains dcp only, with the fault active on every rank, and is judged against the clean bshd run.
 - ``train-ep``: the ``train`` run with the tiny MoE under expert parallelism (one expert per rank).
+- ``train-bucketed``: the ``train`` run with every thd / dcp micro-batch padded to a multiple of 16 tokens per rank
+  (``bench step``'s token bucket, its default on CUDA): the padded step must still match the clean bshd run.
 - ``replay``: router replay under PP 2 x CP 2 (``harness.train.replay.replay_check``).
 - ``plan``: PR #2000's scheduler on the input that triggers the vacuous room check (N = 10,
   [8000, 7000] at 2048 tokens per rank), run as upstream's driver runs it, and ``balanced`` under the
@@ -62,7 +64,9 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  # the step's weight copies with the weight-gradient GEMM accumulating into .grad itself
                  "train-fused": {**TRAIN, "weights": "fused"},
                  # the distributed optimiser, its tiny-GPT buffers in 4 buckets of whole parameters
-                 "train-dist-opt": {**TRAIN, "optimizer": "distributed", "grad_bucket_elements": 30_000}}
+                 "train-dist-opt": {**TRAIN, "optimizer": "distributed", "grad_bucket_elements": 30_000},
+                 # every rank's thd / dcp micro-batch padded to a multiple of 16 tokens (bench step's token bucket)
+                 "train-bucketed": {**TRAIN, "token_bucket": 16}}
 FAULT_LAYOUTS = {"train-reinit": ["thd", "dcp"]}
 """The layouts a fault run trains (default: dcp only); the checks judge its dcp layout."""
 REPLAY = {"pp": 2, "cp": 2}

@@ -65,6 +65,11 @@ class TrainConfig:
     weight-gradient GEMM accumulating into ``.grad``: within bf16 rounding) or ``per-call`` (autocast's cast at each
     call, autograd's accumulation; the same numbers as ``cached``). The reference run uses ``per-call``."""
 
+    token_bucket: int = 0
+    """Pad every rank's micro-batch of the thd / dcp layouts to a multiple of this many tokens (0 = off; even), as
+    ``bench step`` does on CUDA (``--token-bucket``): the padding is processed, never trained on (bshd is not padded
+    again; the reference run never)."""
+
     optimizer: str = "replicated"
     """``replicated`` (every rank keeps the whole AdamW) or ``distributed`` (each of a stage's DP x CP ranks keeps
     and updates 1/N of it; the gradients reduce-scattered, the parameters all-gathered: ``harness.parallel.dist_opt``;
@@ -114,6 +119,9 @@ class TrainConfig:
             raise LayoutError(f"steps must be >= 1, got {self.steps}")
         if self.weights not in WEIGHT_MODES:
             raise LayoutError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
+        tb = self.token_bucket
+        if not isinstance(tb, int) or isinstance(tb, bool) or tb < 0 or tb % 2:
+            raise LayoutError(f"token_bucket must be 0 (off) or an even int of tokens, got {tb!r}")
         if self.optimizer not in OPTIMIZERS:
             raise LayoutError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if not isinstance(self.grad_bucket_elements, int) or self.grad_bucket_elements < 1:

@@ -12,16 +12,19 @@ pytestmark = pytest.mark.dist_cpu
 
 
 @pytest.fixture(scope="module", params=["tiny-gpt", "tiny-moe", "tiny-gpt@ring", "tiny-gpt-mtp",
-                                                  "tiny-hybrid"])
+                                                  "tiny-hybrid", "tiny-gpt#16"])
 def runs(request, tmp_path_factory):
     """Each model with the all-gather K/V exchange, and tiny-gpt with the ring exchange (every CP
-    block of every layout then passes K/V around its ring). tiny-moe runs bshd in micro-batches of 4 padded
-    sequences (as the nightly's GPU MoE cases do), the others one sequence per bshd micro-batch."""
-    model, _, exchange = request.param.partition("@")
+    block of every layout then passes K/V around its ring) and with every thd / dcp micro-batch padded to a
+    multiple of 16 tokens per rank (``#16``: bench step's token bucket). tiny-moe runs bshd in micro-batches of 4
+    padded sequences (as the nightly's GPU MoE cases do), the others one sequence per bshd micro-batch."""
+    name, _, bucket = request.param.partition("#")
+    model, _, exchange = name.partition("@")
     cfg = {"model": model, "steps": 3, "max_seqlen_per_rank": 512, "cp_exchange": exchange or "gather",
-           "corpus": {"sequences_per_batch": 16}, "micro_batch_size": 4 if model == "tiny-moe" else 1}
+           "corpus": {"sequences_per_batch": 16}, "micro_batch_size": 4 if model == "tiny-moe" else 1,
+           "token_bucket": int(bucket or 0)}
     out = run_on_ranks(train, world_size=2, tmp_path=tmp_path_factory.mktemp("conv"), args=(cfg,), timeout_s=600)
-    return model, out[0]
+    return request.param, out[0]
 
 
 def test_all_layouts_agree_within_1e_5(runs):
@@ -41,8 +44,11 @@ def test_all_layouts_agree_within_1e_5(runs):
 
 
 def test_padding_and_schedules_differ_as_designed(runs):
-    model, r = runs
+    param, r = runs
+    model = param.partition("#")[0].partition("@")[0]
     rows = r["layouts"]
+    if "#" in param:  # every rank's micro-batch a multiple of the bucket: so is their sum
+        assert all(row["processed_tokens"] % 16 == 0 for layout in ("thd", "dcp") for row in rows[layout])
     assert r["static_cp"] == 2  # the 1024-token sequences need 2 ranks at 512 per rank
     for step in range(3):
         assert rows["bshd"][step]["padding_fraction"] > rows["thd"][step]["padding_fraction"]
