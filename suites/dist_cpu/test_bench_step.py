@@ -761,20 +761,7 @@ def test_the_token_bucket_is_auto_64_on_cuda_where_it_divides_a_full_pack_and_of
             c(token_bucket=bad).validate(2)
 
 
-def test_a_token_bucket_arm_is_reported_against_its_twin_without_one():
-    runs = [{"thd:dp-balanced": 500.0, "dcp:balanced": 300.0, "dcp:balanced#64": 280.0},
-            {"thd:dp-balanced": 400.0, "dcp:balanced": 310.0, "dcp:balanced#64": 320.0},
-            {"thd:dp-balanced": 450.0, "dcp:balanced": 320.0, "dcp:balanced#64": 290.0}]
-    s = step.summarize(_fake_job(runs), step.StepBenchConfig(arms=("thd:dp-balanced", "dcp:balanced",
-                                                                   "dcp:balanced#64")))
-    ab = s["bucket_ab"]["dcp:balanced#64"]
-    assert ab["base"] == "dcp:balanced" and ab["per_run"] == pytest.approx([300 / 280, 310 / 320, 320 / 290])
-    assert ab["median"] == pytest.approx(300 / 280) and s["cost_ab"] == {} and s["weights_ab"] == {}
-    from harness.report.step_report import _bucket_ab
-
-    html = _bucket_ab(s)
-    assert "Token buckets side by side" in html and "dcp:balanced / dcp:balanced#64: 1.071" in html
-    assert "&gt; 1: dcp:balanced#64 faster" in html
+def test_token_bucket_arms_parse_and_name_a_bad_bucket():
     arm = step.parse_arm("dcp:balanced+chain%per-call#64~fit")
     assert (arm.token_bucket, arm.cost, arm.label) == (64, "fit", "dcp:balanced+chain%per-call#64~fit")
     assert step.parse_arm("dcp:balanced#0").token_bucket == 0 and step.parse_arm("dcp:balanced").token_bucket is None
@@ -841,29 +828,35 @@ def test_arms_that_name_a_cost_model_schedule_with_it_beside_the_calibrated_arm(
         [calibrated["microbatches"], x["microbatches"]]
 
 
-def test_a_named_cost_arm_is_reported_against_its_calibrated_twin_run_by_run():
-    runs = [{"thd:dp-balanced": 500.0, "dcp:balanced": 350.0, "dcp:balanced~fit": 340.0},
-            {"thd:dp-balanced": 400.0, "dcp:balanced": 300.0, "dcp:balanced~fit": 310.0},
-            {"thd:dp-balanced": 450.0, "dcp:balanced": 330.0, "dcp:balanced~fit": 300.0}]
-    s = step.summarize(_fake_job(runs), step.StepBenchConfig(arms=("thd:dp-balanced", "dcp:balanced",
-                                                                   "dcp:balanced~fit")))
-    ab = s["cost_ab"]["dcp:balanced~fit"]
-    assert ab["base"] == "dcp:balanced" and ab["per_run"] == pytest.approx([350 / 340, 300 / 310, 330 / 300])
-    assert ab["median"] == pytest.approx(350 / 340)
-    assert step.summarize(_fake_job(runs[:1]), step.StepBenchConfig())["cost_ab"]["dcp:balanced~fit"]["median"] == \
-        pytest.approx(350 / 340)
-    assert step.summarize(_fake_job([{"dcp:balanced": 300.0}]), step.StepBenchConfig())["cost_ab"] == {}
+@pytest.mark.parametrize("twin, key, ratio, html, lede, faster", [
+    ("dcp:balanced~fit", "cost_ab", lambda base, arm: base / arm, "_cost_ab", "Cost models side by side",
+     "dcp:balanced~fit faster"),
+    ("dcp:balanced%per-call", "weights_ab", lambda base, arm: arm / base, "_weights_ab", "The step's weight copies",
+     "the weight copies faster"),
+    ("dcp:balanced#64", "bucket_ab", lambda base, arm: base / arm, "_bucket_ab", "Token buckets side by side",
+     "dcp:balanced#64 faster")],
+    ids=["cost", "weights", "bucket"])
+def test_a_twin_arm_is_reported_against_its_base_run_by_run(twin, key, ratio, html, lede, faster):
+    """An arm that differs from ``dcp:balanced`` by one suffix is reported against it: the time ratio per run (in the
+    direction whose > 1 favours the suffix's feature) and its median, printed under its own heading in the HTML; the
+    other twin reports stay empty."""
+    from harness.report import step_report
+
+    times = [(500.0, 300.0, 280.0), (400.0, 310.0, 320.0), (450.0, 320.0, 290.0)]
+    runs = [{"thd:dp-balanced": a, "dcp:balanced": b, twin: c} for a, b, c in times]
+    s = step.summarize(_fake_job(runs), step.StepBenchConfig(arms=("thd:dp-balanced", "dcp:balanced", twin)))
+    ab = s[key][twin]
+    want = [ratio(b, c) for _, b, c in times]
+    assert ab["base"] == "dcp:balanced" and ab["per_run"] == pytest.approx(want)
+    assert ab["median"] == pytest.approx(sorted(want)[1])
+    assert all(s[k] == {} for k in ("cost_ab", "weights_ab", "bucket_ab") if k != key)
+    page = getattr(step_report, html)(s)
+    assert lede in page and f"{sorted(want)[1]:.3f}" in page and f"&gt; 1: {faster}" in page
+    assert step.summarize(_fake_job(runs[:1]), step.StepBenchConfig())[key][twin]["median"] == pytest.approx(want[0])
+    assert step.summarize(_fake_job([{"dcp:balanced": 300.0}]), step.StepBenchConfig())[key] == {}
 
 
-def test_a_per_call_weights_arm_is_reported_against_its_twin_with_the_weight_copies():
-    runs = [{"thd:dp-balanced": 500.0, "dcp:balanced": 300.0, "dcp:balanced%per-call": 330.0},
-            {"thd:dp-balanced": 400.0, "dcp:balanced": 310.0, "dcp:balanced%per-call": 320.0},
-            {"thd:dp-balanced": 450.0, "dcp:balanced": 320.0, "dcp:balanced%per-call": 360.0}]
-    s = step.summarize(_fake_job(runs), step.StepBenchConfig(arms=("thd:dp-balanced", "dcp:balanced",
-                                                                   "dcp:balanced%per-call")))
-    ab = s["weights_ab"]["dcp:balanced%per-call"]
-    assert ab["base"] == "dcp:balanced" and ab["per_run"] == pytest.approx([330 / 300, 320 / 310, 360 / 320])
-    assert ab["median"] == pytest.approx(330 / 300) and s["cost_ab"] == {}
+def test_weight_mode_arms_parse_and_name_a_bad_mode():
     arm = step.parse_arm("dcp:balanced+chain%per-call~fit")
     assert (arm.scope, arm.weights, arm.cost, arm.label) == ("chain", "per-call", "fit", "dcp:balanced+chain%per-call~fit")
     with pytest.raises(step.BenchConfigError, match="after '%' comes how the step takes its weights, one of cached, "
