@@ -113,16 +113,18 @@ MICROBATCHES = integer(1, MAX_MICROBATCHES, "a step needs a micro-batch", "the b
 REPEATS = integer(1, MAX_REPEATS, "a measurement needs a repetition", "repetitions run one after another; more only lengthen the run")
 REPEATS0 = integer(0, MAX_REPEATS, "0 means none", "repetitions run one after another; more only lengthen the run")
 SAMPLE = integer(1, MAX_SEQUENCES, "a sample needs a length", "--wikipedia draws from the whole sample")
-_TOKEN_BUCKET = _bounded(lambda text: int(text, 10), "auto or an integer", 0, MAX_LENGTH, "0 turns it off",
-                         WHY_LENGTH, "d")
-
-
 TOKEN_COUNT_BUCKET = integer(0, MAX_LENGTH, "0 turns it off", WHY_LENGTH)
 
 
 def TOKEN_BUCKET(text: str) -> int | str:  # noqa: N802 - a type like the others here
-    """``auto`` or a number of tokens from 0 (off) to ``MAX_LENGTH``."""
-    return "auto" if text == "auto" else _TOKEN_BUCKET(text)
+    """``auto`` or a number of tokens from 0 (off) to ``MAX_LENGTH`` (``TOKEN_COUNT_BUCKET``)."""
+    if text == "auto":
+        return "auto"
+    try:
+        int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{_show(text)} is not auto or an integer") from None
+    return TOKEN_COUNT_BUCKET(text)
 STALL_S = real(MIN_STALL_S, MAX_STALL_S, "ranks report progress at most every 0.5 s, so less fails healthy jobs",
                "a day; the collectives time out at twice this")
 FLOPS_PER_BYTE = real(0.0, 1e12, "a price is not negative", "1e12 FLOPs per byte prices K/V exchange out entirely")

@@ -47,7 +47,7 @@ class Arm:
     token_bucket: int | None = None
     """Pad each rank's micro-batch to a multiple of this many tokens (``#N``; 0 = off); None = the config's
     ``token_bucket``. ``dcp:balanced#64`` beside ``dcp:balanced`` is an A/B of the bucket: fewer distinct matrix
-    shapes (a GEMM shape seen for the first time costs the host a library lookup) against the padding's work."""
+    shapes (a shape missing from cuBLASLt's heuristics cache costs the host a lookup) against the padding's work."""
 
     @property
     def label(self) -> str:
