@@ -334,6 +334,9 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
     try:
         progress(f"converge {cid}: layouts {', '.join(cfg.layouts)} on {world} {cfg.device} ranks ({hw})")
         progress(f"  {execution_line(cfg, world)}")
+        if cfg.bucket():
+            progress(f"  token bucket: every thd / dcp micro-batch padded to a multiple of {cfg.bucket()} tokens per rank"
+                     + (" (auto on CUDA, as bench step; --token-bucket 0 turns it off)" if cfg.token_bucket == "auto" else ""))
         if plant:
             progress(f"  planted fault: {plant} (harness.faults) on every rank: the verdict must be FAIL")
         if "dcp" in cfg.layouts and cfg.domain(world) == 1:
@@ -380,7 +383,7 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
         exercise = dcp_exercise(rows, cfg.domain(world))
         checks = evaluate(rows, cfg, world, hw, golden=gold) + ref_checks + exercise_checks(exercise)
         verdict = verdict_of(checks)
-        config = {**cfg.to_dict(), "world": world, "static_cp": rank0["static_cp"], "longest": rank0["longest"],
+        config = {**cfg.to_dict(), "token_bucket_resolved": cfg.bucket(), "world": world, "static_cp": rank0["static_cp"], "longest": rank0["longest"],
                   "case_id": cid, "hardware": hw, "golden": gold["path"] if gold else None, "dcp_exercise": exercise,
                   "planted": plant, "reference": reference.name() if with_probes else None}
         result = ConvergeResult(verdict, tmp, cid, rows, checks, config, ref_rows, step0_schedules(config),
@@ -480,6 +483,11 @@ def _update_hint(cfg: TrainConfig, world: int) -> str:
             f"--update-golden")
 
 
+def _given(value, default):
+    """``value`` unless the caller left it out (None): 0 is a value."""
+    return default if value is None else value
+
+
 def config_from_args(a) -> TrainConfig:
     corpus = CorpusConfig(**{k: v for k, v in {"lengths": a.lengths, "sequences_per_batch": a.batch_size,
                                                "seed": a.seed}.items() if v is not None})
@@ -490,7 +498,7 @@ def config_from_args(a) -> TrainConfig:
                       dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
                       weights=getattr(a, "weights", None) or "cached",
                       optimizer=getattr(a, "optimizer", None) or "replicated",
-                      token_bucket=getattr(a, "token_bucket", None) or 0)
+                      token_bucket=_given(getattr(a, "token_bucket", None), "auto"))
     if a.max_seqlen_per_rank:
         cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank)
     return cfg

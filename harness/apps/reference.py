@@ -39,9 +39,10 @@ def config(cfg: TrainConfig) -> TrainConfig:
     """The reference run of ``cfg``: one rank, thd of whole sequences, no pipeline, no expert parallelism,
     probes on (step-1 gradients and token losses), weights cast at each call and accumulated by autograd (not the
     step's weight copies of ``harness.runtime.weight_cache``: the layouts' optimisation is judged, not shared), the
-    replicated optimiser (the distributed one is judged against it)."""
+    replicated optimiser (the distributed one is judged against it), no token bucket (the layouts' padding is
+    judged, not shared)."""
     return replace(cfg, layouts=(REF_LAYOUT,), pp=1, vpp=1, pipeline="1f1b", schedule_delivery="broadcast",
-                   expert_parallel=False, probes=True, weights="per-call", optimizer="replicated",
+                   expert_parallel=False, probes=True, weights="per-call", optimizer="replicated", token_bucket=0,
                    max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest_sequence(cfg)))
 
 

@@ -49,10 +49,10 @@ def add_arguments(c) -> None:
                    help="replicated (every rank keeps the whole AdamW; default) or distributed (each DP x CP rank of a "
                         "stage keeps and updates 1/N of it: gradients reduce-scattered, parameters all-gathered, "
                         "Megatron's --use-distributed-optimizer; the same update). The reference runs replicated")
-    c.add_argument("--token-bucket", type=T.TOKEN_COUNT_BUCKET, default=0,
-                   help="pad every rank's micro-batch of the thd / dcp layouts to a multiple of this many tokens "
-                        "(0 = off, the default; even), as bench step does on CUDA: the padded step must still match "
-                        "bshd and the reference")
+    c.add_argument("--token-bucket", type=T.TOKEN_BUCKET, default="auto",
+                   help="pad every rank's micro-batch of the thd / dcp layouts to a multiple of this many tokens (even; "
+                        "0 = off), or auto (default): 64 on CUDA when it divides --max-seqlen-per-rank, off on the "
+                        "CPU, as bench step does: the padded step must still match bshd and the reference")
     c.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: float32 on CPU, bfloat16 on GPU")
     c.add_argument("--lengths", default=None, help="length spec of the corpus (harness.data.workloads)")

@@ -106,7 +106,16 @@ def _bound(summary: dict) -> str:
             f'time over the lower bound of any schedule of the same batches (harness.plan.bounds.lower_bound, '
             f'each run\'s calibrated cost model) is {b["median"]:.3f}x (median; runs '
             f'{", ".join(_fmt(x, ".3f") for x in b["per_run"])}): no scheduler is modelled to beat it, and the '
-            f'bound is a relaxation that a real schedule may not reach.</p>')
+            f'bound is a relaxation that a real schedule may not reach.' + _share(summary) + '</p>')
+
+
+def _share(summary: dict) -> str:
+    """The measured speedup's share of the bound, as a sentence (empty without one)."""
+    s = summary["ratios"].get("speedup_of_bound") or {}
+    if s.get("median") is None:
+        return ""
+    return (f' The measured speedup reached {s["median"]:.3f} of it (median; runs '
+            f'{", ".join(_fmt(x, ".3f") for x in s["per_run"])}).')
 
 
 def _twins(items, lede: str, ratio: str, faster: str) -> str:

@@ -11,7 +11,7 @@ from harness.parallel.cp_attention import EXCHANGES
 from harness.parallel.dist_opt import OPTIMIZERS
 from harness.parallel.expert_parallel import check_divisible
 from harness.parallel.grad_reduce import DEFAULT_BUCKET_ELEMENTS
-from harness.plan import ALGORITHMS, CostModel
+from harness.plan import ALGORITHMS, CostModel, token_bucket
 from harness.plan.execution import INDEPENDENT, SYNCHRONOUS, Execution
 from harness.runtime.model import MODELS
 from harness.runtime.weight_cache import MODES as WEIGHT_MODES
@@ -65,10 +65,11 @@ class TrainConfig:
     weight-gradient GEMM accumulating into ``.grad``: within bf16 rounding) or ``per-call`` (autocast's cast at each
     call, autograd's accumulation; the same numbers as ``cached``). The reference run uses ``per-call``."""
 
-    token_bucket: int = 0
-    """Pad every rank's micro-batch of the thd / dcp layouts to a multiple of this many tokens (0 = off; even), as
-    ``bench step`` does on CUDA (``--token-bucket``): the padding is processed, never trained on (bshd is not padded
-    again; the reference run never)."""
+    token_bucket: int | str = "auto"
+    """Pad every rank's micro-batch of the thd / dcp layouts to a multiple of this many tokens (0 = off; even), or
+    ``auto`` (the default: 64 on CUDA when it divides ``max_seqlen_per_rank``, else off), as ``bench step`` does
+    (``harness.plan.token_bucket``): the padding is processed, never trained on (bshd is not padded again; the
+    reference run never). ``bucket()`` is the resolved number."""
 
     optimizer: str = "replicated"
     """``replicated`` (every rank keeps the whole AdamW) or ``distributed`` (each of a stage's DP x CP ranks keeps
@@ -96,6 +97,10 @@ class TrainConfig:
     def pipeline_config(self):
         return PipelineConfig(pp=self.pp, vpp=self.vpp, schedule=self.pipeline, delivery=self.schedule_delivery)
 
+    def bucket(self) -> int:
+        """The tokens the thd / dcp micro-batches are padded to a multiple of (``token_bucket`` resolved; 0 = off)."""
+        return token_bucket.resolve(self.token_bucket, self.device, self.max_seqlen_per_rank)
+
     def domain(self, world: int) -> int:
         """DP x CP positions of each stage."""
         return world // self.pp if self.pp >= 1 and world % self.pp == 0 else 0
@@ -119,9 +124,10 @@ class TrainConfig:
             raise LayoutError(f"steps must be >= 1, got {self.steps}")
         if self.weights not in WEIGHT_MODES:
             raise LayoutError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
-        tb = self.token_bucket
-        if not isinstance(tb, int) or isinstance(tb, bool) or tb < 0 or tb % 2:
-            raise LayoutError(f"token_bucket must be 0 (off) or an even int of tokens, got {tb!r}")
+        try:
+            token_bucket.check(self.token_bucket)
+        except ValueError as e:
+            raise LayoutError(str(e)) from None
         if self.optimizer not in OPTIMIZERS:
             raise LayoutError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if not isinstance(self.grad_bucket_elements, int) or self.grad_bucket_elements < 1:

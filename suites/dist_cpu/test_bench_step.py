@@ -547,6 +547,7 @@ def test_targets_are_judged_on_the_median_run_not_a_lucky_one():
     assert "median over runs" in cks[0]["target"] and cks[0]["per_run"][0] > 1.4
     # the modelled bound (static's predicted 1.0 over a lower bound of 0.5) is context, not a target
     assert s["ratios"]["speedup_bound"]["per_run"] == [2.0] * 3 and len(cks) == 2
+    assert s["ratios"]["speedup_of_bound"]["per_run"] == pytest.approx([500 / 350 / 2, 400 / 300 / 2, 450 / 330 / 2])
     assert [c["pass"] for c in step.checks(step.summarize(_fake_job(runs[:1]), cfg), "cuda")] == [True, False]
     assert all(c["pass"] is None for c in step.checks(s, "cpu"))  # targets are for GPUs
     rows = step.runs_rows(s)

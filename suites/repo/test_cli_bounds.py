@@ -93,7 +93,7 @@ CASES = [
     (["bench", "step", "--cpu", "--token-bucket", "99999999999"], "argument --token-bucket: 99999999999 exceeds"),
     (["bench", "step", "--cpu", "--token-bucket", "64x"], "argument --token-bucket: '64x' is not auto or an integer"),
     (["converge", "--token-bucket", "-2"], "argument --token-bucket: -2 is below the minimum 0"),
-    (["converge", "--token-bucket", "7"], "token_bucket must be 0 (off) or an even int of tokens, got 7"),
+    (["converge", "--token-bucket", "7"], "token_bucket must be 'auto', 0 (off) or an even int of tokens, got 7"),
     (["bench", "step", "--cpu", "--cp-comm-flops-per-byte", "nan"], "argument --cp-comm-flops-per-byte: nan is not"),
     (["bench", "step", "--cpu", "--stall-timeout", "-3"], "argument --stall-timeout: -3 is below the minimum 1"),
     (["bench", "microbatch", "--cpu", "--shapes", "1x128,1000000000x2"],

@@ -66,3 +66,22 @@ def test_the_loss_of_a_bucketed_micro_batch_is_the_loss_of_the_plain_one():
 def test_bad_multiples_are_refused(bad):
     with pytest.raises(RerouteError, match="token_multiple"):
         build_microbatches({}, _schedule(), 0, token_multiple=bad)
+
+
+def test_the_verified_step_takes_the_measured_steps_bucket():
+    """``converge`` / the nightly (``TrainConfig``) and ``bench step`` resolve ``auto`` alike: 64 on CUDA when it
+    divides the pack, off on the CPU; an explicit 0 stays 0 through the CLI; the reference run never pads."""
+    from harness.apps import reference
+    from harness.apps.converge import config_from_args
+    from harness.bench.step.config import StepBenchConfig
+    from harness.cli import parser
+    from harness.train.config import TrainConfig
+
+    for device, m, want in [("cuda", 512, 64), ("cuda", 1000, 0), ("cpu", 512, 0)]:
+        train = TrainConfig(device=device, max_seqlen_per_rank=m)
+        assert (train.token_bucket, train.bucket()) == ("auto", want)
+        assert StepBenchConfig(device=device, max_seqlen_per_rank=m).bucket() == want
+        assert reference.config(train).bucket() == 0
+    assert reference.config(TrainConfig(token_bucket=16)).bucket() == 0
+    for argv, want in [([], "auto"), (["--token-bucket", "0"], 0), (["--token-bucket", "16"], 16)]:
+        assert config_from_args(parser().parse_args(["converge", *argv])).token_bucket == want, argv

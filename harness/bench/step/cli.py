@@ -137,6 +137,10 @@ def _print_verdicts(summary: dict, cks: list[dict]) -> None:
     if bound["median"] is not None:
         print(f"  speedup bound under the calibrated cost model (static's modelled time / the lower bound of any "
               f"schedule): median {bound['median']:.3f} (runs: {', '.join(f'{x:.3f}' for x in bound['per_run'])})")
+        share = summary["ratios"].get("speedup_of_bound") or {}
+        if share.get("median") is not None:
+            each = ", ".join("-" if x is None else f"{x:.3f}" for x in share["per_run"])
+            print(f"  measured speedup / that bound: median {share['median']:.3f} (runs: {each})")
     for label, r in summary.get("cost_ab", {}).items():
         each = ", ".join("-" if x is None else f"{x:.3f}" for x in r["per_run"])
         print(f"  cost models side by side: {r['base']} / {label} time ratio (> 1: {label} faster), median over runs: "

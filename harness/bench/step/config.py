@@ -16,6 +16,8 @@ from harness.data.workloads import parse_spec
 from harness.plan import ALGORITHMS, CostModel
 from harness.plan.errors import PlanInputError
 from harness.plan.execution import NAMED as EXECUTIONS
+from harness.plan.token_bucket import check as check_bucket
+from harness.plan.token_bucket import resolve as resolve_bucket
 from harness.runtime.model_config import MODELS
 
 _COST_NAME = re.compile(r"[A-Za-z0-9_-]+")
@@ -108,12 +110,6 @@ def parse_arm(text: str) -> Arm:
                                f"cost model on a balanced or dp-balanced arm")
     return Arm(layout, scheduler, padding, exchange or None, scope or None, execution, cost or None, weights or None,
                int(bucket) if hash_ else None)
-
-
-AUTO_BUCKET = 64
-"""``token_bucket="auto"`` on CUDA. Side by side with unpadded twins on 2 x H200 (``reports/recorded/
-token_bucket.h200x2.log``): the default workload's step 1.031x faster (static CP) and 1.038x (dynamic CP),
-Megatron's batch 0.994-1.130x and 1.043-1.093x; padding 1.0-1.8% of the tokens."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,13 +218,10 @@ class StepBenchConfig:
     With ``grad_reduce="overlap"`` the last micro-batch of a chain arm's step runs the segments: a
     chain's backward hands over every gradient at its end, leaving the all-reduce nothing to overlap."""
     token_bucket: int | str = "auto"
-    """Pad every rank's micro-batch to a multiple of this many tokens (0 = off; even), or ``auto``: ``AUTO_BUCKET``
-    on CUDA when it divides ``max_seqlen_per_rank`` (a full pack then stays full), else off. The padding is
-    processed and counted (``padding_fraction``), never trained on. Why on CUDA: every matrix multiply of a
-    micro-batch has its token count as a dimension, and cuBLASLt picks a kernel per shape through a heuristics
-    cache of ~8K shapes; variable-length packs give ~1K token counts per rank times ~10 GEMM shapes each, so the
-    cache thrashes and a miss costs the host ~0.1-0.2 ms per GEMM (a micro-batch pass makes ~70). With ``reduce-overhead``
-    the graphs are recorded once per multiple."""
+    """Pad every rank's micro-batch to a multiple of this many tokens (0 = off; even), or ``auto``: 64 on CUDA when
+    it divides ``max_seqlen_per_rank``, else off (``harness.plan.token_bucket``: why, and the figures). The padding
+    is processed and counted (``padding_fraction``), never trained on. With ``reduce-overhead`` the graphs are
+    recorded once per multiple."""
     expert_parallel: bool = False
     """MoE models: shard the experts over the DP x CP domain (``harness.parallel.expert_parallel``; every rank joins
     every micro-batch's all-to-alls, so micro-batches run in lockstep: the ``synchronous`` execution model fits);
@@ -236,11 +229,8 @@ class StepBenchConfig:
     device: str = "cpu"
 
     def bucket(self) -> int:
-        """The resolved ``token_bucket``: ``auto`` is ``AUTO_BUCKET`` on CUDA when it divides
-        ``max_seqlen_per_rank``, else 0."""
-        if self.token_bucket == "auto":
-            return AUTO_BUCKET if self.device == "cuda" and self.max_seqlen_per_rank % AUTO_BUCKET == 0 else 0
-        return self.token_bucket
+        """The resolved ``token_bucket`` (``harness.plan.token_bucket.resolve``)."""
+        return resolve_bucket(self.token_bucket, self.device, self.max_seqlen_per_rank)
 
     def token_bucket_of(self, arm: Arm) -> int:
         """The token bucket ``arm``'s micro-batches are padded to: its own (``#N``), else the config's."""
@@ -323,9 +313,10 @@ class StepBenchConfig:
         if self.compile_mode() == "reduce-overhead" and any(a.scope == "chain" for a in arms):
             raise BenchConfigError("compile=reduce-overhead records CUDA graphs of segments; a '+chain' arm cannot "
                                    "(its attentions run collectives); drop '+chain' or use compile=inductor")
-        tb = self.token_bucket
-        if tb != "auto" and (not isinstance(tb, int) or isinstance(tb, bool) or tb < 0 or tb % 2):
-            raise BenchConfigError(f"token_bucket must be 'auto', 0 (off) or an even int, got {tb!r}")
+        try:
+            check_bucket(self.token_bucket)
+        except ValueError as e:
+            raise BenchConfigError(str(e)) from None
 
     def batch_sequences(self, world: int) -> int | None:
         """Sequences per global batch (None for ``global_batch="tokens"``); raises
