@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from harness.parallel.grad_reduce import GradBuffer
 from harness.parallel.groups import DynamicGroups, ParallelLayout
+from harness.plan import token_bucket as token_bucket_mod
 from harness.runtime.model import MODELS, TinyLM
 from harness.stack.protocol import StackContext, StackError, StepReport, StepRequest
 from harness.train import pipeline, step
@@ -46,13 +47,21 @@ class HarnessStack:
     name = "harness"
 
     def __init__(self, ctx: StackContext, *, model: str = "tiny-gpt", lr: float = 3e-3, grad_clip: float = 1.0,
-                 exchange: str = "gather"):
+                 exchange: str = "gather", token_bucket: int | str = "auto"):
+        """``token_bucket``: the thd / dcp micro-batches padded to a multiple of this many tokens per rank, or
+        ``auto`` (64 on CUDA when it divides the schedule's ``max_seqlen_per_rank``, off on the CPU), as ``converge``
+        and ``bench step`` pad (``harness.plan.token_bucket``)."""
+        try:
+            token_bucket_mod.check(token_bucket)
+        except ValueError as e:
+            raise StackError(f"{e} (--option token_bucket=auto|N)") from None
         if model not in MODELS:
             raise StackError(f"unknown model {model!r}; choose from {', '.join(sorted(MODELS))}")
         if MODELS[model].vocab < ctx.vocab:
             raise StackError(f"model {model!r} has a vocabulary of {MODELS[model].vocab}, the corpus uses "
                              f"{ctx.vocab} token ids; use a corpus vocabulary <= {MODELS[model].vocab}")
         self.ctx, self.model_name, self.lr, self.grad_clip, self.exchange = ctx, model, lr, grad_clip, exchange
+        self.token_bucket = token_bucket
         self.device = torch.device("cuda", torch.cuda.current_device()) if ctx.device == "cuda" else torch.device("cpu")
         self.playout = ParallelLayout(dp=ctx.world, cp=1, pp=1)
         self.stage = pipeline.Stage.of(MODELS[model].layers, 1, 1, 0)
@@ -80,14 +89,16 @@ class HarnessStack:
         probe = StepProbe() if "token_losses" in request.want else None
         grads = _Grads("gradients" in request.want)
         planned = lambda: ((sched, request.padding, request.fixed_length), 0.0)  # noqa: E731
+        multiple = token_bucket_mod.resolve(self.token_bucket, self.ctx.device, sched.max_seqlen_per_rank)
         r = step.train_step(self.model, self.run, request.layout, lengths, local, lcfg, None, device=self.device,
                             opt=self.opt, params=self.params, grads=self.grads, dtype=self.ctx.dtype,
                             exchange=self.exchange, grad_clip=self.grad_clip, probe=probe, probes=grads,
-                            step_index=request.step, hooks=step.StepHooks(planned=planned))
+                            step_index=request.step, hooks=step.StepHooks(planned=planned, token_multiple=multiple))
         ce = r.sums["ce"].reshape(1).clone()
         dist.all_reduce(ce)
         denom = float(r.denominator)
-        report = StepReport(loss=float(ce[0]) / denom, grad_norm=float(r.grad_norm), tokens=int(round(denom)))
+        report = StepReport(loss=float(ce[0]) / denom, grad_norm=float(r.grad_norm), tokens=int(round(denom)),
+                            extra={"processed_tokens": int(r.processed)})  # this rank's, padding included
         if grads.want:
             report.gradients = grads.grads
         if probe is not None:
@@ -112,5 +123,6 @@ def _ranks(group, rank: int) -> list[int]:
 
 
 def make(ctx: StackContext, **options) -> HarnessStack:
-    """The factory ``dcp-harness verify harness`` uses (options: ``model``, ``lr``, ``grad_clip``, ``exchange``)."""
+    """The factory ``dcp-harness verify harness`` uses (options: ``model``, ``lr``, ``grad_clip``, ``exchange``,
+    ``token_bucket``)."""
     return HarnessStack(ctx, **options)

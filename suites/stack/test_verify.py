@@ -269,3 +269,33 @@ def test_the_driver_reports_every_step_to_the_launchers_watchdog(tmp_path):
         last = json.loads((beats / f"rank{r}.json").read_text())
         assert (last["rank"], last["layout"], last["step"], last["of"]) == (r, SMALL.layouts[-1], SMALL.steps,
                                                                             SMALL.steps)
+
+
+def test_the_harness_stack_pads_to_the_token_bucket_and_a_padding_bug_fails_verify(tmp_path):
+    """``--option token_bucket=N`` pads the harness stack's thd / dcp micro-batches as ``converge`` and ``bench step``
+    do (``auto``: 64 on CUDA, off on the CPU): the padded run still passes, and the loss divided by the processed
+    tokens (padding included: ``loss-counts-padding``) fails the step-1 gradients; a bad bucket is one line."""
+    import base64
+    import pickle
+
+    from harness.jobs.launch import run_on_ranks
+    from harness.stack.drive import job
+    from harness.stack.protocol import StackContext
+    from harness.stack.runtime import make
+
+    cfg = {**SMALL.to_dict(), "stack": "harness", "options": {"token_bucket": 16}, "inline": True}
+    ranks = [pickle.loads(base64.b64decode(x["inline"]))  # noqa: S301 - this test's own ranks
+             for x in run_on_ranks(job, world_size=2, tmp_path=tmp_path / "job", args=(cfg,), timeout_s=120)]
+    processed = {lay: [rep.extra["processed_tokens"] for r in ranks for rep in r["layouts"][lay]["reports"]]
+                 for lay in ("bshd", "thd", "dcp")}
+    assert all(t % 16 == 0 for lay in ("thd", "dcp") for t in processed[lay]), processed
+    res = verify("harness", SMALL, world=2, out=tmp_path / "ok", spawn=True, options={"token_bucket": 16})
+    assert res.verdict == "PASS", _failed(res)
+    bad = verify("harness", SMALL, world=2, out=tmp_path / "bad", spawn=True, options={"token_bucket": 16},
+                 plant="loss-counts-padding")
+    assert bad.verdict == "FAIL" and any("step-1 gradients" in t for t in _failed(bad)), _failed(bad)
+    ctx = StackContext(rank=0, world=1, device="cpu", dtype="float32", vocab=64)
+    assert make(ctx).token_bucket == "auto"
+    with pytest.raises(StackError, match=r"token_bucket must be 'auto', 0 \(off\) or an even int of tokens, got 7 "
+                                         r"\(--option token_bucket=auto\|N\)"):
+        make(ctx, token_bucket=7)
