@@ -89,6 +89,13 @@ FAULTS: tuple[Fault, ...] = (
           url="https://github.com/PrimeIntellect-ai/prime-rl/pull/674", layer="loss",
           seam="harness.train.step:loss_denominator", make=tf.make_loss_counts_padding, check="step1-gradients",
           expect=r"step-1 gradient of .* differs", scenario="train-bucketed"),
+    Fault(name="padding-trained-on", title="padding labelled as loss tokens (loss mask 1, the pad id as label)",
+          source="axolotl PR #2227: padding not labelled -100, the loss computed over the padding tokens too (also "
+                 "TRL PR #1625: pad tokens copied into the labels unmasked); here the token bucket's and the zig-zag "
+                 "slices' padding",
+          url="https://github.com/axolotl-ai-cloud/axolotl/pull/2227", layer="loss",
+          seam="harness.parallel.reroute:pad_value", make=tf.make_padding_trained_on, check="token-accounting",
+          expect=r"not trained exactly once", scenario="train-bucketed"),
     Fault(name="adam-eps-underflow", title="AdamW's epsilon rounded to zero: 0 / 0 on rows without a gradient yet",
           source="optax issue #1754: Adam's eps underflows in float16, a zero-gradient step (an unused embedding "
                  "row) updates by 0 / 0 = NaN and silently poisons the rest of training (also apex issue #240)",

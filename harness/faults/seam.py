@@ -43,6 +43,7 @@ SEAMS: dict[str, str] = {
                                         "backward, before the reduce-scatter)",
     "harness.parallel.reroute:block_sequences": "the sequences a rank packs for its block, in pack order",
     "harness.parallel.reroute:zigzag_index_array": "the zig-zag slice of the packed data a rank keeps",
+    "harness.parallel.reroute:pad_value": "the value a padding token takes in a column (labels -100, loss mask 0)",
     "harness.train.layouts:deliver": "the blocks every rank runs, rebuilt from the sample_id_groups it is handed",
     "harness.train.layouts:schedule": "the scheduler call of the thd / dcp layouts (with the pipeline's VPP group)",
     "harness.train.pipeline:stage_view": "the schedule as a later pipeline stage runs it (its local_cp_size per block)",

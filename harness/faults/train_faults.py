@@ -64,6 +64,20 @@ def make_loss_counts_padding(original):
     return loss_denominator
 
 
+def make_padding_trained_on(original):
+    """Padding labelled as loss tokens: every padding token (the token bucket's and the zig-zag slices') gets loss
+    mask 1 and the pad id 0 as its label, not -100 (axolotl PR #2227: padding not labelled -100, the loss computed
+    over the padding tokens too; TRL PR #1625: pad tokens copied into the labels unmasked). The loss then trains the
+    padded positions to predict token 0 and counts them in its denominator."""
+    def pad_value(key: str) -> int:
+        if key == "loss_mask":
+            return 1
+        if key == "labels" or key.startswith("mtp_labels"):
+            return 0
+        return original(key)
+    return pad_value
+
+
 def make_adam_eps_underflow(original):
     """AdamW whose epsilon is 0: Adam's default 1e-8 added in float16 rounds to 0 (its smallest subnormal is
     ~6e-8), so a parameter row whose gradient has been exactly zero so far - the embedding row of a token no batch
