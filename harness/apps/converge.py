@@ -383,9 +383,10 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
         exercise = dcp_exercise(rows, cfg.domain(world))
         checks = evaluate(rows, cfg, world, hw, golden=gold) + ref_checks + exercise_checks(exercise)
         verdict = verdict_of(checks)
-        config = {**cfg.to_dict(), "token_bucket_resolved": cfg.bucket(), "world": world, "static_cp": rank0["static_cp"], "longest": rank0["longest"],
-                  "case_id": cid, "hardware": hw, "golden": gold["path"] if gold else None, "dcp_exercise": exercise,
-                  "planted": plant, "reference": reference.name() if with_probes else None}
+        config = {**cfg.to_dict(), "token_bucket_resolved": cfg.bucket(), "world": world,
+                  "static_cp": rank0["static_cp"], "longest": rank0["longest"], "case_id": cid, "hardware": hw,
+                  "golden": gold["path"] if gold else None, "dcp_exercise": exercise, "planted": plant,
+                  "reference": reference.name() if with_probes else None}
         result = ConvergeResult(verdict, tmp, cid, rows, checks, config, ref_rows, step0_schedules(config),
                                 model_cost(cfg))
         tracking = None

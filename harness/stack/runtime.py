@@ -50,7 +50,9 @@ class HarnessStack:
                  exchange: str = "gather", token_bucket: int | str = "auto"):
         """``token_bucket``: the thd / dcp micro-batches padded to a multiple of this many tokens per rank, or
         ``auto`` (64 on CUDA when it divides the schedule's ``max_seqlen_per_rank``, off on the CPU), as ``converge``
-        and ``bench step`` pad (``harness.plan.token_bucket``)."""
+        and ``bench step`` pad (``harness.plan.token_bucket``). ``verify`` hands its one-rank reference run the same
+        options, so there the reference pads too (no CP: the padding only closes each pack); ``converge``'s reference,
+        which never pads, is the one that judges the padding itself."""
         try:
             token_bucket_mod.check(token_bucket)
         except ValueError as e:
