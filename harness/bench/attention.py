@@ -8,7 +8,8 @@ and the per-GPU efficiency relative to one GPU's attention (same backend) on the
 ``t_1gpu / (cp * t_cp)``. Target: >= 0.8 at cp 4 with 128K tokens. For cp > 1 a breakdown times the
 K/V exchange alone (all-gather, key gather and their backward) and the chunk attention alone, and
 the same pack with the ``ring`` exchange (``harness.parallel.ring``: K/V passed around the block while
-attention runs; its own efficiency column; the backend must have a log-sum-exp, else ``auto``).
+attention runs; its own efficiency column; the backend must have a log-sum-exp, else ``auto``) and with
+the ``a2a`` exchange (``harness.parallel.ulysses``: heads traded for tokens; its own columns).
 """
 
 from __future__ import annotations
@@ -114,9 +115,15 @@ def measure(rank: int, world: int, cfg: dict) -> list[dict]:
                     def ring():  # the same pack, K/V exchanged around the block's ring while attention runs
                         out = cp_attention(q, k, v, ring_plan, group, backend=ring_backend)
                         out.backward(torch.ones_like(out))
+
+                    a2a_plan = CPAttentionPlan.build(p.cu_seqlens_padded, cp, rank - start, device, exchange="a2a")
+
+                    def a2a():  # the same pack, heads exchanged for tokens (whole sequences, heads / cp a rank)
+                        out = cp_attention(q, k, v, a2a_plan, group, backend=backend)
+                        out.backward(torch.ones_like(out))
                 seconds = timed(step)
                 parts = {} if cp == 1 else {"comm_seconds": timed(comm), "attention_seconds": timed(compute),
-                                            "ring_seconds": timed(ring)}
+                                            "ring_seconds": timed(ring), "a2a_seconds": timed(a2a)}
                 rows.append({"tokens": T, "sequences": nseq, "cp": cp, "seconds": seconds,
                              "flops": causal_flops(lengths, H, D), **parts})
                 del full  # q, k, v are rebound by the next configuration
@@ -138,16 +145,18 @@ def summarize(ranks: list[list[dict]]) -> list[dict]:
         r["efficiency"] = base[(r["tokens"], r["sequences"])] / (r["cp"] * r["seconds"])
         r["comm_ms"] = r["comm_seconds"] * 1e3 if "comm_seconds" in r else None
         r["attention_ms"] = r["attention_seconds"] * 1e3 if "attention_seconds" in r else None
-        r["ring_ms"] = r["ring_seconds"] * 1e3 if "ring_seconds" in r else None
-        r["ring_efficiency"] = (base[(r["tokens"], r["sequences"])] / (r["cp"] * r["ring_seconds"])
-                                if "ring_seconds" in r else None)
+        for x in ("ring", "a2a"):
+            r[f"{x}_ms"] = r[f"{x}_seconds"] * 1e3 if f"{x}_seconds" in r else None
+            r[f"{x}_efficiency"] = (base[(r["tokens"], r["sequences"])] / (r["cp"] * r[f"{x}_seconds"])
+                                    if f"{x}_seconds" in r else None)
     return out
 
 
 COLUMNS = [("tokens", "tokens", "d"), ("sequences", "seqs", "d"), ("cp", "cp", "d"), ("ms", "fwd+bwd ms", ".2f"),
            ("tflops", "TFLOP/s", ".1f"), ("tflops_per_gpu", "TFLOP/s/GPU", ".1f"), ("efficiency", "efficiency", ".3f"),
            ("comm_ms", "K/V comm ms", ".2f"), ("attention_ms", "attention-only ms", ".2f"),
-           ("ring_ms", "ring fwd+bwd ms", ".2f"), ("ring_efficiency", "ring efficiency", ".3f")]
+           ("ring_ms", "ring fwd+bwd ms", ".2f"), ("ring_efficiency", "ring efficiency", ".3f"),
+           ("a2a_ms", "a2a fwd+bwd ms", ".2f"), ("a2a_efficiency", "a2a efficiency", ".3f")]
 
 
 def main(*, out: Path | None = None, nproc: int | None = None, cfg: dict | None = None,

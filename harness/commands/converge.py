@@ -21,10 +21,10 @@ def add_arguments(c) -> None:
     c.add_argument("--steps", type=T.STEPS, default=50)
     c.add_argument("--model", default="tiny-gpt", help=f"one of {', '.join(MODELS)}")
     c.add_argument("--scheduler", default="balanced", help="dynamic-CP scheduler for the dcp layout")
-    c.add_argument("--cp-exchange", choices=["gather", "ring", "auto", "te:p2p", "te:all_gather", "te:a2a"],
+    c.add_argument("--cp-exchange", choices=["gather", "ring", "a2a", "auto", "te:p2p", "te:all_gather", "te:a2a"],
                    default=None,
                    help="K/V exchange of CP blocks: gather (all-gather; default), ring (overlapped with attention), "
-                        "auto (ring on CUDA from 8K tokens per rank at cp 2 and 4, 16K above), or TransformerEngine's "
+                        "a2a (all-to-all over heads: whole sequences, heads / cp a rank), auto (ring on CUDA from 8K tokens per rank at cp 2 and 4, 16K above), or TransformerEngine's "
                         "CP attention with its communication type (te:...; CUDA, the gpu extra)")
     c.add_argument("--attention", choices=["harness", "te"], default="harness",
                    help="attention with CP: the harness's own (default) or TransformerEngine's DotProductAttention in "

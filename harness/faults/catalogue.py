@@ -28,7 +28,7 @@ from harness.plan.errors import PlanInputError
 LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "optimizer", "groups", "pipeline", "model", "replay",
           "step-wise")
 SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-hybrid", "train-reinit",
-             "train-ep", "train-fused", "train-dist-opt", "train-bucketed", "replay", "plan", "stepwise")
+             "train-ep", "train-fused", "train-dist-opt", "train-bucketed", "train-a2a", "replay", "plan", "stepwise")
 
 
 class UnknownFaultError(PlanInputError):
@@ -315,6 +315,13 @@ FAULTS: tuple[Fault, ...] = (
           url="https://github.com/NVIDIA/Megatron-LM/issues/7452", layer="loss",
           seam="harness.train.passes:mtp_loss_scales", make=mf.make_mtp_loss_local_counts, check="step1-gradients",
           expect=r"step-1 gradient of .* differs", scenario="train-mtp"),
+    Fault(name="a2a-kv-heads-tiled", title="the all-to-all CP exchange's K/V head copies tiled, not interleaved (GQA)",
+          source="DeepSpeed issue #8291 / PR #8316: the Ulysses split read the head count of another tensor and tore "
+                 "the GQA groups apart (Q 6 / KV 3 over 2 ranks); prime-rl PR #3042: K/V heads copied with "
+                 "repeat_interleave so that each copy lands on its query heads' rank",
+          url="https://github.com/deepspeedai/DeepSpeed/issues/8291", layer="attention",
+          seam="harness.parallel.ulysses:replicate_kv", make=mf.make_a2a_kv_heads_tiled, check="step1-gradients",
+          expect=r"step-1 gradient of .* differs", scenario="train-a2a"),
     Fault(name="ssm-exchange-contiguous-slices", title="the SSM's CP exchange reorders as if slices were contiguous",
           source="THUDM slime issue #1871: a CP reshuffle assumed another slice layout (zig-zag) than the data's "
                  "(contiguous) and silently scrambled the token order",

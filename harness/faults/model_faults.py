@@ -150,3 +150,12 @@ def make_key_grads_overwritten(original):
         for p, src in enumerate(srcs):
             out[:, p].index_copy_(0, index, src.to(out.dtype))  # repeated rows: one write wins
     return sum_rows
+
+
+def make_a2a_kv_heads_tiled(original):
+    """The a2a exchange's K/V head copies tiled (``repeat``: h0 h1 h0 h1) instead of interleaved (h0 h0 h1 h1), so
+    the rank holding query heads of group 0 gets K/V head 1 (DeepSpeed issue #8291: the Ulysses split read the head
+    count of another tensor and tore the GQA groups apart; the replication rule: prime-rl PR #3042)."""
+    def replicate_kv(x, r):
+        return x.repeat(1, r, 1)
+    return replicate_kv

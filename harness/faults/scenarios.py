@@ -66,7 +66,9 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  # the distributed optimiser, its tiny-GPT buffers in 4 buckets of whole parameters
                  "train-dist-opt": {**TRAIN, "optimizer": "distributed", "grad_bucket_elements": 30_000},
                  # every rank's thd / dcp micro-batch padded to a multiple of 16 tokens (bench step's token bucket)
-                 "train-bucketed": {**TRAIN, "token_bucket": 16}}
+                 "train-bucketed": {**TRAIN, "token_bucket": 16},
+                 # CP blocks exchange heads for tokens (all-to-all); the tiny GPT's 2 K/V heads copied for CP 4
+                 "train-a2a": {**TRAIN, "cp_exchange": "a2a"}}
 FAULT_LAYOUTS = {"train-reinit": ["thd", "dcp"]}
 """The layouts a fault run trains (default: dcp only); the checks judge its dcp layout."""
 REPLAY = {"pp": 2, "cp": 2}

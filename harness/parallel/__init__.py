@@ -2,7 +2,7 @@
 
 Dynamic DP x CP process groups and their lifecycle (``groups``) and audit (``audit``), rerouting a global
 batch to the ranks that run it (``reroute``), CP attention with its K/V exchanges (``cp_attention``,
-``ring``, ``collectives``), the SSM mixer's token <-> channel exchange (``ssm_cp``), expert parallelism
+``ring``, ``ulysses``, ``collectives``), the SSM mixer's token <-> channel exchange (``ssm_cp``), expert parallelism
 (``expert_parallel``), the bucketed gradient reducer (``grad_reduce``) and world checks of all of it
 (``checks``). Below it: ``harness.plan`` (no torch) and ``harness.runtime`` (single-process torch);
 above it: ``harness.train``.

@@ -10,7 +10,7 @@
 - ``attention``: for each micro-batch layout of block sizes (1, 2, 4, mixed), a random pack per
   block; CP attention (forward + backward through the block's group) against single-process full
   attention of the same pack on the same rank: outputs and dq/dk/dv of the rank's slice, for each
-  K/V exchange in ``exchanges`` (all-gather and ring).
+  K/V exchange in ``exchanges`` (all-gather, ring and all-to-all).
 Results are plain dicts (picklable, JSON-able); tests and the GPU entry judge them.
 """
 
@@ -32,7 +32,7 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 DEFAULT = {"device": "cpu", "dtype": "float32", "backend": "auto", "ref_backend": None, "heads": 4, "kv_heads": 2,
            "head_dim": 32, "max_seq": 300, "max_seqs": 4, "pack_tokens": None, "seed": 0,
            "layouts": None, "reroute_sequences": 24, "max_seqlen_per_rank": 256, "parallel": None,
-           "exchanges": ("gather", "ring")}
+           "exchanges": ("gather", "ring", "a2a")}
 
 
 def default_layouts(world: int) -> list[list[int]]:

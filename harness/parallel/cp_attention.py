@@ -17,7 +17,9 @@ expensive), so no rank waits for another inside the block.
 ``harness.parallel.te_cp``) picks how K/V move: ``gather`` (above; the exchange runs before the
 attention kernels) or ``ring`` (``harness.parallel.ring``: K/V passed around the block's ring while each
 received block's part of the attention runs, as TransformerEngine's ``p2p`` CP and Megatron's
-static-CP baseline do; needs a backend of ``harness.runtime.attention.LSE_BACKENDS``) or ``auto``:
+static-CP baseline do; needs a backend of ``harness.runtime.attention.LSE_BACKENDS``) or ``a2a``
+(``harness.parallel.ulysses``: two all-to-alls turn the slice into whole sequences for ``1/cp`` of the
+heads; heads must split over the block) or ``auto``:
 ring for blocks of at least ``RING_MIN_TOKENS_PER_RANK`` tokens per rank on CUDA (8K at cp 2 and 4,
 16K for larger blocks: measured), gather otherwise (``choose_exchange``).
 """
@@ -32,11 +34,12 @@ import torch
 from harness.parallel import te_cp
 from harness.parallel.collectives import gather_keys_values
 from harness.parallel.ring import RingPlan, ring_attention
+from harness.parallel.ulysses import HeadPlan, head_parallel_attention
 from harness.plan.thd import whole_chunks, zigzag_chunks, zigzag_permutation
 from harness.runtime.attention import DeviceChunks, backend_available, chunk_attention, resolve_lse_backend
 from harness.runtime.row_sum import RowSources
 
-EXCHANGES = ("gather", "ring", "auto")
+EXCHANGES = ("gather", "ring", "a2a", "auto")
 
 RING_MIN_TOKENS_PER_RANK = {2: 8192, 4: 8192}
 """``auto`` picks the ring from this many tokens per rank, by block size; ``RING_MIN_TOKENS_DEFAULT``
@@ -74,6 +77,7 @@ class CPAttentionPlan:
     chunks: DeviceChunks | None  # key_index points into the *gathered* (rank-major) K/V; None with ring
     exchange: str = "gather"  # as run: gather or ring (``auto`` resolved at build)
     ring: RingPlan | None = None
+    heads: HeadPlan | None = None  # a2a: the all-to-all's reorder and the whole-sequence attention plan
     key_sources: RowSources | None = None  # gather: ``chunks.key_index`` inverted, for the K/V gradients' sum
 
     @classmethod
@@ -87,6 +91,9 @@ class CPAttentionPlan:
         if exchange == "ring":
             return cls(cp_size, cp_rank, tuple(int(x) for x in cu_seqlens_padded), None, "ring",
                        RingPlan.build(cu_seqlens_padded, cp_size, cp_rank, device))
+        if exchange == "a2a":
+            return cls(cp_size, cp_rank, tuple(int(x) for x in cu_seqlens_padded), None, "a2a",
+                       heads=HeadPlan.build(cu_seqlens_padded, cp_size, cp_rank, device))
         plan = zigzag_chunks(cu_seqlens_padded, cp_size, cp_rank)
         row_of = np.empty(int(cu_seqlens_padded[-1]), dtype=np.int64)  # pack position -> gathered row
         row_of[zigzag_permutation(cu_seqlens_padded, cp_size)] = np.arange(row_of.size)
@@ -109,5 +116,7 @@ def cp_attention(q_TH, k_TH, v_TH, plan: CPAttentionPlan, group, *, backend: str
     if plan.exchange == "ring":
         return ring_attention(q_TH, k_TH, v_TH, plan.ring, group, backend=resolve_lse_backend(backend, q_TH.device),
                               scale=scale)
+    if plan.exchange == "a2a":
+        return head_parallel_attention(q_TH, k_TH, v_TH, plan.heads, group, backend=backend, scale=scale)
     k_TK, v_TK = gather_keys_values(k_TH, v_TH, group, plan.chunks.key_index, plan.key_sources)  # [sum k_len, Hkv, D]
     return chunk_attention(q_TH, k_TK, v_TK, plan.chunks, backend=backend, scale=scale, keys_gathered=True)

@@ -94,6 +94,17 @@ class _Gather(torch.autograd.Function):
         return out.to(ctx.dtype), None, None
 
 
+def to_channels(u_TC: torch.Tensor, group, cp: int, inverse: torch.Tensor) -> torch.Tensor:
+    """Differentiable ``[T, cp * c]`` -> ``[cp * T, c]`` in pack order (``inverse``: pack position ->
+    rank-major row): channel shard j of every rank's tokens on rank j (one all-to-all)."""
+    return _ToChannels.apply(u_TC, group, cp).index_select(0, inverse)
+
+
+def to_tokens(y_PC: torch.Tensor, group, cp: int, perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``to_channels`` (``perm``: rank-major row -> pack position)."""
+    return _ToTokens.apply(y_PC.index_select(0, perm), group, cp)
+
+
 def pack_order(cu_seqlens_padded, cp_size: int) -> np.ndarray:
     """The pack position of every rank-major row the exchange gathers (rank after rank, each rank's local
     tokens in its order): the inverse of the zig-zag slicing the data went through (a seam: ``harness.faults``
@@ -130,13 +141,13 @@ class CPChannelExchange:
             raise ExchangeError(f"to_channels got {u_TC.shape[1]} channels, not divisible by cp={self.shards}")
         if self.shards == 1:
             return u_TC
-        return _ToChannels.apply(u_TC, self.group, self.shards).index_select(0, self._inverse)
+        return to_channels(u_TC, self.group, self.shards, self._inverse)
 
     def to_tokens(self, y_PC: torch.Tensor) -> torch.Tensor:
         self._check(y_PC, self.total, "to_tokens")
         if self.shards == 1:
             return y_PC
-        return _ToTokens.apply(y_PC.index_select(0, self._perm), self.group, self.shards)
+        return to_tokens(y_PC, self.group, self.shards, self._perm)
 
     def replicate(self, v_TC: torch.Tensor) -> torch.Tensor:
         self._check(v_TC, self.total // self.shards, "replicate")

@@ -687,24 +687,27 @@ def test_interleaved_arms_keep_their_own_weights_and_optimizer_state(tmp_path):
             assert arms[a]["slots"] == [(j - i) % 3 for i in range(base["warmup"], base["warmup"] + base["iters"])]
 
 
-def test_ring_exchange_arms_train_to_the_same_weights_as_gather_arms(tmp_path):
-    """``@ring`` arms run interleaved with the same arms under the all-gather exchange (pinned cost
-    model: identical schedules). Both exchanges compute the same attention gradients, so after the
-    same steps each pair of arms holds the same weights up to fp32 rounding (the ring sums parts in
-    another order); a wrong ring step or a lost dK/dV contribution moves them apart by far more."""
+def test_ring_and_a2a_exchange_arms_train_to_the_same_weights_as_gather_arms(tmp_path):
+    """``@ring`` and ``@a2a`` arms run interleaved with the same arms under the all-gather exchange (pinned cost
+    model: identical schedules). Every exchange computes the same attention gradients, so after the
+    same steps each arm holds the gather arm's weights up to fp32 rounding (the ring sums parts in
+    another order, the all-to-all attends whole sequences); a wrong ring step, a lost dK/dV contribution or
+    heads sent to the wrong rank move them apart by far more."""
     cost = {"quadratic": 1e-9, "linear": 1e-6, "constant": 1e-5, "per_microbatch": 1e-3, "name": "pinned"}
-    arms = ("thd:dp-balanced", "thd:dp-balanced@ring", "dcp:balanced", "dcp:balanced@ring")
+    arms = tuple(a + x for a in ("thd:dp-balanced", "dcp:balanced") for x in ("", "@ring", "@a2a"))
     cfg = {**TINY, "warmup": 1, "iters": 2, "profile_iters": 0, "cost_model": cost, "device": "cpu", "arms": arms}
     ranks = run_on_ranks(_measure, world_size=2, tmp_path=tmp_path, args=(cfg,), timeout_s=240)
     assert step.parse_arm("dcp:balanced@ring") == step.Arm("dcp", "balanced", "local", "ring")
+    assert step.parse_arm("thd:dp-balanced@a2a") == step.Arm("thd", "dp-balanced", "local", "a2a")
     for r in ranks:
         got = r["runs"][0]["arms"]
         for base in ("thd:dp-balanced", "dcp:balanced"):
-            a, b = got[base]["weights_digest"], got[base + "@ring"]["weights_digest"]
-            assert a != b  # the ring really ran: its different summation order shows in the last bits
-            assert b == pytest.approx(a, rel=1e-7, abs=1e-9), base  # measured: 1.3e-9 (a lost dK/dV part: 2e-5)
+            for x in ("@ring", "@a2a"):
+                a, b = got[base]["weights_digest"], got[base + x]["weights_digest"]
+                assert a != b, x  # the exchange really ran: its different summation order shows in the last bits
+                assert b == pytest.approx(a, rel=1e-7, abs=1e-9), (base, x)  # measured: 1.3e-9 (a lost dK/dV part: 2e-5)
         if r["rank"] == 0:
-            assert got["dcp:balanced"]["schedules"] == got["dcp:balanced@ring"]["schedules"]
+            assert got["dcp:balanced"]["schedules"] == got["dcp:balanced@ring"]["schedules"] == got["dcp:balanced@a2a"]["schedules"]
 
 
 def test_the_distributed_optimiser_trains_every_arm_to_the_replicated_weights(tmp_path):

@@ -43,7 +43,7 @@ def test_reroute_delivers_exactly_the_scheduled_gids(world):
 
 
 def test_cp_attention_equals_full_attention(world):
-    """Both K/V exchanges (all-gather, ring), every block size, forward and backward."""
+    """Every K/V exchange (all-gather, ring, all-to-all), every block size, forward and backward."""
     n, results = world
     seen = set()
     for r in results:
@@ -52,7 +52,7 @@ def test_cp_attention_equals_full_attention(world):
             assert max(a["rel"].values()) <= 1e-5, (r["rank"], a)
             assert a["group_rank_sum"] == a["expected_rank_sum"], "the block's collective ran in another group"
             assert a["padding_grad_max"] == 0.0, (r["rank"], a)  # only padding attends padding; its do is 0
-    assert seen == {(s, x) for s in (1, 2, 4) if s <= n for x in ("gather", "ring")}
+    assert seen == {(s, x) for s in (1, 2, 4) if s <= n for x in ("gather", "ring", "a2a")}
     assert sum(a["padding_tokens"] for r in results for a in r["attention"]) > 0  # the zero check saw padding
     layouts = {tuple(a["layout"]) for a in results[0]["attention"]}
     if n == 4:

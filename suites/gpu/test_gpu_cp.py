@@ -35,7 +35,7 @@ def test_cp_attention_on_gpus(nproc, config, tmp_path):
             seen.add((a["size"], a["exchange"]))
             assert a["tol_ratio"] <= 1.0, (r["rank"], a)
             assert a["group_rank_sum"] == a["expected_rank_sum"]
-    assert seen == {(s, x) for s in (1, 2, 4) if s <= nproc for x in ("gather", "ring")}
+    assert seen == {(s, x) for s in (1, 2, 4) if s <= nproc for x in ("gather", "ring", "a2a")}
     print({config: [(a["size"], a["exchange"], a["backend"], a["tokens"], round(a["tol_ratio"], 3),
                      {k: f"{v:.1e}" for k, v in a["rel"].items()})
                     for a in res["ranks"][0]["attention"]]})

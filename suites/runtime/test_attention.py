@@ -180,7 +180,7 @@ def test_ring_exchange_refuses_backends_without_a_log_sum_exp_and_unknown_exchan
     with pytest.raises(ValueError, match="cannot run split attention.*exchange='gather'"):
         resolve_lse_backend("varlen", "cpu")
     assert resolve_lse_backend("auto", "cpu") == "sdpa"
-    with pytest.raises(ValueError, match="unknown CP exchange 'p2p'; choose one of gather, ring, auto"):
+    with pytest.raises(ValueError, match="unknown CP exchange 'p2p'; choose one of gather, ring, a2a, auto"):
         CPAttentionPlan.build([0, 8], 2, 0, "cpu", exchange="p2p")
     assert CPAttentionPlan.build([0, 8], 1, 0, "cpu", exchange="ring").ring is None  # no exchange at cp 1
 
@@ -199,6 +199,23 @@ def test_auto_exchange_picks_the_ring_only_for_long_blocks_on_cuda(monkeypatch):
         assert cpa.choose_exchange("auto", 8191, "cuda", cp) == "gather"
     plan = cpa.CPAttentionPlan.build([0, 4 * big], 2, 1, "cpu", exchange="auto")  # built where it runs: CPU
     assert plan.exchange == "gather" and plan.chunks is not None
+
+
+def test_a2a_exchange_splits_heads_or_says_which_exchange_to_use():
+    from harness.parallel.ulysses import HeadPlan, HeadSplitError, head_parallel_attention, kv_replicas
+
+    assert kv_replicas(16, 16, 4) == 1 and kv_replicas(16, 8, 4) == 1
+    assert kv_replicas(4, 2, 4) == 2 and kv_replicas(8, 1, 4) == 4 and kv_replicas(8, 2, 8) == 4
+    with pytest.raises(HeadSplitError, match="heads=4 is not a multiple of cp_size=8; use exchange='gather'"):
+        kv_replicas(4, 2, 8)
+    assert kv_replicas(12, 6, 4) == 2 and kv_replicas(12, 6, 2) == 1  # 2 query heads a K/V head: 1 a copy
+    plan = HeadPlan.build([0, 8, 24], 2, 0, "cpu")  # 24 tokens over 2 ranks: 12 local rows
+    assert sorted(plan.perm.tolist()) == list(range(24)) and plan.inverse[plan.perm].tolist() == list(range(24))
+    q = torch.zeros(12, 2, 4)
+    with pytest.raises(ValueError, match="q/k/v hold 12/24/12 rows; .* a 24-token pack over cp=2 has 12"):
+        head_parallel_attention(q, torch.zeros(24, 2, 4), q, plan, None)
+    with pytest.raises(ValueError, match=r"CP block of 2 ranks got no group.*for_block\(block_start, 2\)"):
+        head_parallel_attention(q, q, q, plan, None)
 
 
 def test_ring_attention_refuses_a_wrong_slice_and_a_missing_group():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from harness import cli_types as T
 from harness.bench.attention import main
 from harness.commands.common import add_out, add_stall
@@ -19,9 +21,29 @@ def add_arguments(p) -> None:
                    help="attention backend (auto, sdpa, flash, varlen, flash_attn, te; default auto = flash on CUDA)")
 
 
+    p.add_argument("--tokens", type=_counts("tokens a pack", _PACK), default=None,
+                   help="pack sizes, comma-separated (default 32768,131072; the step benchmark's CP-4 blocks: 8192)")
+    p.add_argument("--sequences", type=_counts("sequences a pack", T.SEQUENCES), default=None,
+                   help="equal sequences a pack, comma-separated (default 1,8)")
+
+
+_PACK = T.integer(16, T.MAX_PACK_TOKENS, "a pack of CP 8 needs 16 tokens", "one pack of every rank's GPU memory")
+
+
+def _counts(what: str, one):
+    def parse(text: str) -> list[int]:
+        items = [x for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{what}: give one or more integers, comma-separated (e.g. 8192,32768)")
+        return [one(x.strip()) for x in items]
+    return parse
+
+
 def run(a) -> int:
     _check_gpus(a.nproc)
-    return main(out=a.out, nproc=a.nproc, cfg={"backend": a.backend}, stall_s=a.stall_timeout)
+    cfg = {"backend": a.backend, **({"tokens": a.tokens} if a.tokens else {}),
+           **({"shapes": a.sequences} if a.sequences else {})}
+    return main(out=a.out, nproc=a.nproc, cfg=cfg, stall_s=a.stall_timeout)
 
 
 def _check_gpus(nproc: int | None) -> None:

@@ -69,10 +69,10 @@ def add_arguments(p) -> None:
     p.add_argument("--plan", choices=["ahead", "inline"], default=None,
                    help="schedules computed one step ahead in a planner process (default) or inline, on each "
                         "step's critical path")
-    p.add_argument("--cp-exchange", choices=["gather", "ring", "auto"], default=None,
+    p.add_argument("--cp-exchange", choices=["gather", "ring", "a2a", "auto"], default=None,
                    help="K/V exchange of CP blocks: gather (default; all-gather before attention), ring "
-                        "(overlapped with attention, TransformerEngine's p2p) or auto (ring on CUDA from 8K tokens "
-                        "per rank at cp 2 and 4, 16K above); an arm may override it with @gather / @ring / @auto")
+                        "(overlapped with attention, TransformerEngine's p2p), a2a (all-to-all over heads) or auto (ring on CUDA from 8K tokens "
+                        "per rank at cp 2 and 4, 16K above); an arm may override it with @gather / @ring / @a2a / @auto")
     p.add_argument("--ep", dest="expert_parallel", action="store_true", default=None,
                    help="MoE models (moe-12l-h2048; tiny-moe with --cpu): shard the experts over the ranks; the arms "
                         "may name the execution model their schedules are made for (dcp:balanced:local:synchronous)")
