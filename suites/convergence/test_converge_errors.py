@@ -18,7 +18,7 @@ from harness.train.trainer import TrainConfig
 @pytest.mark.parametrize("cfg, world, match", [
     (TrainConfig(layouts=("bshd", "ring")), 4, "unknown layout"),
     (TrainConfig(model="tiny-llama"), 4, "unknown model 'tiny-llama'"),
-    (TrainConfig(cp_exchange="p2p"), 4, "cp_exchange must be one of gather, ring, auto or te:"),
+    (TrainConfig(cp_exchange="p2p"), 4, "cp_exchange must be one of gather, ring, a2a, auto or te:"),
     (TrainConfig(cp_exchange="te:ring"), 4, "unknown TransformerEngine CP communication type 'ring'"),
     (TrainConfig(), 3, "world size 3 is not a power of two"),
     (TrainConfig(), 2, r"needs a static CP group of 4 ranks .* world has 2"),

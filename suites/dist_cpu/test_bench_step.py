@@ -40,8 +40,8 @@ def test_trimmed_mean_drops_the_tails():
 @pytest.mark.parametrize("text, fix", [("dcp", "layout:scheduler"), ("bshd:balanced", r"thd \(static CP\) or dcp"),
                                        ("thd:balanced", "thd:dp-balanced"), ("dcp:fastest", "choose from"),
                                        ("dcp:balanced:tight", "local or domain"),
-                                       ("dcp:balanced@p2p", "exchange must be one of gather, ring, auto"),
-                                       ("thd:dp-balanced@", "exchange must be one of gather, ring, auto"),
+                                       ("dcp:balanced@p2p", "exchange must be one of gather, ring, a2a, auto"),
+                                       ("thd:dp-balanced@", "exchange must be one of gather, ring, a2a, auto"),
                                        ("dcp:balanced+graph", "compile scope must be one of segments, chain"),
                                        ("dcp:balanced@ring+", "compile scope must be one of segments, chain")])
 def test_bad_arms_are_named_with_the_fix(text, fix):
@@ -63,7 +63,7 @@ def test_bad_arms_are_named_with_the_fix(text, fix):
                                               ({"gc": "off"}, 2, "gc must be manual or auto"),
                                               ({"plan": "async"}, 2, "plan must be 'ahead' or 'inline'"),
                                               ({"grad_reduce": "ddp"}, 2, "grad_reduce must be one of overlap, after"),
-                                              ({"cp_exchange": "p2p"}, 2, "cp_exchange must be one of gather, ring, auto"),
+                                              ({"cp_exchange": "p2p"}, 2, "cp_exchange must be one of gather, ring, a2a, auto"),
                                               ({"arms": ("dcp:balanced+chain",)}, 2, "runs eager"),
                                               ({"global_batch": "sequences"}, 2, "global_batch must be one of"),
                                               ({"global_batch": "sequences:0"}, 2, "global_batch must be one of"),
