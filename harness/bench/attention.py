@@ -1,6 +1,6 @@
 """``dcp-harness bench attention`` (GPU): CP attention forward + backward throughput.
 
-For 32K and 128K tokens per pack (one sequence, and eight equal sequences) and CP sizes 1, 2, 4 on
+For 32K and 128K tokens per pack (one sequence, and eight equal sequences; ``--tokens`` / ``--sequences`` pick others) and CP sizes 1, 2, 4 on
 ``min(4, GPUs)`` GPUs, every CP block of the world runs ``cp_attention`` (``backend``, default ``auto``,
 i.e. ``flash`` on CUDA; bf16, 16 heads x 128) on its own copy of the pack. Figures: the median over iterations of the slowest
 rank's time, TFLOP/s counting causal FLOPs (forward 2 L^2 H D per sequence, backward 2.5 x forward),

@@ -11,6 +11,7 @@ from harness.parallel.cp_attention import EXCHANGES
 from harness.parallel.dist_opt import OPTIMIZERS
 from harness.parallel.expert_parallel import check_divisible
 from harness.parallel.grad_reduce import DEFAULT_BUCKET_ELEMENTS
+from harness.parallel.ulysses import HeadSplitError, kv_replicas
 from harness.plan import ALGORITHMS, CostModel, token_bucket
 from harness.plan.execution import INDEPENDENT, SYNCHRONOUS, Execution
 from harness.runtime.model import MODELS
@@ -137,6 +138,11 @@ class TrainConfig:
         elif self.cp_exchange not in EXCHANGES:
             raise LayoutError(f"cp_exchange must be one of {', '.join(EXCHANGES)} or te:<"
                               f"{'|'.join(te_cp.COMM_TYPES)}>, got {self.cp_exchange!r}")
+        elif self.cp_exchange == "a2a":  # the largest CP block is the domain: its heads must split over it
+            try:
+                kv_replicas(MODELS[self.model].heads, MODELS[self.model].kv_heads, n)
+            except HeadSplitError as e:
+                raise LayoutError(f"{e} (the largest CP block of this run: the {n}-rank DP x CP domain)") from None
         if self.scheduler not in ALGORITHMS and self.scheduler != UPSTREAM_SCHEDULER:
             raise LayoutError(f"unknown scheduler {self.scheduler!r} for the dcp layout; choose from "
                               f"{', '.join(sorted(ALGORITHMS))} or {UPSTREAM_SCHEDULER} (the installed one's)")

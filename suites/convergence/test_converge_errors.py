@@ -25,6 +25,7 @@ from harness.train.trainer import TrainConfig
     (TrainConfig(corpus=__import__("harness.data.corpus", fromlist=["CorpusConfig"]).CorpusConfig(sequences_per_batch=31),
                  max_seqlen_per_rank=512), 4, "multiple of 2"),
     (TrainConfig(model="tiny-hybrid"), 8, r"SSM mixers' 4 heads cannot be split over a CP block of 8 ranks"),
+    (TrainConfig(cp_exchange="a2a"), 8, r"heads=4 is not a multiple of cp_size=8; use exchange='gather'.*8-rank"),
 ])
 def test_layouts_the_world_cannot_run(cfg, world, match, tmp_path):
     with pytest.raises(LayoutError, match=match):

@@ -79,7 +79,9 @@ def test_bad_arms_are_named_with_the_fix(text, fix):
                                               ({"arms": ("dcp:balanced:local:lockstep",)}, 2,
                                                "execution must be one of independent, synchronous"),
                                               ({"arms": ("dcp:balanced+chain",), "compile": "reduce-overhead",
-                                                "device": "cuda"}, 2, "cannot")])
+                                                "device": "cuda"}, 2, "cannot"),
+                                              ({"arms": ("thd:dp-balanced", "dcp:balanced@a2a")}, 8,
+                                               "heads=4 is not a multiple of cp_size=8.*its 8 ranks")])
 def test_bad_config_is_refused_before_any_process_starts(over, world, msg):
     with pytest.raises(step.BenchConfigError, match=msg):
         step.StepBenchConfig.from_dict({**TINY, **over}).validate(world)

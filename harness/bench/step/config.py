@@ -295,6 +295,13 @@ class StepBenchConfig:
 
         if self.cp_exchange not in EXCHANGES:
             raise BenchConfigError(f"cp_exchange must be one of {', '.join(EXCHANGES)}, got {self.cp_exchange!r}")
+        if "a2a" in {a.exchange or self.cp_exchange for a in arms}:  # a block of the whole world: heads must split
+            from harness.parallel.ulysses import HeadSplitError, kv_replicas  # lazy: torch, as above
+
+            try:
+                kv_replicas(MODELS[self.model].heads, MODELS[self.model].kv_heads, world)
+            except HeadSplitError as e:
+                raise BenchConfigError(f"{e} (the largest CP block of this job: its {world} ranks)") from None
         if self.gc not in ("manual", "auto"):
             raise BenchConfigError(f"gc must be manual or auto, got {self.gc!r}")
         if self.optimizer not in ("replicated", "distributed"):

@@ -19,8 +19,6 @@ def add_arguments(p) -> None:
     add_stall(p)
     p.add_argument("--backend", default="auto",
                    help="attention backend (auto, sdpa, flash, varlen, flash_attn, te; default auto = flash on CUDA)")
-
-
     p.add_argument("--tokens", type=_counts("tokens a pack", _PACK), default=None,
                    help="pack sizes, comma-separated (default 32768,131072; the step benchmark's CP-4 blocks: 8192)")
     p.add_argument("--sequences", type=_counts("sequences a pack", T.SEQUENCES), default=None,
