@@ -8,7 +8,7 @@ benchmark (reports read results).
 from __future__ import annotations
 
 from harness.report.html import esc, figure_png, page, table
-from harness.report.step_tables import PHASE_COLUMNS, phase_rows, run_columns, runs_rows
+from harness.report.step_tables import PHASE_COLUMNS, SAVED_COLUMNS, phase_rows, run_columns, runs_rows, saved_rows
 
 PART_COLORS = {"attention": "#4c72b0", "linear": "#55a868", "other": "#8172b2", "communication": "#c44e52",
                "idle": "#cccccc"}
@@ -178,6 +178,22 @@ def _phases(summary: dict, cfg) -> str:
                     [h for _, h, _ in PHASE_COLUMNS], left=1))
 
 
+def _saved(summary: dict) -> str:
+    """Where each arm's speedup over static CP comes from, part by part of a profiled step (``saved_rows``)."""
+    rows = saved_rows(summary)
+    if not rows:
+        return ""
+    return ("<h3>Where each arm's speedup comes from</h3><p>ms static CP spends more than the arm in each part of one "
+            "profiled step (negative: the arm spends more), exposed communication split by collective; the parts add "
+            "up to the profiled step's difference. From the device-only profiles where both arms have one. A profiled "
+            "step runs longer than a timed one (the timed steps' difference is beside it, for scale), so read the "
+            "parts as shares. Dynamic CP saves attention (short sequences kept out of CP blocks) and the K/V "
+            "all-gathers and gradient reduce-scatters of the blocks it does not form; what it pays elsewhere - an "
+            "all-reduce its ranks reach at different times, idle - is where its gap to the model bound lies.</p>"
+            + table([[_fmt(r.get(k), f) if f != "s" else str(r.get(k)) for k, _, f in SAVED_COLUMNS] for r in rows],
+                    [h for _, h, _ in SAVED_COLUMNS], left=1))
+
+
 def _rank_table(summary: dict, key: str, cell, title: str, blurb: str) -> str:
     """A table of each arm's per-rank figures ``summary["arms"][arm][key]`` (one cell each), for arms with two ranks or
     more that all have figures; empty when there is none."""
@@ -267,6 +283,7 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
          "the slowest rank's compute time minus the mean rank's.</p>"
          + table(brows, ["arm", "wall ms"] + list(PART_COLORS) + ["imbalance ms", "source"], left=1)
          + figure_png(_breakdown_plot(summary))) if brows else "<p>No breakdown was measured.</p>",
+        _saved(summary),
         _by_rank(summary),
         _host_lead(summary),
         "".join(f'<p class="small">no breakdown for {esc(m)}</p>' for m in missing),

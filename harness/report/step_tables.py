@@ -62,3 +62,54 @@ def breakdown_rows(summary: dict) -> list[dict]:
     """One row per profiled arm (``BREAKDOWN_COLUMNS``); arms without a breakdown are left out."""
     return [{"arm": k, **v["breakdown"], "compute_imbalance_ms": v["compute_imbalance_ms"]}
             for k, v in summary["arms"].items() if v["breakdown"]]
+
+
+BASELINE = "thd:dp-balanced"
+"""The arm every other arm's savings are measured against (static CP; ``summarise.TARGETS['baseline']``)."""
+COLLECTIVES = (("all-reduce", ("allreduce",)), ("all-gather", ("allgather",)), ("reduce-scatter", ("reducescatter",)),
+               ("all-to-all", ("alltoall",)), ("send/recv", ("sendrecv", "send", "recv")))
+"""Exposed communication by collective: a kernel's (NCCL) or operator's (gloo) name, lower-cased without '_', holds
+one of the tags; anything else, and the time of kernels the breakdown kept no name for, is ``other collectives``."""
+SAVED_PARTS = ("attention", "linear", "other") + tuple(n for n, _ in COLLECTIVES) + ("other collectives", "idle")
+SAVED_COLUMNS = ([("arm", "arm", "s"), ("timed", "timed step", "+.1f"), ("profile", "profile", "s"),
+                  ("wall", "profiled step", "+.1f")] + [(p, p, "+.1f") for p in SAVED_PARTS])
+
+
+def exposed_by_collective(b: dict) -> dict:
+    """A ``breakdown``'s exposed communication (ms) split by collective (``COLLECTIVES``); the parts add up to its
+    ``communication``."""
+    out = dict.fromkeys([n for n, _ in COLLECTIVES] + ["other collectives"], 0.0)
+    for name, (cat, ms, _count) in (b.get("kernels") or {}).items():
+        if cat != "communication":
+            continue
+        key = str(name).lower().replace("_", "")
+        out[next((n for n, tags in COLLECTIVES if any(t in key for t in tags)), "other collectives")] += ms
+    out["other collectives"] += max(0.0, b["communication"] - sum(out.values()))
+    return out
+
+
+def _parts(b: dict) -> dict:
+    return {"wall": b["wall"], "attention": b["attention"], "linear": b["linear"], "other": b["other"],
+            **exposed_by_collective(b), "idle": b["idle"]}
+
+
+def saved_rows(summary: dict) -> list[dict]:
+    """Where each arm's speedup over static CP comes from: per part of the profiled step, the ms static CP spends
+    more than the arm (negative: the arm spends more); the parts add up to the step's difference. From the
+    device-only profiles when both arms have one (no host recording lengthening idle time and communication), else
+    from the profiled steps; ``timed`` is the difference of the timed steps' trimmed means, for scale (a profiled step
+    runs longer than a timed one). Empty without a profiled static arm."""
+    arms = summary["arms"]
+    base = arms.get(BASELINE)
+    if not base or not base.get("breakdown"):
+        return []
+    rows = []
+    for k, v in arms.items():
+        if k == BASELINE or not v.get("breakdown"):
+            continue
+        src = "breakdown_device" if base.get("breakdown_device") and v.get("breakdown_device") else "breakdown"
+        b, a = _parts(base[src]), _parts(v[src])
+        rows.append({"arm": k, "timed": base["trimmed_mean_ms"] - v["trimmed_mean_ms"],
+                     "profile": "device-only" if src == "breakdown_device" else "profiled",
+                     **{p: b[p] - a[p] for p in b}})
+    return rows

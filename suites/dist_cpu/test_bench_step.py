@@ -577,6 +577,7 @@ def test_cli_smoke_writes_json_and_html(tmp_path, capsys):
     assert "USDT:" not in printed and "trimmed ms" in printed
     assert "dcp:balanced by rank (idle / exposed comm ms): 0: " in printed  # the 2-rank world's profiled step
     assert "Idle and exposed communication by rank" in html
+    assert "where each arm's speedup comes from" in printed and "Where each arm" in html  # gloo's collectives by name
     # a CPU run has no GPU clock: no lead per rank, no line, no table
     assert all(a["host_lead_per_rank"] == [None, None] for a in doc["results"]["arms"].values())
     assert "host lead by rank" not in printed and "Host lead by rank" not in html

@@ -27,11 +27,13 @@ from harness.report.step_tables import (
     BREAKDOWN_COLUMNS,
     COLUMNS,
     PHASE_COLUMNS,
+    SAVED_COLUMNS,
     arm_rows,
     breakdown_rows,
     phase_rows,
     run_columns,
     runs_rows,
+    saved_rows,
 )
 
 CPU_SMOKE = {"model": "tiny-gpt", "lengths": "lognormal:mean=96,sigma=1.2,min=8,max=512", "max_seqlen_per_rank": 128,
@@ -118,6 +120,11 @@ def _print_tables(summary: dict, cfg: StepBenchConfig) -> None:
         for k, v in summary["arms"].items():
             if v.get("breakdown_device"):
                 print(device_only_line(k, v["breakdown_device"]))
+        saved = saved_rows(summary)
+        if saved:
+            print("where each arm's speedup comes from (ms static CP spends more than the arm, per part of a profiled "
+                  "step; negative: the arm spends more):")
+            print(table(saved, SAVED_COLUMNS))
     for k, v in summary["arms"].items():
         line = lead_line(k, v.get("host_lead_per_rank") or [])
         if line:
