@@ -61,8 +61,10 @@ def _layout(page: Path, tmp_path) -> dict:
 @pytest.fixture(scope="module")
 def report_pages(tmp_path_factory) -> dict[str, Path]:
     """The fault catalogue's page (the recorded run), a convergence report, the main job's page, the step
-    benchmark's recorded speedup curve and its two stacks side by side."""
-    from harness.report import convergence_report, faults_report, schedule_report, step_curve, step_stacks
+    benchmark's recorded speedup curve, its two stacks side by side and one of its runs (Megatron's batch on 4 x H200,
+    with the part-by-part attribution)."""
+    from harness.bench.step.config import StepBenchConfig
+    from harness.report import convergence_report, faults_report, schedule_report, step_curve, step_report, step_stacks
     from suites.repo.report_examples import RECORDED_FAULTS, convergence_result, main_result
 
     d = tmp_path_factory.mktemp("reports")
@@ -72,12 +74,15 @@ def report_pages(tmp_path_factory) -> dict[str, Path]:
             "main": schedule_report.render(main_result())[0],
             "curve": step_curve.html_page(step_curve.load_curve(sorted(recorded.glob("bench_step.h200x4.*.json")))),
             "compare": step_stacks.html_page(step_stacks.load_rows(sorted(recorded.glob("bench_step*.megatron-batch.json"))))}
+    step = json.loads((recorded / "bench_step.h200x4.2026-11-28-megatron.json").read_text())
+    html["step"] = step_report.render(step["results"], StepBenchConfig.from_dict(step["config"]), step["checks"],
+                                      step["results"]["world"])
     for name, text in html.items():
         (d / f"{name}.html").write_text(text)
     return {name: d / f"{name}.html" for name in html}
 
 
-@pytest.mark.parametrize("name", ["faults", "convergence", "main", "curve", "compare"])
+@pytest.mark.parametrize("name", ["faults", "convergence", "main", "curve", "compare", "step"])
 def test_every_report_fits_a_1400_pixel_window(report_pages, name, tmp_path):
     seen = _layout(report_pages[name], tmp_path)
     assert seen["scrollWidth"] <= seen["clientWidth"] <= WIDTH, seen  # no horizontal scrollbar
