@@ -8,7 +8,7 @@ benchmark (reports read results).
 from __future__ import annotations
 
 from harness.report.html import esc, figure_png, page, table
-from harness.report.step_tables import PHASE_COLUMNS, SAVED_COLUMNS, phase_rows, run_columns, runs_rows, saved_rows
+from harness.report.step_tables import PHASE_COLUMNS, phase_rows, run_columns, runs_rows, saved_columns, saved_rows
 
 PART_COLORS = {"attention": "#4c72b0", "linear": "#55a868", "other": "#8172b2", "communication": "#c44e52",
                "idle": "#cccccc"}
@@ -190,8 +190,8 @@ def _saved(summary: dict) -> str:
             "parts as shares. Dynamic CP saves attention (short sequences kept out of CP blocks) and the K/V "
             "all-gathers and gradient reduce-scatters of the blocks it does not form; what it pays elsewhere - an "
             "all-reduce its ranks reach at different times, idle - is where its gap to the model bound lies.</p>"
-            + table([[_fmt(r.get(k), f) if f != "s" else str(r.get(k)) for k, _, f in SAVED_COLUMNS] for r in rows],
-                    [h for _, h, _ in SAVED_COLUMNS], left=1))
+            + table([[_fmt(r.get(k), f) if f != "s" else str(r.get(k)) for k, _, f in saved_columns(rows)] for r in rows],
+                    [h for _, h, _ in saved_columns(rows)], left=1))
 
 
 def _rank_table(summary: dict, key: str, cell, title: str, blurb: str) -> str:

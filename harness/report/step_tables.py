@@ -75,6 +75,12 @@ SAVED_COLUMNS = ([("arm", "arm", "s"), ("timed", "timed step", "+.1f"), ("profil
                   ("wall", "profiled step", "+.1f")] + [(p, p, "+.1f") for p in SAVED_PARTS])
 
 
+def saved_columns(rows: list[dict]) -> list[tuple[str, str, str]]:
+    """``SAVED_COLUMNS`` for ``rows`` (``saved_rows``) without the collectives no row has a tenth of a ms of."""
+    quiet = {n for n, _ in COLLECTIVES if all(abs(r[n]) < 0.05 for r in rows)}
+    return [c for c in SAVED_COLUMNS if c[0] not in quiet]
+
+
 def exposed_by_collective(b: dict) -> dict:
     """A ``breakdown``'s exposed communication (ms) split by collective (``COLLECTIVES``); the parts add up to its
     ``communication``."""

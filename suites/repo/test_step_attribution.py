@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.report.step_tables import BASELINE, SAVED_PARTS, exposed_by_collective, saved_rows
+from harness.report.step_tables import BASELINE, SAVED_PARTS, exposed_by_collective, saved_columns, saved_rows
 
 RECORDED = Path(__file__).resolve().parents[2] / "reports" / "recorded"
 MEGATRON_BATCH = RECORDED / "bench_step.h200x4.2026-11-28-megatron.json"  # e81a505: device-only profiles, kernels kept
@@ -44,6 +44,8 @@ def test_a_recorded_profile_says_what_dynamic_cp_saved_and_what_it_paid():
     assert row["all-gather"] == pytest.approx(base["kernels"][k][1] - arm["kernels"][k][1])
     # Megatron's batch on 4 x H200: dynamic CP drops ~12 ms of K/V all-gathers, its all-reduce waits ~5 ms longer
     assert row["all-gather"] > 10 and row["all-reduce"] < -5 and abs(row["linear"]) < 2
+    shown = [k for k, _, _ in saved_columns([row])]  # no all-to-all in this job: its column is left out
+    assert "all-to-all" not in shown and {"all-reduce", "all-gather", "send/recv", "idle", "attention"} <= set(shown)
 
 
 def test_without_both_device_only_profiles_the_profiled_steps_are_compared_and_without_a_baseline_nothing():
@@ -70,6 +72,7 @@ def test_the_step_report_shows_the_attribution():
     section = html[html.index("Where each arm&#x27;s speedup comes from") if "&#x27;" in html
                    else html.index("Where each arm's speedup comes from"):]
     assert "all-gather" in section and "+12.0" in section and "-5.3" in section and "device-only" in section
+    assert "all-to-all" not in section[:section.index("</table>")]
 
 
 def test_the_baseline_is_the_benchmark_s():

@@ -27,12 +27,12 @@ from harness.report.step_tables import (
     BREAKDOWN_COLUMNS,
     COLUMNS,
     PHASE_COLUMNS,
-    SAVED_COLUMNS,
     arm_rows,
     breakdown_rows,
     phase_rows,
     run_columns,
     runs_rows,
+    saved_columns,
     saved_rows,
 )
 
@@ -124,7 +124,7 @@ def _print_tables(summary: dict, cfg: StepBenchConfig) -> None:
         if saved:
             print("where each arm's speedup comes from (ms static CP spends more than the arm, per part of a profiled "
                   "step; negative: the arm spends more):")
-            print(table(saved, SAVED_COLUMNS))
+            print(table(saved, saved_columns(saved)))
     for k, v in summary["arms"].items():
         line = lead_line(k, v.get("host_lead_per_rank") or [])
         if line:
