@@ -183,6 +183,7 @@ def _saved(summary: dict) -> str:
     rows = saved_rows(summary)
     if not rows:
         return ""
+    cols = saved_columns(rows)
     return ("<h3>Where each arm's speedup comes from</h3><p>ms static CP spends more than the arm in each part of one "
             "profiled step (negative: the arm spends more), exposed communication split by collective; the parts add "
             "up to the profiled step's difference. From the device-only profiles where both arms have one. A profiled "
@@ -190,8 +191,8 @@ def _saved(summary: dict) -> str:
             "parts as shares. Dynamic CP saves attention (short sequences kept out of CP blocks) and the K/V "
             "all-gathers and gradient reduce-scatters of the blocks it does not form; what it pays elsewhere - an "
             "all-reduce its ranks reach at different times, idle - is where its gap to the model bound lies.</p>"
-            + table([[_fmt(r.get(k), f) if f != "s" else str(r.get(k)) for k, _, f in saved_columns(rows)] for r in rows],
-                    [h for _, h, _ in saved_columns(rows)], left=1))
+            + table([[_fmt(r.get(k), f) if f != "s" else str(r.get(k)) for k, _, f in cols] for r in rows],
+                    [h for _, h, _ in cols], left=1))
 
 
 def _rank_table(summary: dict, key: str, cell, title: str, blurb: str) -> str:

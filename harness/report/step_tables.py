@@ -90,7 +90,8 @@ def exposed_by_collective(b: dict) -> dict:
             continue
         key = str(name).lower().replace("_", "")
         out[next((n for n, tags in COLLECTIVES if any(t in key for t in tags)), "other collectives")] += ms
-    out["other collectives"] += max(0.0, b["communication"] - sum(out.values()))
+    rest = b["communication"] - sum(out.values())
+    out["other collectives"] += 0.0 if rest < 0 else rest  # a rounding deficit is dropped; a NaN stays NaN
     return out
 
 
