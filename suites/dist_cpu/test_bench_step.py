@@ -559,6 +559,22 @@ def test_targets_are_judged_on_the_median_run_not_a_lucky_one():
     assert s2["representative_run"] == 1 and step.checks(s2, "cuda") == []
 
 
+def test_the_speedup_target_is_the_workloads_own():
+    """1.4x on the default workload, 1.2x on Megatron's batch, none on the curve's batches: a 1.3x step passes
+    Megatron's batch and fails the default workload; the curve's batch is judged only against upstream."""
+    runs = [{"thd:dp-balanced": 390.0, "dcp:balanced": 300.0, "dcp:megatron-dev": 310.0}]  # 1.3x
+    verdicts = {}
+    for mode in ("tokens", "megatron", "sequences:16"):
+        cks = step.checks(step.summarize(_fake_job(runs), step.StepBenchConfig(global_batch=mode)), "cuda")
+        verdicts[mode] = [(c["target"], c["pass"]) for c in cks]
+        assert cks[-1]["value"] == pytest.approx(310 / 300) and cks[-1]["target"].startswith("dcp:balanced at least")
+    (t, ok), _ = verdicts["tokens"]
+    assert ">= 1.4 at 4 GPUs (the default workload)" in t and ok is False
+    (t, ok), _ = verdicts["megatron"]
+    assert ">= 1.2 at 4 GPUs (Megatron's batch)" in t and ok is True
+    assert len(verdicts["sequences:16"]) == 1  # only the upstream comparison
+
+
 def test_cli_smoke_writes_json_and_html(tmp_path, capsys):
     from harness.cli import main
 
