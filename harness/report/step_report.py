@@ -173,7 +173,9 @@ def _phases(summary: dict, cfg) -> str:
             "CP's is the longest. Dynamic CP changes mostly the micro-batches phase; the gradient all-reduce left "
             f"after the last backward (mode: {esc(cfg.grad_reduce)}) and the optimiser ({esc(cfg.optimizer)}: under the "
             "distributed one, AdamW on 1/N and the parameters' all-gather) cost every arm about the same and "
-            "dilute the whole step's speedup.</p>"
+            "dilute the whole step's speedup. 'Arrival spread' is how long the first rank to finish its "
+            "micro-batches waited for the last, each rank's own CUDA events (trimmed mean): the part of the "
+            "gradient all-reduce's exposed time that the ranks' balance decides.</p>"
             + table([[_fmt(r.get(k), f) for k, _, f in PHASE_COLUMNS] for r in rows],
                     [h for _, h, _ in PHASE_COLUMNS], left=1))
 

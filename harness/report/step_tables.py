@@ -20,13 +20,25 @@ BREAKDOWN_COLUMNS = [("arm", "arm", "s"), ("wall", "wall ms", ".1f"), ("attentio
                      ("host_syncs", "host syncs", ".0f"), ("host_sync_ms", "sync ms", ".1f")]
 PHASE_COLUMNS = [("arm", "arm", "s"), ("schedule", "schedule ms", ".1f"), ("microbatches", "micro-batches ms", ".1f"),
                  ("grad_reduce", "grad reduce ms", ".1f"), ("optimizer", "optimizer ms", ".1f"), ("total", "total ms", ".1f"),
-                 ("microbatch_speedup_vs_static", "micro-batch speedup", ".3f")]
+                 ("arrival_spread", "arrival spread ms", ".1f"), ("microbatch_speedup_vs_static", "micro-batch speedup", ".3f")]
 
 
 def phase_rows(summary: dict) -> list[dict]:
-    """One row per arm with step phases (``PHASE_COLUMNS``)."""
-    return [{"arm": k, **v["phases_ms"], "microbatch_speedup_vs_static": v["microbatch_speedup_vs_static"]}
+    """One row per arm with step phases (``PHASE_COLUMNS``) and the ranks' arrival spread at the gradient reduction
+    (``summarise.arrival``; None for a result without each rank's marks)."""
+    return [{"arm": k, **v["phases_ms"], "microbatch_speedup_vs_static": v["microbatch_speedup_vs_static"],
+             "arrival_spread": (v.get("arrival") or {}).get("spread_ms")}
             for k, v in summary["arms"].items() if v.get("phases_ms")]
+
+
+def arrival_line(arm: str, v: dict) -> str | None:
+    """Which ranks reached the gradient reduction last, and how often (None without per-rank marks)."""
+    a = v.get("arrival")
+    if not a:
+        return None
+    counts = ", ".join(f"{r}: {c}" for r, c in enumerate(a["last_counts"]))
+    return (f"  {arm}: the first rank to finish its micro-batches waited {a['spread_ms']:.1f} ms for the last "
+            f"(trimmed mean); steps each rank finished last: {counts}")
 
 
 def runs_rows(summary: dict) -> list[dict]:

@@ -498,6 +498,14 @@ def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
             assert len(marks) == cfg.iters and all(m == sorted(m) for m in marks)
             assert all(m[-1] <= t + 1e-6 for m, t in zip(marks, a["step_ms"]))
             assert a["microbatch_speedup_vs_static"] > 0
+            # each rank's own end of micro-batches: their latest is the all-reduced boundary, and the arrival
+            # spread is the latest minus the earliest, step by step
+            own = [r["runs"][k]["arms"][label]["own_phase_marks_ms"] for r in ranks]
+            ends = list(zip(*[[m[1] for m in rank] for rank in own]))
+            assert [max(e) for e in ends] == pytest.approx([m[1] for m in marks])
+            assert a["arrival"]["spread_ms"] == pytest.approx(step.trimmed_mean([max(e) - min(e) for e in ends],
+                                                                                cfg.trim))
+            assert sum(a["arrival"]["last_counts"]) == cfg.iters and len(a["arrival"]["last_counts"]) == 2
         assert run["arms"]["thd:dp-balanced"]["speedup_vs_static"] == 1.0
         # each run fitted the scheduler's cost model on this world, identically on every rank
         assert run["cost_model"]["name"].startswith("calibrated")
@@ -907,3 +915,18 @@ def test_named_cost_models_are_checked_before_anything_runs(tmp_path, capsys):
                  "--arm-cost-model", f"a={cost}"]) == 2
     assert main(["bench", "step", "--stack", "megatron-core", "--arm-cost-model", f"a={cost}"]) == 2
     assert "with --stack megatron-core its balanced arm takes --cost-model" in capsys.readouterr().err
+
+
+def test_arrival_is_the_wait_of_the_first_rank_for_the_last():
+    """Three ranks, three steps; boundaries (schedule, micro-batches, reduce, optimizer) by hand: the spreads at the
+    micro-batches' end are 30, 5 and 12 ms; the last: rank 2, then ranks 1 and 2 tied, then ranks 0 and 2 tied (a tie
+    goes to the lower rank)."""
+    from harness.bench.step.summarise import arrival
+
+    own = [[[1, 100, 101, 102], [1, 50, 51, 52], [1, 80, 90, 91]],
+           [[2, 120, 121, 122], [2, 55, 56, 57], [2, 68, 90, 91]],
+           [[3, 130, 131, 132], [3, 55, 56, 57], [3, 80, 90, 91]]]
+    a = arrival(own, 0.0)
+    assert a["spread_ms"] == pytest.approx((30 + 5 + 12) / 3)
+    assert a["last_counts"] == [1, 1, 1]  # step 2: ranks 1 and 2 tie at 55 -> rank 1; step 3: ranks 0 and 2 -> rank 0
+    assert arrival(own[:2] + [None], 0.0) is None and arrival([], 0.0) is None

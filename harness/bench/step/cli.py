@@ -28,6 +28,7 @@ from harness.report.step_tables import (
     COLUMNS,
     PHASE_COLUMNS,
     arm_rows,
+    arrival_line,
     breakdown_rows,
     phase_rows,
     run_columns,
@@ -136,6 +137,10 @@ def _print_tables(summary: dict, cfg: StepBenchConfig) -> None:
         print(f"step phases (trimmed-mean ms of the measured steps, each boundary when the slowest rank passed it; "
               f"gradient all-reduce {cfg.grad_reduce}, {cfg.optimizer} optimizer):")
         print(table(phase_rows(summary), PHASE_COLUMNS))
+        for k, v in summary["arms"].items():
+            line = arrival_line(k, v)
+            if line:
+                print(line)
 
 
 def _print_verdicts(summary: dict, cks: list[dict]) -> None:

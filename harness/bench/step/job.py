@@ -316,7 +316,7 @@ def _arm_result(ctx: RankContext, arm: Arm, x: dict, ws: list, opt, run: int, pe
     parts, device_parts, error = _profile(ctx, arm, opt, run)
     out = {"rank": ctx.rank, "times_s": x["times"], "step_s": slowest.tolist(),
            "processed_tokens": tok.tolist(), "plan_ms": x["plan_ms"], "plan_wait_ms": x["plan_wait_ms"],
-           "phase_marks_ms": last.tolist(),
+           "phase_marks_ms": last.tolist(), "own_phase_marks_ms": x["marks"],
            "breakdown": parts, "breakdown_device": device_parts,
            "breakdown_error": error, "peak_memory_gb": peak, "weights_digest": digest,
            "slots": x["slots"], "host_lead": summarize_leads(x["leads"])}

@@ -209,6 +209,7 @@ def _arm_summary(a: dict, mine: list[dict], batches: dict, *, world: int, peak: 
         "peak_memory_gb": max((m["peak_memory_gb"] or 0.0) for m in mine) or None,
         **_breakdown_summary(mine),
         "phases_ms": phase_times(a.get("phase_marks_ms"), trim),
+        "arrival": arrival([m.get("own_phase_marks_ms") for m in mine], trim),
         # each rank's lead over its GPU in the timed steps (CUDA only: None per rank elsewhere)
         "host_lead_per_rank": [m.get("host_lead") for m in mine],
     }
@@ -238,6 +239,24 @@ def phase_times(marks: list[list[float]] | None, trim: float) -> dict | None:
     out = {name: trimmed_mean([st[k] for st in steps], trim) for k, name in enumerate(PHASES)}
     out["total"] = trimmed_mean([m[-1] for m in marks], trim)
     return out
+
+
+def arrival(own_marks: list[list[list[float]] | None], trim: float) -> dict | None:
+    """When the ranks reached the gradient reduction, from each rank's own phase boundaries (``own_marks[r][step]``,
+    ms from the step's start; the micro-batches' end is the second): ``spread_ms``, the trimmed mean over steps of
+    how long the first rank to finish its micro-batches waited for the last (the time its all-reduce spins with no
+    compute of its own: the part of the exposed all-reduce that balance, not bandwidth, decides), and
+    ``last_counts``, how many steps each rank was the last (one rank always last: a cost only it pays; spread
+    out: the schedule's imbalance). None when some rank has no marks (a result of an older version)."""
+    if not own_marks or any(not m for m in own_marks):
+        return None
+    k = PHASES.index("microbatches")
+    ends = [[m[k] for m in rank] for rank in own_marks]
+    steps = list(zip(*ends))
+    last = [0] * len(ends)
+    for st in steps:
+        last[max(range(len(st)), key=lambda r: (st[r], -r))] += 1
+    return {"spread_ms": trimmed_mean([max(st) - min(st) for st in steps], trim), "last_counts": last}
 
 
 def _in_seconds(run: dict) -> bool:
