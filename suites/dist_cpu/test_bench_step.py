@@ -928,5 +928,6 @@ def test_arrival_is_the_wait_of_the_first_rank_for_the_last():
            [[3, 130, 131, 132], [3, 55, 56, 57], [3, 80, 90, 91]]]
     a = arrival(own, 0.0)
     assert a["spread_ms"] == pytest.approx((30 + 5 + 12) / 3)
+    assert a["ends_ms"] == [[100, 50, 80], [120, 55, 68], [130, 55, 80]]
     assert a["last_counts"] == [1, 1, 1]  # step 2: ranks 1 and 2 tie at 55 -> rank 1; step 3: ranks 0 and 2 -> rank 0
     assert arrival(own[:2] + [None], 0.0) is None and arrival([], 0.0) is None

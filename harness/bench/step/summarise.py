@@ -247,7 +247,9 @@ def arrival(own_marks: list[list[list[float]] | None], trim: float) -> dict | No
     how long the first rank to finish its micro-batches waited for the last (the time its all-reduce spins with no
     compute of its own: the part of the exposed all-reduce that balance, not bandwidth, decides), and
     ``last_counts``, how many steps each rank was the last (one rank always last: a cost only it pays; spread
-    out: the schedule's imbalance). None when some rank has no marks (a result of an older version)."""
+    out: the schedule's imbalance), and ``ends_ms``, each rank's end of micro-batches step by step (to set beside
+    the schedule's modelled per-rank load offline). None when some rank has no marks (a result of an older
+    version)."""
     if not own_marks or any(not m for m in own_marks):
         return None
     k = PHASES.index("microbatches")
@@ -256,7 +258,8 @@ def arrival(own_marks: list[list[list[float]] | None], trim: float) -> dict | No
     last = [0] * len(ends)
     for st in steps:
         last[max(range(len(st)), key=lambda r: (st[r], -r))] += 1
-    return {"spread_ms": trimmed_mean([max(st) - min(st) for st in steps], trim), "last_counts": last}
+    return {"spread_ms": trimmed_mean([max(st) - min(st) for st in steps], trim), "last_counts": last,
+            "ends_ms": ends}
 
 
 def _in_seconds(run: dict) -> bool:
