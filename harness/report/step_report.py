@@ -8,7 +8,15 @@ benchmark (reports read results).
 from __future__ import annotations
 
 from harness.report.html import esc, figure_png, page, table
-from harness.report.step_tables import PHASE_COLUMNS, phase_rows, run_columns, runs_rows, saved_columns, saved_rows
+from harness.report.step_tables import (
+    PHASE_COLUMNS,
+    arrival_line,
+    phase_rows,
+    run_columns,
+    runs_rows,
+    saved_columns,
+    saved_rows,
+)
 
 PART_COLORS = {"attention": "#4c72b0", "linear": "#55a868", "other": "#8172b2", "communication": "#c44e52",
                "idle": "#cccccc"}
@@ -175,9 +183,16 @@ def _phases(summary: dict, cfg) -> str:
             "distributed one, AdamW on 1/N and the parameters' all-gather) cost every arm about the same and "
             "dilute the whole step's speedup. 'Arrival spread' is how long the first rank to finish its "
             "micro-batches waited for the last, each rank's own CUDA events (trimmed mean): the part of the "
-            "gradient all-reduce's exposed time that the ranks' balance decides.</p>"
+            "gradient all-reduce's exposed time that the ranks' balance decides; beside it, per arm, what the "
+            "schedule's model expected and how well each rank's modelled lateness follows the measured one (near 1: "
+            "the schedule's imbalance; near 0: run-time variation the model does not see).</p>"
             + table([[_fmt(r.get(k), f) for k, _, f in PHASE_COLUMNS] for r in rows],
-                    [h for _, h, _ in PHASE_COLUMNS], left=1))
+                    [h for _, h, _ in PHASE_COLUMNS], left=1) + _arrival_list(summary))
+
+
+def _arrival_list(summary: dict) -> str:
+    lines = [x for x in (arrival_line(k, v) for k, v in summary["arms"].items()) if x]
+    return "<ul>" + "".join(f"<li>{esc(x.strip())}</li>" for x in lines) + "</ul>" if lines else ""
 
 
 def _saved(summary: dict) -> str:

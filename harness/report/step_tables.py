@@ -37,8 +37,13 @@ def arrival_line(arm: str, v: dict) -> str | None:
     if not a:
         return None
     counts = ", ".join(f"{r}: {c}" for r, c in enumerate(a["last_counts"]))
+    model = []
+    if a.get("modelled_spread_ms") is not None:
+        model.append(f"{a['modelled_spread_ms']:.1f} ms modelled")
+    if a.get("correlation") is not None:
+        model.append(f"correlation of each rank's measured and modelled lateness {a['correlation']:.2f}")
     return (f"  {arm}: the first rank to finish its micro-batches waited {a['spread_ms']:.1f} ms for the last "
-            f"(trimmed mean); steps each rank finished last: {counts}")
+            f"(trimmed mean{'; ' + ', '.join(model) if model else ''}); steps each rank finished last: {counts}")
 
 
 def runs_rows(summary: dict) -> list[dict]:

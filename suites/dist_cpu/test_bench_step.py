@@ -506,6 +506,7 @@ def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
             assert a["arrival"]["spread_ms"] == pytest.approx(step.trimmed_mean([max(e) - min(e) for e in ends],
                                                                                 cfg.trim))
             assert sum(a["arrival"]["last_counts"]) == cfg.iters and len(a["arrival"]["last_counts"]) == 2
+            assert a["arrival"]["modelled_spread_ms"] >= 0  # calibrated: in seconds
         assert run["arms"]["thd:dp-balanced"]["speedup_vs_static"] == 1.0
         # each run fitted the scheduler's cost model on this world, identically on every rank
         assert run["cost_model"]["name"].startswith("calibrated")
@@ -931,3 +932,13 @@ def test_arrival_is_the_wait_of_the_first_rank_for_the_last():
     assert a["ends_ms"] == [[100, 50, 80], [120, 55, 68], [130, 55, 80]]
     assert a["last_counts"] == [1, 1, 1]  # step 2: ranks 1 and 2 tie at 55 -> rank 1; step 3: ranks 0 and 2 -> rank 0
     assert arrival(own[:2] + [None], 0.0) is None and arrival([], 0.0) is None
+    assert a["modelled_spread_ms"] is None and a["correlation"] is None  # no model given
+    # a model that expects exactly the measured pattern (in seconds) correlates 1, one that expects the opposite -1,
+    # one that expects every rank to end together has no correlation to give
+    same = [[e / 1e3 for e in st] for st in zip(*a["ends_ms"])]
+    b = arrival(own, 0.0, same, seconds=True)
+    assert b["correlation"] == pytest.approx(1.0) and b["modelled_spread_ms"] == pytest.approx(a["spread_ms"])
+    assert arrival(own, 0.0, [[-x for x in st] for st in same])["correlation"] == pytest.approx(-1.0)
+    flat = arrival(own, 0.0, [[1.0, 1.0, 1.0]] * 3, seconds=True)
+    assert flat["correlation"] is None and flat["modelled_spread_ms"] == 0.0
+    assert arrival(own, 0.0, [[1.0, 2.0]] * 3)["correlation"] is None  # a model of another world: not compared

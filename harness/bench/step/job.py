@@ -371,7 +371,10 @@ def _schedule_figures(sched, cost: CostModel) -> dict:
     for s in sched.cp_size_of().values():
         hist[str(s)] = hist.get(str(s), 0) + 1
     lengths = list(sched.lengths.values())
+    sim = simulate(sched, cost)
     return {"microbatches": sched.num_microbatches, "cp_histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
-            "predicted": simulate(sched, cost).step_time,
+            "predicted": sim.step_time,
+            # each rank's modelled end of micro-batches (busy + waiting: under a barrier every rank ends together)
+            "rank_ends": [b + w for b, w in zip(sim.busy, sim.waiting)],
             "lower_bound": lower_bound(lengths, n_ranks=sched.n_ranks, max_seqlen_per_rank=sched.max_seqlen_per_rank,
                                        cost=cost)}

@@ -209,7 +209,8 @@ def _arm_summary(a: dict, mine: list[dict], batches: dict, *, world: int, peak: 
         "peak_memory_gb": max((m["peak_memory_gb"] or 0.0) for m in mine) or None,
         **_breakdown_summary(mine),
         "phases_ms": phase_times(a.get("phase_marks_ms"), trim),
-        "arrival": arrival([m.get("own_phase_marks_ms") for m in mine], trim),
+        "arrival": arrival([m.get("own_phase_marks_ms") for m in mine], trim,
+                           [f.get("rank_ends") for f in a["schedules"]], seconds),
         # each rank's lead over its GPU in the timed steps (CUDA only: None per rank elsewhere)
         "host_lead_per_rank": [m.get("host_lead") for m in mine],
     }
@@ -241,15 +242,21 @@ def phase_times(marks: list[list[float]] | None, trim: float) -> dict | None:
     return out
 
 
-def arrival(own_marks: list[list[list[float]] | None], trim: float) -> dict | None:
+def arrival(own_marks: list[list[list[float]] | None], trim: float, modelled: list[list[float] | None] | None = None,
+            seconds: bool = False) -> dict | None:
     """When the ranks reached the gradient reduction, from each rank's own phase boundaries (``own_marks[r][step]``,
     ms from the step's start; the micro-batches' end is the second): ``spread_ms``, the trimmed mean over steps of
     how long the first rank to finish its micro-batches waited for the last (the time its all-reduce spins with no
-    compute of its own: the part of the exposed all-reduce that balance, not bandwidth, decides), and
-    ``last_counts``, how many steps each rank was the last (one rank always last: a cost only it pays; spread
-    out: the schedule's imbalance), and ``ends_ms``, each rank's end of micro-batches step by step (to set beside
-    the schedule's modelled per-rank load offline). None when some rank has no marks (a result of an older
-    version)."""
+    compute of its own: the part of the exposed all-reduce that balance, not bandwidth, decides), ``last_counts``,
+    how many steps each rank was the last (one rank always last: a cost only it pays), and ``ends_ms``, each rank's
+    end of micro-batches step by step.
+
+    Beside them what the schedule's model expected (``modelled[step][r]``: each rank's modelled end, the cost model's
+    units; in seconds when ``seconds``): ``modelled_spread_ms`` (None unless in seconds) and ``correlation``, Pearson's
+    between each rank's measured and modelled deviation from its step's mean over every step (None when either does
+    not vary). Near 1: the schedule's imbalance, which a better schedule or cost model removes; near 0: run-time
+    variation the model does not see (host jitter, a slow rank). None when some rank has no marks (a result of an
+    older version)."""
     if not own_marks or any(not m for m in own_marks):
         return None
     k = PHASES.index("microbatches")
@@ -258,8 +265,27 @@ def arrival(own_marks: list[list[list[float]] | None], trim: float) -> dict | No
     last = [0] * len(ends)
     for st in steps:
         last[max(range(len(st)), key=lambda r: (st[r], -r))] += 1
-    return {"spread_ms": trimmed_mean([max(st) - min(st) for st in steps], trim), "last_counts": last,
-            "ends_ms": ends}
+    out = {"spread_ms": trimmed_mean([max(st) - min(st) for st in steps], trim), "last_counts": last, "ends_ms": ends,
+           "modelled_spread_ms": None, "correlation": None}
+    if modelled and len(modelled) == len(steps) and all(m and len(m) == len(ends) for m in modelled):
+        if seconds:
+            out["modelled_spread_ms"] = trimmed_mean([1e3 * (max(m) - min(m)) for m in modelled], trim)
+        out["correlation"] = _deviation_correlation(steps, modelled)
+    return out
+
+
+def _deviation_correlation(measured: list, modelled: list) -> float | None:
+    """Pearson's correlation of the per-step deviations from each step's mean (measured vs modelled), or None."""
+    xs, ys = [], []
+    for a, b in zip(measured, modelled):
+        ma, mb = statistics.fmean(a), statistics.fmean(b)
+        xs += [v - ma for v in a]
+        ys += [v - mb for v in b]
+    sx = math.sqrt(sum(v * v for v in xs))
+    sy = math.sqrt(sum(v * v for v in ys))
+    if sx == 0 or sy == 0:
+        return None
+    return sum(x * y for x, y in zip(xs, ys)) / (sx * sy)
 
 
 def _in_seconds(run: dict) -> bool:
