@@ -37,6 +37,9 @@ def arrival_line(arm: str, v: dict) -> str | None:
     if not a:
         return None
     counts = ", ".join(f"{r}: {c}" for r, c in enumerate(a["last_counts"]))
+    if a.get("lateness_ms"):
+        counts += "; mean ms after the step's mean end by rank: " + ", ".join(
+            f"{r}: {x:+.1f}" for r, x in enumerate(a["lateness_ms"]))
     model = []
     if a.get("modelled_spread_ms") is not None:
         model.append(f"{a['modelled_spread_ms']:.1f} ms modelled")

@@ -930,6 +930,10 @@ def test_arrival_is_the_wait_of_the_first_rank_for_the_last():
     a = arrival(own, 0.0)
     assert a["spread_ms"] == pytest.approx((30 + 5 + 12) / 3)
     assert a["ends_ms"] == [[100, 50, 80], [120, 55, 68], [130, 55, 80]]
+    # step means 116.67, 53.33, 76: rank 0 ends 100, 50, 80, so (-16.67 - 3.33 + 4) / 3 on average
+    assert a["lateness_ms"] == pytest.approx([(-16.67 - 3.33 + 4) / 3, (3.33 + 1.67 - 8) / 3, (13.33 + 1.67 + 4) / 3],
+                                             abs=0.01)
+    assert sum(a["lateness_ms"]) == pytest.approx(0.0, abs=1e-9)
     assert a["last_counts"] == [1, 1, 1]  # step 2: ranks 1 and 2 tie at 55 -> rank 1; step 3: ranks 0 and 2 -> rank 0
     assert arrival(own[:2] + [None], 0.0) is None and arrival([], 0.0) is None
     assert a["modelled_spread_ms"] is None and a["correlation"] is None  # no model given

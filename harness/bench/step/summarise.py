@@ -248,8 +248,9 @@ def arrival(own_marks: list[list[list[float]] | None], trim: float, modelled: li
     ms from the step's start; the micro-batches' end is the second): ``spread_ms``, the trimmed mean over steps of
     how long the first rank to finish its micro-batches waited for the last (the time its all-reduce spins with no
     compute of its own: the part of the exposed all-reduce that balance, not bandwidth, decides), ``last_counts``,
-    how many steps each rank was the last (one rank always last: a cost only it pays), and ``ends_ms``, each rank's
-    end of micro-batches step by step.
+    how many steps each rank was the last (one rank always last: a cost only it pays), ``lateness_ms``, each rank's
+    mean ms after its step's mean end (a rank late on average by more than the spread's noise is a slow rank, not a
+    slow schedule), and ``ends_ms``, each rank's end of micro-batches step by step.
 
     Beside them what the schedule's model expected (``modelled[step][r]``: each rank's modelled end, the cost model's
     units; in seconds when ``seconds``): ``modelled_spread_ms`` (None unless in seconds) and ``correlation``, Pearson's
@@ -265,8 +266,9 @@ def arrival(own_marks: list[list[list[float]] | None], trim: float, modelled: li
     last = [0] * len(ends)
     for st in steps:
         last[max(range(len(st)), key=lambda r: (st[r], -r))] += 1
+    lateness = [statistics.fmean(e - statistics.fmean(st) for e, st in zip(rank, steps)) for rank in ends]
     out = {"spread_ms": trimmed_mean([max(st) - min(st) for st in steps], trim), "last_counts": last, "ends_ms": ends,
-           "modelled_spread_ms": None, "correlation": None}
+           "lateness_ms": lateness, "modelled_spread_ms": None, "correlation": None}
     if modelled and len(modelled) == len(steps) and all(m and len(m) == len(ends) for m in modelled):
         if seconds:
             out["modelled_spread_ms"] = trimmed_mean([1e3 * (max(m) - min(m)) for m in modelled], trim)
