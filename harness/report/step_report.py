@@ -103,7 +103,18 @@ def _calibration(summary: dict) -> str:
             f"+ {1e3 * c['per_microbatch']:.2f} ms per micro-batch, + {1e3 * c.get('cp_block', 0.0):.2f} ms per "
             f"block of more than one rank (its CP collectives). Worst fit error "
             f"{100 * cal['max_rel_error']:.1f}%.</p>"
-            + table(rows, ["cp", "sequences", "length", "measured ms", "model ms", "error"], left=0))
+            + table(rows, ["cp", "sequences", "length", "measured ms", "model ms", "error"], left=0)
+            + _rank_speed(cal))
+
+
+def _rank_speed(cal: dict) -> str:
+    """Each rank's time on the CP-1 shapes over the fastest rank's (``calibrate.rank_slowdown``), when recorded."""
+    slow = cal.get("rank_slowdown")
+    if not slow:
+        return ""
+    return ('<p class="small">The same CP-1 micro-batches on each rank, its time over the fastest rank\'s (a rank '
+            'slower on the same work is a slow GPU or host: no schedule balances it): '
+            + ", ".join(f"rank {r} {x:.3f}" for r, x in enumerate(slow)) + ".</p>")
 
 
 def _bound(summary: dict) -> str:

@@ -511,6 +511,11 @@ def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
         # each run fitted the scheduler's cost model on this world, identically on every rank
         assert run["cost_model"]["name"].startswith("calibrated")
         assert len(run["calibration"]["shapes"]) == len(step.calibration_shapes(2, cfg.max_seqlen_per_rank))
+        # every rank's own calibration times; the fit's are their slowest, shape by shape
+        own = run["calibration"]["rank_seconds"]
+        assert len(own) == 2 and [max(x) for x in zip(*own)] == pytest.approx(
+            [sh["seconds"] for sh in run["calibration"]["shapes"]])
+        assert min(run["calibration"]["rank_slowdown"]) == pytest.approx(1.0)
         assert all(a["predicted_ms"] is not None and a["predicted_ms"] > 0 for a in run["arms"].values())
     # the top level is the representative run, with the breakdown of the profiled (last) run; the
     # ratios list both runs and judge their median
@@ -946,3 +951,11 @@ def test_arrival_is_the_wait_of_the_first_rank_for_the_last():
     flat = arrival(own, 0.0, [[1.0, 1.0, 1.0]] * 3, seconds=True)
     assert flat["correlation"] is None and flat["modelled_spread_ms"] == 0.0
     assert arrival(own, 0.0, [[1.0, 2.0]] * 3)["correlation"] is None  # a model of another world: not compared
+
+
+def test_rank_slowdown_compares_the_ranks_on_the_cp1_shapes_only():
+    """Two ranks: the CP-1 shapes take rank 1 10% longer (1.1 + 2.2 against 1 + 2); the CP-2 shape, where the ranks wait
+    for each other, is left out even though rank 0 took far longer there."""
+    shapes = [(1, [64]), (1, [32, 32]), (2, [128])]
+    assert step.rank_slowdown(shapes, [[1.0, 2.0, 50.0], [1.1, 2.2, 5.0]]) == pytest.approx([1.0, 1.1])
+    assert step.rank_slowdown([(2, [128])], [[1.0], [2.0]]) is None

@@ -65,6 +65,7 @@ from harness.bench.step.calibrate import (
     calibration_features,
     calibration_shapes,
     fit_cost,
+    rank_slowdown,
 )
 from harness.bench.step.cli import CPU_SMOKE, JOB, main
 from harness.bench.step.config import (

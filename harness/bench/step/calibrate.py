@@ -86,8 +86,11 @@ def calibrate_cost(ctx: RankContext) -> dict:
         times.append(_time_shape(ctx, size, lengths))
     with torch.no_grad():
         ctx.flat.zero_()
-    t = torch.tensor(times, dtype=torch.float64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.everyone)
+    own = torch.tensor(times, dtype=torch.float64, device=dev)
+    gathered = [torch.zeros_like(own) for _ in range(ctx.world)]
+    dist.all_gather(gathered, own, group=ctx.everyone)
+    per_rank = [g.tolist() for g in gathered]
+    t = torch.stack(gathered).amax(dim=0)
     rows = [calibration_features(size, lengths) for size, lengths in shapes]
     coef = torch.zeros(len(CALIBRATION_TERMS) + 1, dtype=torch.float64, device=dev)
     if me == 0:
@@ -101,7 +104,19 @@ def calibrate_cost(ctx: RankContext) -> dict:
     return {"cost": model, "shapes": [{"cp": s, "lengths": L, "seconds": x,
                                        "predicted": sum(a * b for a, b in zip(calibration_features(s, L), c))}
                                       for (s, L), x in zip(shapes, t.tolist())],
-            "max_rel_error": c[-1]}
+            "max_rel_error": c[-1], "rank_seconds": per_rank, "rank_slowdown": rank_slowdown(shapes, per_rank)}
+
+
+def rank_slowdown(shapes: list[tuple[int, list[int]]], per_rank: list[list[float]]) -> list[float] | None:
+    """Each rank's time over the CP-1 shapes (every rank runs the same micro-batch alone, no CP collective to wait
+    in) relative to the fastest rank's: 1.0 for the fastest, 1.08 for a rank 8% slower on the same work - a slow GPU
+    or host that no schedule balances. None without CP-1 shapes."""
+    ones = [k for k, (size, _) in enumerate(shapes) if size == 1]
+    if not ones or not per_rank:
+        return None
+    totals = [sum(r[k] for k in ones) for r in per_rank]
+    fastest = min(totals)
+    return [x / fastest for x in totals] if fastest > 0 else None
 
 
 def _time_shape(ctx: RankContext, size: int, lengths: list[int]) -> float:

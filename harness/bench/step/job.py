@@ -140,6 +140,10 @@ def _one_run(ctx: RankContext, arm_list: list[Arm], run: int) -> dict:
                   f"{c.linear:.3e} L + {c.constant:.3e}) / cp per sequence, K/V exchange {c.cp_comm:.3e} per token, "
                   f"{1e3 * c.per_microbatch:.2f} ms per micro-batch + {1e3 * c.cp_block:.2f} ms per CP block; worst fit error "
                   f"{100 * calibration['max_rel_error']:.1f}%", flush=True)
+            slow = calibration.get("rank_slowdown")
+            if slow:
+                print(f"bench step: run {run + 1}/{cfg.runs}: each rank's time on the CP-1 shapes over the fastest "
+                      f"rank's: {', '.join(f'{r}: {x:.3f}' for r, x in enumerate(slow))}", flush=True)
     if rank == 0:
         print(f"bench step: run {run + 1}/{cfg.runs}: arms {', '.join(a.label for a in arm_list)} interleaved "
               f"({cfg.warmup} warm-up + {cfg.iters} measured steps each)"
