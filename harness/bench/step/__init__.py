@@ -99,5 +99,5 @@ __all__ = [
     "JOB", "PHASE_COLUMNS", "RATIOS", "TARGETS", "Arm", "BenchConfigError", "StepBenchConfig", "calibrate_cost",
     "calibration_features", "calibration_shapes", "checks", "cost_model_from", "fit_cost", "global_batch_lengths",
     "load_cost_model", "main", "measure", "model_cost", "model_flops", "parse_arm", "peak_tflops", "phase_rows",
-    "phase_times", "run_columns", "runs_rows", "summarize", "trimmed_mean", "weights_digest",
+    "phase_times", "rank_slowdown", "run_columns", "runs_rows", "summarize", "trimmed_mean", "weights_digest",
 ]
