@@ -941,6 +941,8 @@ def test_arrival_is_the_wait_of_the_first_rank_for_the_last():
     assert sum(a["lateness_ms"]) == pytest.approx(0.0, abs=1e-9)
     assert a["last_counts"] == [1, 1, 1]  # step 2: ranks 1 and 2 tie at 55 -> rank 1; step 3: ranks 0 and 2 -> rank 0
     assert arrival(own[:2] + [None], 0.0) is None and arrival([], 0.0) is None
+    with pytest.raises(ValueError, match="rank 0: 3, rank 1: 2, rank 2: 3"):  # steps that cannot be paired
+        arrival([own[0], own[1][:2], own[2]], 0.0)
     assert a["modelled_spread_ms"] is None and a["correlation"] is None  # no model given
     # a model that expects exactly the measured pattern (in seconds) correlates 1, one that expects the opposite -1,
     # one that expects every rank to end together has no correlation to give

@@ -256,10 +256,16 @@ def arrival(own_marks: list[list[list[float]] | None], trim: float, modelled: li
     units; in seconds when ``seconds``): ``modelled_spread_ms`` (None unless in seconds) and ``correlation``, Pearson's
     between each rank's measured and modelled deviation from its step's mean over every step (None when either does
     not vary). Near 1: the schedule's imbalance, which a better schedule or cost model removes; near 0: run-time
-    variation the model does not see (host jitter, a slow rank). None when some rank has no marks (a result of an
-    older version)."""
+    variation the model does not see (host jitter, a slow rank); a model without one entry per step and rank is not
+    compared. None when some rank has no marks (a result of an older version); ranks with different numbers of
+    measured steps raise ``ValueError`` (their steps cannot be paired)."""
     if not own_marks or any(not m for m in own_marks):
         return None
+    counts = [len(m) for m in own_marks]
+    if len(set(counts)) > 1:
+        per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+        raise ValueError(f"the ranks measured different numbers of steps ({per_rank}); every rank records every "
+                         "measured step, so this result is corrupt")
     k = PHASES.index("microbatches")
     ends = [[m[k] for m in rank] for rank in own_marks]
     steps = list(zip(*ends))
