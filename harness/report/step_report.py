@@ -258,12 +258,13 @@ def _host_lead(summary: dict) -> str:
 def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
     arms = summary["arms"]
     rows = [[k, _fmt(v["trimmed_mean_ms"], ".1f"), _fmt(v["median_ms"], ".1f"), _fmt(v["mean_ms"], ".1f"),
-             _fmt(v["speedup_vs_static"], ".3f"), _fmt(v["predicted_speedup_vs_static"], ".3f"),
-             _fmt(v["tokens_per_s_per_gpu"], ".0f"), _fmt(v["tflops_per_gpu"], ".3g"), _fmt(v["mfu"], ".3f"),
+             _fmt(v["speedup_vs_static"], ".3f"), _fmt(v.get("trimmed_speedup_vs_static"), ".3f"),
+             _fmt(v["predicted_speedup_vs_static"], ".3f"), _fmt(v["tokens_per_s_per_gpu"], ".0f"), _fmt(v["tflops_per_gpu"], ".3g"), _fmt(v["mfu"], ".3f"),
              f"{100 * v['padding_fraction']:.1f}%", _fmt(v["microbatches"], ".1f"),
              ", ".join(f"{s}:{n}" for s, n in v["cp_histogram"].items()), _fmt(v["plan_ms_median"], ".2f"),
              _fmt(v.get("plan_wait_ms_median"), ".2f"), _fmt(v["peak_memory_gb"], ".1f")] for k, v in arms.items()]
-    header = ["arm", "trimmed mean ms", "median ms", "mean ms", "speedup vs static", "predicted speedup",
+    header = ["arm", "trimmed mean ms", "median ms", "mean ms", "speedup vs static", "trimmed-mean speedup",
+              "predicted speedup",
               "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "padding", "micro-batches", "sequences per CP size",
               "plan ms", "plan wait ms", "peak mem GiB"]
     brows = [[k, _fmt(v["breakdown"]["wall"], ".1f")] + [_fmt(v["breakdown"][p], ".1f") for p in PART_COLORS]
@@ -302,7 +303,10 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
         table(rows, header, left=1),
         "<p class=\"small\">Step time: schedule, reroute, every micro-batch's forward and backward, gradient "
         "all-reduce, clipping and AdamW, between device synchronisations; the slowest rank's. Speedup: static "
-        "(thd:dp-balanced) trimmed mean / the arm's. Predicted: the same ratio under the step-time model "
+        "(thd:dp-balanced) time over the arm's on the same measured steps (the ratio of their sums, without the "
+        "10% of steps with the lowest and the 10% with the highest per-step ratio: what happened to one arm only); "
+        "trimmed-mean speedup: the ratio of each arm's own 10%-trimmed mean, which drops each arm's heaviest "
+        "batches. Predicted: the same ratio under the step-time model "
         "the balanced scheduler optimises (harness.plan.bounds.simulate).</p>",
         figure_png(_step_plot(summary)),
         "<h2>Where the time goes</h2>",

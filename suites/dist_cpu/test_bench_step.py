@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -961,3 +962,91 @@ def test_rank_slowdown_compares_the_ranks_on_the_cp1_shapes_only():
     shapes = [(1, [64]), (1, [32, 32]), (2, [128])]
     assert step.rank_slowdown(shapes, [[1.0, 2.0, 50.0], [1.1, 2.2, 5.0]]) == pytest.approx([1.0, 1.1])
     assert step.rank_slowdown([(2, [128])], [[1.0], [2.0]]) is None
+
+
+def test_the_speedup_is_the_same_steps_total_time_without_what_happened_to_one_arm():
+    """Ten steps on the same batches: eight ordinary, one heavy batch (both arms slower), one host hiccup in the
+    baseline only. The paired ratio drops the hiccup (its per-step ratio is the highest) and one ordinary step (the
+    lowest), and keeps the heavy batch: (7 x 100 + 300) / (7 x 70 + 150). Each arm's own trimmed mean would drop
+    the heavy batch from the baseline and keep its hiccup: 125 / 70."""
+    base = [100.0] * 8 + [300.0, 300.0]  # step 9: the heavy batch; step 10: a hiccup of 200 ms
+    arm = [70.0] * 8 + [150.0, 70.0]
+    got = step.paired_ratio(base, arm, 0.1)
+    assert got == pytest.approx(1000 / 640)
+    assert abs(got - 1100 / 710) < 0.02  # within 1% of the hiccup-free throughput ratio
+    assert step.trimmed_mean(base, 0.1) / step.trimmed_mean(arm, 0.1) == pytest.approx(125 / 70)  # off by 15%
+    assert step.paired_ratio(base, arm, 0.0) == pytest.approx(1400 / 780)  # no trim: the sums, hiccup included
+    assert step.paired_ratio([5.0], [4.0], 0.4) == pytest.approx(1.25)  # nothing left to drop from one step
+    with pytest.raises(ValueError, match=r"different numbers of steps \(3 and 2\)"):
+        step.paired_ratio([1.0, 2.0, 3.0], [1.0, 2.0], 0.1)
+    for bad in (0.0, float("nan"), -1.0):
+        with pytest.raises(ValueError, match="positive"):
+            step.paired_ratio([1.0, bad], [1.0, 1.0], 0.1)
+    with pytest.raises(ValueError, match="no steps"):
+        step.paired_ratio([], [], 0.1)
+
+
+def test_a_runs_speedup_pairs_the_arms_steps(tmp_path):
+    """The summary's speedup and its per-run ratio pair the arms' steps: ten steps of 450 / 300 ms, one heavy batch
+    (1350 / 600) and one baseline hiccup (900): (7 x 450 + 1350) / (7 x 300 + 600). The ratio of each arm's trimmed
+    mean (506.25 / 300) is reported beside it."""
+    job = _fake_job([{"thd:dp-balanced": 450.0, "dcp:balanced": 300.0, "dcp:megatron-dev": 310.0}], iters=10)
+    arms = job["ranks"][0]["runs"][0]["arms"]
+    arms["thd:dp-balanced"]["step_s"][3] = 0.9  # a hiccup in one baseline step
+    arms["thd:dp-balanced"]["step_s"][5] = 1.35  # a heavy batch, in every arm
+    arms["dcp:balanced"]["step_s"][5] = 0.6
+    arms["dcp:megatron-dev"]["step_s"][5] = 0.62
+    s = step.summarize(job, step.StepBenchConfig())
+    a = s["arms"]["dcp:balanced"]
+    assert a["speedup_vs_static"] == pytest.approx(4500 / 2700)
+    assert s["ratios"]["speedup_vs_static"]["per_run"] == pytest.approx([4500 / 2700])
+    assert a["trimmed_speedup_vs_static"] == pytest.approx(506.25 / 300)
+    assert s["ratios"]["trimmed_speedup_vs_static"]["per_run"] == pytest.approx([506.25 / 300])
+    assert s["ratios"]["ours_vs_upstream"]["median"] == pytest.approx((8 * 310 + 620) / (8 * 300 + 600))
+
+
+def _report(tmp_path, job, cfg) -> Path:
+    from harness.bench.common import write_report
+
+    s = step.summarize(job, cfg)
+    return write_report("step", {**cfg.to_dict(), "device": "cuda"}, s, out=tmp_path / "bench_step.json",
+                        checks=step.checks(s, "cuda"))
+
+
+def test_rejudge_recomputes_a_recorded_reports_ratios_and_names_what_a_file_lacks(tmp_path, capsys):
+    """A report written with the per-arm trimmed mean's ratio (made here by overwriting the recorded values) is
+    judged again from its step times: the speedup and verdict change, the recorded ones are shown beside them."""
+    from harness.bench.step.rejudge import RejudgeInputError, rejudge
+    from harness.cli import main
+
+    base = [0.100] * 8 + [0.300, 0.300]
+    job = _fake_job([{"thd:dp-balanced": 100.0, "dcp:balanced": 70.0}], iters=10)
+    arms = job["ranks"][0]["runs"][0]["arms"]
+    arms["thd:dp-balanced"]["step_s"] = list(base)
+    arms["dcp:balanced"]["step_s"] = [0.070] * 8 + [0.150, 0.070]
+    path = _report(tmp_path, job, step.StepBenchConfig(global_batch="megatron"))
+    doc = json.loads(path.read_text())
+    doc["results"]["ratios"]["speedup_vs_static"] = {"median": 125 / 70, "per_run": [125 / 70]}
+    path.write_text(json.dumps(doc))
+    r = rejudge(path)
+    assert r["ratios"]["speedup_vs_static"]["per_run"] == pytest.approx([1000 / 640])
+    assert r["recorded"]["speedup_vs_static"]["median"] == pytest.approx(125 / 70)
+    assert [c["pass"] for c in r["checks"]] == [True] and r["global_batch"] == "megatron"
+    out = tmp_path / "rejudge.json"
+    assert main(["bench", "rejudge", str(path), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "1.786" in printed and "1.562" in printed and "PASS" in printed
+    assert json.loads(out.read_text())["results"][0]["ratios"]["speedup_vs_static"]["median"] == pytest.approx(1000 / 640)
+    # bad input: one line naming the file and what it lacks, exit 2
+    del doc["results"]["runs"][0]["arms"]["dcp:balanced"]["step_ms"]
+    lacking = tmp_path / "lacking.json"
+    lacking.write_text(json.dumps(doc))
+    with pytest.raises(RejudgeInputError, match=r"lacking.json: run 1's arm 'dcp:balanced' has no per-step times"):
+        rejudge(lacking)
+    (tmp_path / "other.json").write_text(json.dumps({"benchmark": "schedule", "results": {}}))
+    for bad, says in ((lacking, "has no per-step times"), (tmp_path / "other.json", "is not a 'dcp-harness bench step' "
+                                                                                    "report"),
+                      (tmp_path / "missing.json", "cannot read")):
+        assert main(["bench", "rejudge", str(bad), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0] and "Traceback" not in err[0], err

@@ -82,7 +82,16 @@ from harness.bench.step.config import (
     parse_arm,
 )
 from harness.bench.step.job import measure, weights_digest
-from harness.bench.step.summarise import BREAKDOWN_FIELDS, RATIOS, TARGETS, checks, phase_times, summarize, trimmed_mean
+from harness.bench.step.summarise import (
+    BREAKDOWN_FIELDS,
+    RATIOS,
+    TARGETS,
+    checks,
+    paired_ratio,
+    phase_times,
+    summarize,
+    trimmed_mean,
+)
 from harness.bench.step.workload import DEVICE_PEAK_TFLOPS, global_batch_lengths, model_cost, model_flops, peak_tflops
 from harness.report.step_tables import (
     BREAKDOWN_COLUMNS,
@@ -98,6 +107,7 @@ __all__ = [
     "DEVICE_PEAK_TFLOPS", "GLOBAL_BATCH_CHOICES", "GRAD_REDUCE_CHOICES", "MAX_BATCH_SEQUENCES", "PHASES",
     "JOB", "PHASE_COLUMNS", "RATIOS", "TARGETS", "Arm", "BenchConfigError", "StepBenchConfig", "calibrate_cost",
     "calibration_features", "calibration_shapes", "checks", "cost_model_from", "fit_cost", "global_batch_lengths",
-    "load_cost_model", "main", "measure", "model_cost", "model_flops", "parse_arm", "peak_tflops", "phase_rows",
+    "load_cost_model", "main", "measure", "model_cost", "model_flops", "paired_ratio", "parse_arm", "peak_tflops",
+    "phase_rows",
     "phase_times", "rank_slowdown", "run_columns", "runs_rows", "summarize", "trimmed_mean", "weights_digest",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.commands.bench import attention, compare, curve, fit, microbatch, opaque, replay, schedule, step
+from harness.commands.bench import attention, compare, curve, fit, microbatch, opaque, rejudge, replay, schedule, step
 from harness.commands.bench.simple import padding, thd
 from harness.commands.common import register
 from harness.io import writable
@@ -10,7 +10,8 @@ from harness.io import writable
 NAME = "bench"
 HELP = "benchmarks (write reports/<name>.json)"
 DESCRIPTION = None
-SUBCOMMANDS = {c.NAME: c for c in (schedule, attention, step, curve, compare, replay, fit, microbatch, opaque, padding, thd)}
+SUBCOMMANDS = {c.NAME: c for c in (schedule, attention, step, curve, compare, rejudge, replay, fit, microbatch, opaque,
+                                    padding, thd)}
 
 
 def add_arguments(b) -> None:
