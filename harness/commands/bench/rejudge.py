@@ -18,13 +18,10 @@ def add_arguments(p) -> None:
 
 
 def run(a) -> int:
-    from harness.bench.common import REPORTS, table
+    from harness.bench.common import table, write_report
     from harness.bench.step.rejudge import COLUMNS, rejudge, rows
-    from harness.io import atomic_write_json
 
     results = [rejudge(p) for p in a.reports]
-    out = a.out or REPORTS / "bench_rejudge.json"
     print(table(rows(results), COLUMNS))
-    atomic_write_json(out, {"benchmark": "rejudge", "results": results})
-    print(f"wrote {out}")
+    print(f"wrote {write_report('rejudge', {'reports': [str(p) for p in a.reports]}, results, out=a.out)}")
     return 0
