@@ -73,7 +73,7 @@ def report_pages(tmp_path_factory) -> dict[str, Path]:
             "convergence": convergence_report.render_standalone(convergence_result(), None)[0],
             "main": schedule_report.render(main_result())[0],
             "curve": step_curve.html_page(step_curve.load_curve(sorted(recorded.glob("bench_step.h200x4.*.json")))),
-            "compare": step_stacks.html_page(step_stacks.load_rows(sorted(recorded.glob("bench_step*.megatron-batch.json"))))}
+            "compare": step_stacks.html_page(step_stacks.load_rows(sorted(recorded.glob("bench_step*.h200x*.megatron-batch.json"))))}
     step = json.loads((recorded / "bench_step.h200x4.2026-11-28-megatron.json").read_text())
     html["step"] = step_report.render(step["results"], StepBenchConfig.from_dict(step["config"]), step["checks"],
                                       step["results"]["world"])
