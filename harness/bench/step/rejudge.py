@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.bench.step.summarise import RATIOS, _ratios, checks
+from harness.bench.step.summarise import RATIOS, checks, target_ratios
 from harness.io import read_report
 from harness.plan.errors import PlanInputError
 
@@ -40,7 +40,7 @@ def rejudge(path: str | Path) -> dict:
                 raise RejudgeInputError(f"{p}: run {k + 1}'s arm {label!r} has no per-step times (step_ms)")
     trim = cfg.get("trim", 0.1)
     try:
-        ratios = _ratios(runs, trim)
+        ratios = target_ratios(runs, trim)
     except ValueError as e:  # step counts that differ between arms, a non-positive time
         raise RejudgeInputError(f"{p}: {e}") from None
     summary = {**res, "ratios": ratios}

@@ -65,7 +65,7 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
     r0, world = ranks[0], result["world"]
     runs = [_summarize_run(ranks, k, world, cfg) for k in range(len(r0["runs"]))]
-    ratios = _ratios(runs, cfg.trim)
+    ratios = target_ratios(runs, cfg.trim)
     rep = _representative(ratios["speedup_vs_static"]["per_run"])
     top = dict(runs[rep])
     profiled = next((k for k in range(len(runs) - 1, -1, -1)
@@ -81,7 +81,7 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
             "global_batch": _global_batch(r0["batches"], cfg, world)}
 
 
-def _ratios(runs: list[dict], trim: float) -> dict:
+def target_ratios(runs: list[dict], trim: float) -> dict:
     """Each of ``RATIOS`` per run, with its median, min and max over the runs that could form it."""
     ratios = {name: {"per_run": [f(run["arms"], trim) for run in runs]} for name, f in RATIOS.items()}
     for r in ratios.values():
