@@ -979,9 +979,14 @@ def test_the_speedup_is_the_same_steps_total_time_without_what_happened_to_one_a
     assert step.paired_ratio([5.0], [4.0], 0.4) == pytest.approx(1.25)  # nothing left to drop from one step
     with pytest.raises(ValueError, match=r"different numbers of steps \(3 and 2\)"):
         step.paired_ratio([1.0, 2.0, 3.0], [1.0, 2.0], 0.1)
-    for bad in (0.0, float("nan"), -1.0):
-        with pytest.raises(ValueError, match="positive"):
+    for bad in (0.0, float("nan"), -1.0, float("inf")):
+        with pytest.raises(ValueError, match="positive and finite"):
             step.paired_ratio([1.0, bad], [1.0, 1.0], 0.1)
+        with pytest.raises(ValueError, match="positive and finite"):
+            step.paired_ratio([1.0, 1.0], [1.0, bad], 0.1)
+    for trim in (-0.1, 0.5, float("nan")):
+        with pytest.raises(ValueError, match="trim must be in"):
+            step.paired_ratio([1.0, 2.0], [1.0, 1.0], trim)
     with pytest.raises(ValueError, match="no steps"):
         step.paired_ratio([], [], 0.1)
 
@@ -1038,6 +1043,11 @@ def test_rejudge_recomputes_a_recorded_reports_ratios_and_names_what_a_file_lack
     assert "1.786" in printed and "1.562" in printed and "PASS" in printed
     assert json.loads(out.read_text())["results"][0]["ratios"]["speedup_vs_static"]["median"] == pytest.approx(1000 / 640)
     # bad input: one line naming the file and what it lacks, exit 2
+    short = json.loads(json.dumps(doc))
+    short["results"]["runs"][0]["arms"]["dcp:balanced"]["step_ms"].pop()
+    (tmp_path / "short.json").write_text(json.dumps(short))
+    with pytest.raises(RejudgeInputError, match=r"short.json: the arms measured different numbers of steps \(10 and 9\)"):
+        rejudge(tmp_path / "short.json")
     del doc["results"]["runs"][0]["arms"]["dcp:balanced"]["step_ms"]
     lacking = tmp_path / "lacking.json"
     lacking.write_text(json.dumps(doc))

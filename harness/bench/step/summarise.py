@@ -47,8 +47,11 @@ def paired_ratio(num: list[float], den: list[float], trim: float) -> float:
                          "ratio needs the same steps")
     if not num:
         raise ValueError("no steps")
-    if not all(x > 0 for x in (*num, *den)):  # also refuses NaN
-        raise ValueError(f"step times must be positive, got {[x for x in (*num, *den) if not x > 0][:3]}")
+    bad = [x for x in (*num, *den) if not (math.isfinite(x) and x > 0)]
+    if bad:
+        raise ValueError(f"step times must be positive and finite, got {bad[:3]}")
+    if not 0 <= trim < 0.5:  # also refuses NaN
+        raise ValueError(f"trim must be in [0, 0.5), got {trim!r}")
     k = math.floor(trim * len(num))
     order = sorted(range(len(num)), key=lambda i: (num[i] / den[i], i))
     kept = order[k:len(order) - k] or order
@@ -112,7 +115,7 @@ def _time(base: dict, arm: dict, trim: float) -> float:
     return paired_ratio(base["step_ms"], arm["step_ms"], trim)
 
 
-def cost_ab(runs: list[dict], trim: float = 0.1) -> dict:
+def cost_ab(runs: list[dict], trim: float) -> dict:
     """Each arm that names a cost model (``dcp:balanced~NAME``) against the same arm on the run's model, when both
     ran: the ratio time(base) / time(label) per run (> 1: the named model's schedules were faster) and its median
     over the runs - the A/B of two cost models side by side."""
@@ -120,7 +123,7 @@ def cost_ab(runs: list[dict], trim: float = 0.1) -> dict:
                   lambda base, arm: _time(base, arm, trim))
 
 
-def weights_ab(runs: list[dict], trim: float = 0.1) -> dict:
+def weights_ab(runs: list[dict], trim: float) -> dict:
     """Each arm that takes its weights per call (``dcp:balanced%per-call``) against the same arm with the step's
     weight copies (``harness.runtime.weight_cache``), when both ran: the ratio time(label) / time(base) per run
     (> 1: the copies made the step faster) and its median."""
@@ -128,7 +131,7 @@ def weights_ab(runs: list[dict], trim: float = 0.1) -> dict:
                   lambda base, arm: _time(arm, base, trim))
 
 
-def bucket_ab(runs: list[dict], trim: float = 0.1) -> dict:
+def bucket_ab(runs: list[dict], trim: float) -> dict:
     """Each arm with its own token bucket (``dcp:balanced#64``) against the same arm without one, when both ran: the
     ratio time(base) / time(label) per run (> 1: the labelled arm's bucket made its step faster, padding included;
     ``#0`` beside a config-wide bucket is the same A/B the other way round) and its median."""
@@ -165,7 +168,7 @@ def _ratio(num: str, den: str, paired: bool = True):
     return f
 
 
-def _speedup_bound(arms: dict, _trim: float = 0.1):
+def _speedup_bound(arms: dict, _trim: float | None = None):
     """The baseline's modelled step time over the lower bound of *any* schedule of the same batches
     (``harness.plan.bounds.lower_bound``), both under the run's calibrated cost model: the speedup
     no scheduler can beat on this machine's measured costs (a relaxation: it may be unreachable)."""
