@@ -226,8 +226,8 @@ def launch(job: str, nproc: int, out: Path, cfg: dict | None = None, timeout_s: 
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
             raise JobConfigError(f"launch({name}={v!r}): give a finite number of seconds > 0 (or None: the "
                                  f"default {name})")
-    stall = float(stall_s if stall_s is not None else
-                  DEFAULT_STALL_S["cuda" if cfg.get("device", "cuda") == "cuda" and _has_cuda() else "cpu"])
+    on_cpu = cfg.get("device", "cuda") != "cuda" or not _has_cuda()
+    stall = float(stall_s if stall_s is not None else DEFAULT_STALL_S["cpu" if on_cpu else "cuda"])
     here = launched_world()
     if here is not None:
         want = nproc * (nodes.nnodes if nodes else 1)
@@ -242,7 +242,7 @@ def launch(job: str, nproc: int, out: Path, cfg: dict | None = None, timeout_s: 
     log = Path(log) if log else Path(out).with_name(f"torchrun-{job}.log")
     try:
         return launcher.run(job, nproc, Path(out), cfg, timeout_s=timeout_s, stall_s=stall, stream=stream, log=log,
-                            target=target_of(job), nodes=nodes)
+                            target=target_of(job), nodes=nodes, fork_ranks=on_cpu)
     except KeyboardInterrupt as e:
         e.log = log
         raise

@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from harness.jobs import zygote
 from harness.jobs.nodes import Nodes
 from harness.jobs.watchdog import (
     JobFailure,
@@ -68,9 +69,15 @@ EXIT_RE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank[^)]*\)\s*\n\s*exitcode\s*
 ROOT_RE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)", re.S)
 
 
-def _command(job: str, nproc: int, out: Path, cfg: dict, nodes: Nodes) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *nodes.torchrun_args(),
-            "-m", "harness.jobs.entry", job, "--out", str(out), "--cfg", json.dumps(cfg)]
+def _command(job: str, nproc: int, out: Path, cfg: dict, nodes: Nodes, zygote_at: str | None = None) -> list[str]:
+    """torchrun's command line; with a zygote (``harness.jobs.zygote``) torchrun's agent and every rank are forked
+    from it, each behind a client process that stands where the fresh process would."""
+    argv = [job, "--out", str(out), "--cfg", json.dumps(cfg)]
+    if not zygote_at:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *nodes.torchrun_args(),
+                "-m", "harness.jobs.entry", *argv]
+    agent = [f"--nproc-per-node={nproc}", *nodes.torchrun_args(), *zygote.command(zygote_at, "harness.jobs.entry", argv)]
+    return [sys.executable, "-u", *zygote.command(zygote_at, "torch.distributed.run", agent)]
 
 
 def _env() -> dict:
@@ -104,8 +111,11 @@ def _children(pid: int) -> set[int]:
 
 
 def _is_rank(pid: int) -> bool:
+    """A rank of a job: ``harness.jobs.entry`` (a fresh process, or the zygote's client), or a rank the zygote
+    forked (its command line is the zygote's)."""
     try:
-        return b"harness.jobs.entry" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"harness.jobs.entry" in cmd or b"harness.jobs.zygote" in cmd
     except OSError:
         return False
 
@@ -154,9 +164,10 @@ def _terminate_raises():
 
 
 def run(job: str, nproc: int, out: Path, cfg: dict, *, timeout_s: float, stall_s: float, stream, log: Path,
-        target: str | None = None, nodes: Nodes | None = None) -> dict | None:
+        target: str | None = None, nodes: Nodes | None = None, fork_ranks: bool = False) -> dict | None:
     """Run the job on this node's ``nproc`` processes; rank 0's JSON, or None on a node other than node 0 of a
-    multi-node job (node 0 holds rank 0, which writes the results)."""
+    multi-node job (node 0 holds rank 0, which writes the results). ``fork_ranks``: a CPU job, whose ranks the
+    zygote may fork (``harness.jobs.zygote``)."""
     nodes = nodes or Nodes()
     first = nodes.first_rank(nproc)
     beats = Path(tempfile.mkdtemp(prefix=f".{job}-ranks-", dir=out.parent))
@@ -168,10 +179,12 @@ def run(job: str, nproc: int, out: Path, cfg: dict, *, timeout_s: float, stall_s
     lines: queue.Queue = queue.Queue()
     started, gone_at = time.time(), {}
     try:
+        env = _env()
+        zygote_at = zygote.address(env) if fork_ranks else None
         with open(log, "w") as log_file:
-            proc = subprocess.Popen(_command(target or job, nproc, out, cfg, nodes), stdout=subprocess.PIPE,
+            proc = subprocess.Popen(_command(target or job, nproc, out, cfg, nodes, zygote_at), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT,
-                                    text=True, env=_env(), bufsize=1, start_new_session=True,
+                                    text=True, env=env, bufsize=1, start_new_session=True,
                                     preexec_fn=die_with_parent)
             pump = threading.Thread(target=_pump, args=(proc.stdout, lines, log_file), daemon=True)
             pump.start()

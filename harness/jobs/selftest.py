@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,4 +34,12 @@ def job(rank: int, world: int, cfg: dict) -> dict:
         dist.all_reduce(t)
         total += t
         time.sleep(float(cfg.get("step_s", 0.05)))
-    return {"rank": rank, "total": float(total)}
+    return {"rank": rank, "total": float(total), "comm": _process_name()}
+
+
+def _process_name() -> str | None:
+    """This process's name (``/proc/self/comm``): ``dcp-rank<N>`` for a rank the zygote forked."""
+    try:
+        return Path("/proc/self/comm").read_text().strip()
+    except OSError:
+        return None

@@ -35,6 +35,13 @@ def _descendants(root: int) -> list[int]:
 
 
 def _worker(root: int, rank: int) -> int | None:
+    """The process that runs ``rank``: forked by the zygote (named ``dcp-rank<N>``), else a fresh process."""
+    for pid in _descendants(root):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == f"dcp-rank{rank}":
+                return pid
+        except OSError:
+            continue
     for pid in _descendants(root):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -46,6 +53,13 @@ def _worker(root: int, rank: int) -> int | None:
     return None
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _alive(pids: list[int]) -> list[int]:
     """Those of ``pids`` that still exist as rank processes (a zombie counts as gone)."""
     alive = []
@@ -55,7 +69,7 @@ def _alive(pids: list[int]) -> list[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (OSError, IndexError):
             continue
-        if state not in "ZX" and b"harness.jobs.entry" in cmd:
+        if state not in "ZX" and (b"harness.jobs.entry" in cmd or b"harness.jobs.zygote" in cmd):
             alive.append(pid)
     return alive
 
@@ -109,7 +123,9 @@ def _start_and_reach_step_2(tmp_path):
     ranks = [p for p in (_worker(proc.pid, r) for r in range(4)) if p]
     torchrun = [p for p in _descendants(proc.pid) if b"torch.distributed.run" in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert len(ranks) == 4 and len(torchrun) == 1, (ranks, torchrun)
-    return proc, ranks + torchrun
+    # the zygote and what it forked besides the ranks (torchrun's agent), when the ranks are forked
+    forked = [p for p in _descendants(proc.pid) if b"harness.jobs.zygote" in _cmdline(p)]
+    return proc, sorted(set(ranks + torchrun + forked))
 
 
 def _gone_within(pids, seconds: float) -> list[int]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.jobs import zygote
 from harness.jobs.entry import launch
 from harness.jobs.watchdog import JobFailure
 
@@ -59,7 +60,7 @@ def test_a_failing_rank_ends_the_job_with_one_line_naming_it(tmp_path, how, expe
     e = info.value
     assert e.rank == 2 and e.log.exists() and "\n" not in str(e)
     assert str(e).endswith(f"; output: {e.log}")
-    left = _processes_of(tmp_path)
+    left = _processes_of(tmp_path) + zygote.forked_alive()
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes {left} outlived the failed job"

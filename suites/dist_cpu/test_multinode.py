@@ -62,6 +62,13 @@ def test_two_agents_give_what_one_agent_gives_bit_for_bit(tmp_path):
     assert [c["value"] for c in a["checks"]] == [c["value"] for c in b["checks"]]  # the reference lines too
 
 
+def _beat_pid(path: Path) -> int | None:
+    try:
+        return json.loads(_text(path)).get("pid")
+    except ValueError:
+        return None
+
+
 def _text(path: Path) -> str:
     try:
         return path.read_text()
@@ -148,8 +155,8 @@ def test_a_node_that_dies_or_stops_is_named_by_the_other(how, tmp_path):
         if any('"step"' in _text(b) for b in beats):
             break
         time.sleep(0.5)
-    ranks = subprocess.run(["pgrep", "-f", f"harness.jobs.entry.*{tmp_path / 'n1'}"], capture_output=True, text=True)
-    pids = [int(p) for p in ranks.stdout.split()]
+    # the processes that run node 1's ranks, as their heartbeats name them (forked by the zygote or fresh)
+    pids = sorted({_beat_pid(b) for b in (tmp_path / "n1").rglob("rank*.json")} - {None})
     assert pids, "node 1's ranks did not start"
     for pid in pids:
         subprocess.run(["kill", "-9" if how == "killed" else "-STOP", str(pid)])

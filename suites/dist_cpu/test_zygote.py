@@ -1,0 +1,108 @@
+"""The rank zygote (``harness.jobs.zygote``): a client stands where a fresh rank process would, and the forked
+process gets the client's command line, environment, working directory and stdio, its signals, and the exit
+status it ends with; a client that loses its zygote or never reaches one leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.jobs import zygote
+
+pytestmark = pytest.mark.dist_cpu
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = "suites.dist_cpu.zygote_probe"
+
+
+def _client(at: str, mode: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PROBE": "from-the-client", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-u", *zygote.command(at, PROBE, [mode, "x y"])], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX":
+                return True
+        except (OSError, IndexError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def at() -> str:
+    found = zygote.address({**os.environ, "PYTHONPATH": str(ROOT)})
+    assert found is not None, "the zygote did not start"
+    return found
+
+
+def test_the_forked_process_runs_what_the_client_was_given_and_exits_as_it_did(at):
+    proc = _client(at, "exit")
+    out, err = proc.communicate(timeout=60)
+    seen = json.loads(out.splitlines()[0])
+    assert proc.returncode == 7, err
+    assert seen["argv"] == ["exit", "x y"] and seen["probe"] == "from-the-client" and seen["cwd"] == str(ROOT)
+    assert seen["torch"] and seen["comm"] == "dcp-forked" and seen["pid"] != proc.pid  # forked, torch preloaded
+    assert err == "to stderr\n"
+
+
+def test_a_raising_rank_prints_its_traceback_and_exits_1(at):
+    proc = _client(at, "raise")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "RuntimeError: probe failure" in err and "Traceback" in err
+
+
+def test_signals_reach_the_forked_rank_and_the_client_exits_as_it_did(at):
+    proc = _client(at, "sleep")
+    seen = json.loads(proc.stdout.readline())
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 5 and out == "probe got SIGTERM\n" and _gone(seen["pid"], 5)
+
+
+def test_a_rank_killed_by_a_signal_kills_its_client_with_the_same(at):
+    proc = _client(at, "sleep")
+    seen = json.loads(proc.stdout.readline())
+    os.kill(seen["pid"], signal.SIGKILL)
+    proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_a_killed_client_takes_its_forked_rank_with_it(at):
+    proc = _client(at, "sleep")
+    seen = json.loads(proc.stdout.readline())
+    proc.kill()
+    proc.wait(30)
+    assert _gone(seen["pid"], 10), f"forked rank {seen['pid']} outlived its client"
+
+
+def test_without_a_zygote_the_client_is_the_rank():
+    proc = _client("/nonexistent/dcp-zygote/sock", "exit")
+    out, _ = proc.communicate(timeout=60)
+    seen = json.loads(out.splitlines()[0])
+    assert proc.returncode == 7 and seen["pid"] == proc.pid and not seen["torch"] and seen["comm"] != "dcp-forked"
+
+
+def test_a_cpu_job_forks_its_ranks_and_gives_what_fresh_ranks_give(tmp_path, monkeypatch):
+    from harness.jobs.entry import launch
+
+    cfg = {"device": "cpu", "steps": 3}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    forked = launch("selftest", 4, tmp_path / "a" / "out.json", cfg, stall_s=60)
+    monkeypatch.setenv(zygote.ENV, "0")
+    fresh = launch("selftest", 4, tmp_path / "b" / "out.json", cfg, stall_s=60)
+    assert [r["total"] for r in forked["ranks"]] == [r["total"] for r in fresh["ranks"]] == [12.0] * 4
+    assert {r["comm"] for r in forked["ranks"]} == {f"dcp-rank{r}" for r in range(4)}
+    assert not any(r["comm"].startswith("dcp-") for r in fresh["ranks"])
+    assert not zygote.forked_alive()
