@@ -35,17 +35,38 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
     return data
 
 
+def _send(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
 def main() -> None:
     path, module, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
     parent = os.getppid()
     _die_with_parent()
     if os.getppid() != parent:  # torchrun died before the request took effect
         os._exit(3)
+    target: list[int] = []
+    pending: list[int] = []
+
+    def relay(signum, frame):
+        if target:
+            _send(target[0], signum)
+        else:
+            pending.append(signum)
+
+    for s in RELAYED:
+        signal.signal(s, relay)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
-    except OSError:  # no zygote: be the rank
+    except OSError:  # no zygote: be the rank (exec restores the default signal handling)
         conn.close()
+        for signum in pending:  # a signal that came first ends the client as it would have ended the rank
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
         os.execv(sys.executable, [sys.executable, "-u", "-m", module, *argv])
     payload = json.dumps({"module": module, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     try:
@@ -58,19 +79,13 @@ def main() -> None:
         print(f"dcp-harness: the rank zygote at {path} closed the connection before starting the rank",
               file=sys.stderr)
         os._exit(1)
-    (pid,) = struct.unpack("!i", head)
-
-    def relay(signum, frame):
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-
-    for s in RELAYED:
-        signal.signal(s, relay)
+    (forked,) = struct.unpack("!i", head)
+    target.append(forked)
+    for signum in pending:  # what arrived before the rank had a pid
+        _send(forked, signum)
     status = _recv_exact(conn, 4)
     if status is None:
-        print(f"dcp-harness: the rank zygote at {path} went away while rank process {pid} ran", file=sys.stderr)
+        print(f"dcp-harness: the rank zygote at {path} went away while rank process {forked} ran", file=sys.stderr)
         os._exit(1)
     (status,) = struct.unpack("!i", status)
     if os.WIFSIGNALED(status):

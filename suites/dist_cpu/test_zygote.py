@@ -106,3 +106,39 @@ def test_a_cpu_job_forks_its_ranks_and_gives_what_fresh_ranks_give(tmp_path, mon
     assert {r["comm"] for r in forked["ranks"]} == {f"dcp-rank{r}" for r in range(4)}
     assert not any(r["comm"].startswith("dcp-") for r in fresh["ranks"])
     assert not zygote.forked_alive()
+
+
+def test_a_signal_that_comes_before_the_fork_reaches_the_rank_once_it_exists(tmp_path):
+    """The zygote here is the test's: it takes the request, waits until the client has had its SIGTERM, then
+    answers with the pid of a process of its own and reports how that process ended."""
+    import socket
+    import struct
+    import threading
+
+    path = str(tmp_path / "sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    proc = _client(path, "exit")
+    conn, _ = listener.accept()
+    socket.recv_fds(conn, 1 << 16, 3)
+    proc.send_signal(signal.SIGTERM)  # the client has no rank yet: it must hold the signal, not die of it
+    time.sleep(0.5)
+    assert proc.poll() is None, "the client died of a signal that came before its rank"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    done = threading.Event()
+
+    def report() -> None:
+        status = os.waitpid(sleeper.pid, 0)[1]
+        conn.sendall(struct.pack("!i", status))
+        done.set()
+
+    conn.sendall(struct.pack("!i", sleeper.pid))
+    threading.Thread(target=report, daemon=True).start()
+    try:
+        proc.wait(30)
+    finally:
+        sleeper.kill()
+        conn.close()
+        listener.close()
+    assert done.is_set() and proc.returncode == -signal.SIGTERM  # the signal reached the rank, which died of it

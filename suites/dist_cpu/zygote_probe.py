@@ -8,8 +8,16 @@ import signal
 import sys
 import time
 
+
+def stop(signum, frame):
+    print(f"probe got {signal.Signals(signum).name}", flush=True)
+    sys.exit(5)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
+    if mode == "sleep":
+        signal.signal(signal.SIGTERM, stop)
     with open("/proc/self/comm") as f:
         comm = f.read().strip()
     print(json.dumps({"argv": sys.argv[1:], "probe": os.environ.get("PROBE"), "cwd": os.getcwd(), "comm": comm,
@@ -18,10 +26,5 @@ if __name__ == "__main__":
     if mode == "raise":
         raise RuntimeError("probe failure")
     if mode == "sleep":
-        def stop(signum, frame):
-            print(f"probe got {signal.Signals(signum).name}", flush=True)
-            sys.exit(5)
-
-        signal.signal(signal.SIGTERM, stop)
         time.sleep(120)
     sys.exit(7)
