@@ -76,8 +76,9 @@ def _last_line(r: RankReport) -> str:
     return "killed at the deadline" if r.exitcode is None else f"exit code {r.exitcode}"
 
 
-PRELOAD = ["torch", "torch.distributed", "harness.jobs.launch"]
-"""What the fork server imports before it forks any rank (nothing that starts threads or CUDA)."""
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot_autograd", "harness.jobs.launch"]
+"""What the fork server imports before it forks any rank (nothing that starts threads or CUDA). Ranks import
+``torch._dynamo`` and AOT autograd as they run (compiled segments, and more): preloaded, each rank skips ~2 s."""
 
 
 def _worker(fn, rank: int, world_size: int, world_dir: str, backend: str, timeout_s: float, args, kwargs,

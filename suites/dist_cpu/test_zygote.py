@@ -137,8 +137,9 @@ def test_a_signal_that_comes_before_the_fork_reaches_the_rank_once_it_exists(tmp
     threading.Thread(target=report, daemon=True).start()
     try:
         proc.wait(30)
+        done.wait(10)
     finally:
         sleeper.kill()
         conn.close()
         listener.close()
-    assert done.is_set() and proc.returncode == -signal.SIGTERM  # the signal reached the rank, which died of it
+    assert done.wait(10) and proc.returncode == -signal.SIGTERM  # the signal reached the rank, which died of it
