@@ -129,13 +129,16 @@ def first_failure(folder, nproc: int, gone_at: dict[int, float], exit_codes: dic
     """(rank, why) of the first real failure of an exited job: an own exception (earliest), a rank that
     died without one (torchrun's ``root_cause`` rank first, then by ``gone_at``: when the launcher saw
     its process vanish; a SIGTERM is how torchrun stops the survivors, so it ranks last; ``exit_codes``
-    from torchrun's report, negative = signal), then partners' errors."""
+    from torchrun's report, negative = signal), then partners' errors. ``nproc`` and ``first`` (this node's
+    share of the ranks) are the caller's: the errors are read from whatever ranks wrote them."""
     errors = {}
-    for r in range(first, first + nproc):
-        p = Path(folder) / f"rank{r}.error"
-        if p.exists():
-            stamp, _, text = p.read_text().partition("\n")
-            errors[r] = (float(stamp), text.strip().splitlines()[-1] if text.strip() else "an exception")
+    # every error this node's ranks wrote, whatever their numbers: on nodes that started different numbers of
+    # processes (a mistake the ranks report) the ranks are not numbered from ``first`` on
+    for p in Path(folder).glob("rank*.error"):
+        if not p.name[4:-6].isdigit():
+            continue
+        stamp, _, text = p.read_text().partition("\n")
+        errors[int(p.name[4:-6])] = (float(stamp), text.strip().splitlines()[-1] if text.strip() else "an exception")
     own = {r: e for r, e in errors.items() if not PEER_ERRORS.search(e[1])}
     if own:
         r = min(own, key=lambda k: own[k][0])

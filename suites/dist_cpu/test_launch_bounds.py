@@ -123,3 +123,15 @@ def test_warnings_go_to_the_log_and_the_progress_after_them_still_shows():
             quiet = relay(line + "\n", shown.append)
     assert shown == ["[bshd] step    1/100  loss 5.553713", "[bshd] step    2/100  loss 5.499462"]
     assert quiet
+
+
+def test_the_first_error_is_found_whatever_the_ranks_numbers(tmp_path):
+    """Nodes that started different numbers of processes number their ranks otherwise than ``first`` says (node 1 of
+    a 2 + 4 start holds ranks 2-5, not 4-7): the rank that raised is still the one named, not a rank torchrun
+    stopped."""
+    from harness.jobs.watchdog import first_failure
+
+    (tmp_path / "rank3.error").write_text("20.0\nTraceback ...\nNodeMismatchError: node 1 runs 4 processes")
+    (tmp_path / "rank2.error").write_text("10.0\nTraceback ...\nNodeMismatchError: node 1 runs 4 processes, node 0 runs 2")
+    rank, why = first_failure(tmp_path, 4, {}, {2: 1, 3: 1, 4: -15, 5: -15}, None, first=4)
+    assert rank == 2 and why == "raised NodeMismatchError: node 1 runs 4 processes, node 0 runs 2"
