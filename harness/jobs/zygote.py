@@ -27,10 +27,12 @@ processes.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import select
+import shutil
 import socket
 import struct
 import subprocess
@@ -64,6 +66,22 @@ _servers: dict[tuple, tuple[subprocess.Popen, str]] = {}
 _lock = threading.Lock()
 
 
+def _stop(proc: subprocess.Popen, path: str) -> None:
+    """End a zygote and remove its socket's private folder."""
+    if proc.poll() is None:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+@atexit.register
+def _stop_all() -> None:  # a launcher that exits leaves no zygote and no socket folder behind
+    for proc, path in list(_servers.values()):
+        _stop(proc, path)
+    _servers.clear()
+
+
 def address(env: dict) -> str | None:
     """The socket of a running zygote for ranks started with ``env`` (started now if need be); None when
     none can be had (turned off, or it did not start: the ranks then run as fresh processes)."""
@@ -76,8 +94,7 @@ def address(env: dict) -> str | None:
             return found[1]
         if found is not None:
             _servers.pop(key)
-            with contextlib.suppress(OSError):
-                os.unlink(found[1])
+            _stop(*found)
         started = _start(env)
         if started is not None:
             _servers[key] = started
@@ -93,8 +110,7 @@ def _start(env: dict) -> tuple[subprocess.Popen, str] | None:
                             preexec_fn=die_with_parent)
     ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
     if not ready or proc.stdout.readline() != b"ready\n":
-        proc.kill()
-        proc.wait()
+        _stop(proc, path)
         return None
     proc.stdout.close()
     return proc, path
@@ -260,6 +276,12 @@ def _rank(conn: socket.socket, req: dict, fds: list[int]) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int) and e.code is not None:
             print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:  # as a fresh process ends on an unhandled Ctrl-C: its traceback, then SIGINT
+        traceback.print_exc()
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     except BaseException:  # noqa: BLE001 - a rank's failure is its traceback and exit code 1, as in a fresh process
         traceback.print_exc()
     with contextlib.suppress(Exception):

@@ -62,6 +62,14 @@ def test_a_raising_rank_prints_its_traceback_and_exits_1(at):
     assert proc.returncode == 1 and "RuntimeError: probe failure" in err and "Traceback" in err
 
 
+def test_an_unhandled_ctrl_c_ends_the_rank_as_it_ends_a_fresh_process(at):
+    fresh = _client("/nonexistent/dcp-zygote/sock", "interrupt")
+    forked = _client(at, "interrupt")
+    (_, fresh_err), (_, forked_err) = fresh.communicate(timeout=60), forked.communicate(timeout=60)
+    assert forked.returncode == fresh.returncode == -signal.SIGINT
+    assert "KeyboardInterrupt" in forked_err and "KeyboardInterrupt" in fresh_err
+
+
 def test_signals_reach_the_forked_rank_and_the_client_exits_as_it_did(at):
     proc = _client(at, "sleep")
     seen = json.loads(proc.stdout.readline())
@@ -143,3 +151,12 @@ def test_a_signal_that_comes_before_the_fork_reaches_the_rank_once_it_exists(tmp
         conn.close()
         listener.close()
     assert done.wait(10) and proc.returncode == -signal.SIGTERM  # the signal reached the rank, which died of it
+
+
+def test_a_launcher_that_exits_leaves_no_zygote_and_no_socket_folder(tmp_path):
+    code = ("import os, sys; from harness.jobs import zygote; at = zygote.address(dict(os.environ)); "
+            "print(at, zygote._servers[zygote._key(dict(os.environ))][0].pid)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    at, pid = r.stdout.split()
+    assert not Path(at).parent.exists(), f"{Path(at).parent} outlived its launcher"
+    assert _gone(int(pid), 10), f"zygote {pid} outlived its launcher"

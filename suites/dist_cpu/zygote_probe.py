@@ -1,6 +1,6 @@
 """A module the zygote tests run as a rank (``python -m suites.dist_cpu.zygote_probe MODE``): it prints what it was
 given as one JSON line, then exits with code 7 (``exit``), sleeps until signalled (``sleep``: SIGTERM makes it say
-so and exit with code 5) or raises (``raise``)."""
+so and exit with code 5), raises (``raise``) or is interrupted (``interrupt``: an unhandled KeyboardInterrupt)."""
 
 import json
 import os
@@ -25,6 +25,8 @@ if __name__ == "__main__":
     print("to stderr", file=sys.stderr, flush=True)
     if mode == "raise":
         raise RuntimeError("probe failure")
+    if mode == "interrupt":
+        raise KeyboardInterrupt
     if mode == "sleep":
         time.sleep(120)
     sys.exit(7)
