@@ -143,7 +143,9 @@ def _request(conn: socket.socket) -> tuple[dict, list[int]]:
 def serve(path: str) -> None:
     """The zygote: import torch, then fork a rank per request and report each one's wait status."""
     import importlib
+    import signal
 
+    _clean_up_when_orphaned(path)
     for name in PRELOAD:
         importlib.import_module(name)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -152,7 +154,10 @@ def serve(path: str) -> None:
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     pending: dict[int, socket.socket] = {}
+    parent = os.getppid()
     while True:
+        if os.getppid() != parent:  # the launcher went before the signal below was asked for
+            os.kill(os.getpid(), signal.SIGTERM)
         readable, _, _ = select.select([listener], [], [], 0.05)
         if readable:
             conn, _ = listener.accept()
@@ -165,12 +170,18 @@ def serve(path: str) -> None:
                 continue
             sys.stdout.flush()
             sys.stderr.flush()
+            # SIGTERM is blocked across the fork: a signal relayed to the child before it drops the zygote's
+            # clean-up handler stays pending and then ends it as it ends a fresh process
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             pid = os.fork()
             if pid == 0:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
                 listener.close()
                 for other in pending.values():
                     other.close()
                 _rank(conn, req, fds)  # never returns
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
             for fd in fds:
                 os.close(fd)
             try:
@@ -190,6 +201,22 @@ def serve(path: str) -> None:
                 with contextlib.suppress(OSError):
                     conn.sendall(STATUS.pack(status))
                 conn.close()
+
+
+def _clean_up_when_orphaned(path: str) -> None:
+    """The launcher's death ends the zygote by SIGTERM (not the SIGKILL it was started with), which removes the
+    socket's private folder first: a launcher that was SIGKILLed cannot run its ``atexit`` clean-up, and its folder
+    was left in the temporary directory. The forked ranks die with the zygote as before (their own PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    def _leave(signum, frame) -> None:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _leave)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def process_name(module: str, env: dict) -> str:

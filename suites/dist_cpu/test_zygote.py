@@ -78,6 +78,20 @@ def test_signals_reach_the_forked_rank_and_the_client_exits_as_it_did(at):
     assert proc.returncode == 5 and out == "probe got SIGTERM\n" and _gone(seen["pid"], 5)
 
 
+def test_sigterm_ends_a_rank_without_a_handler_as_it_ends_a_fresh_process_and_leaves_the_zygote_serving(at):
+    """The zygote's own SIGTERM clean-up is not inherited: the rank dies of the signal, the zygote's folder stays."""
+    fresh = _client("/nonexistent/dcp-zygote/sock", "idle")
+    forked = _client(at, "idle")
+    for proc in (fresh, forked):
+        json.loads(proc.stdout.readline())
+        proc.send_signal(signal.SIGTERM)
+    assert fresh.wait(30) == forked.wait(30) == -signal.SIGTERM
+    assert Path(at).exists(), "the rank ran the zygote's clean-up"
+    again = _client(at, "exit")
+    again.communicate(timeout=60)
+    assert again.returncode == 7
+
+
 def test_a_rank_killed_by_a_signal_kills_its_client_with_the_same(at):
     proc = _client(at, "sleep")
     seen = json.loads(proc.stdout.readline())
@@ -160,3 +174,21 @@ def test_a_launcher_that_exits_leaves_no_zygote_and_no_socket_folder(tmp_path):
     at, pid = r.stdout.split()
     assert not Path(at).parent.exists(), f"{Path(at).parent} outlived its launcher"
     assert _gone(int(pid), 10), f"zygote {pid} outlived its launcher"
+
+
+def test_a_killed_launcher_leaves_no_zygote_and_no_socket_folder(tmp_path):
+    """SIGKILL leaves no ``atexit``: the zygote sees its launcher go, removes its folder and ends."""
+    code = ("import os, sys, time; from harness.jobs import zygote; at = zygote.address(dict(os.environ)); "
+            "print(at, zygote._servers[zygote._key(dict(os.environ))][0].pid, flush=True); time.sleep(60)")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        at, pid = launcher.stdout.readline().split()
+        assert Path(at).exists() and not _gone(int(pid), 0.2)
+    finally:
+        launcher.kill()
+        launcher.communicate(timeout=30)
+    assert _gone(int(pid), 10), f"zygote {pid} outlived its SIGKILLed launcher"
+    deadline = time.monotonic() + 5
+    while Path(at).parent.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(at).parent.exists(), f"{Path(at).parent} outlived its SIGKILLed launcher"

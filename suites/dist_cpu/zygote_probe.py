@@ -1,6 +1,6 @@
 """A module the zygote tests run as a rank (``python -m suites.dist_cpu.zygote_probe MODE``): it prints what it was
 given as one JSON line, then exits with code 7 (``exit``), sleeps until signalled (``sleep``: SIGTERM makes it say
-so and exit with code 5), raises (``raise``) or is interrupted (``interrupt``: an unhandled KeyboardInterrupt)."""
+so and exit with code 5; ``idle``: sleeps with every signal's default action), raises (``raise``) or is interrupted (``interrupt``: an unhandled KeyboardInterrupt)."""
 
 import json
 import os
@@ -27,6 +27,6 @@ if __name__ == "__main__":
         raise RuntimeError("probe failure")
     if mode == "interrupt":
         raise KeyboardInterrupt
-    if mode == "sleep":
+    if mode in ("sleep", "idle"):
         time.sleep(120)
     sys.exit(7)
