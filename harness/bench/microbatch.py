@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from harness.bench import host
 from harness.bench.common import table, write_report
 from harness.plan.errors import PlanInputError
 from harness.plan.thd import whole_chunks
@@ -219,7 +220,7 @@ def measure(cfg: MicrobatchConfig) -> dict:
                          "enqueue_ms_all": enq[key], "total_ms_all": tot[key]})
     model.compile_blocks(None)
     flat.zero_()
-    return {"rows": rows, "device_name": torch.cuda.get_device_name(dev) if cuda else "CPU",
+    return {"rows": rows, "host": host.probe(dev), "device_name": torch.cuda.get_device_name(dev) if cuda else "CPU",
             "torch": torch.__version__, "config": asdict(cfg)}
 
 
@@ -254,6 +255,7 @@ def main(*, cpu: bool = False, out: Path | None = None, overrides: dict | None =
     print(f"bench microbatch: {cfg.model} on {device}, shapes {', '.join(cfg.shapes)}, variants "
           f"{', '.join(cfg.variants)}, {cfg.reps} interleaved repetitions", flush=True)
     res = measure(cfg)
+    print(f"bench microbatch: {host.describe([res['host']])}")
     print(table(res["rows"], COLUMNS))
     bad = sorted({r["shape"] for r in res["rows"] if r["loss_spread"] > LOSS_SPREAD_MAX})
     for shape in bad:

@@ -283,7 +283,8 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
     body = "".join([
         "<h1>dcp-harness bench step: dynamic CP vs static CP</h1>",
         f'<p><span class="verdict {("pass" if ok else "fail") if applicable else "na"}">{verdict}</span></p>',
-        f'<p class="meta">{gpus} x {esc(summary["device_name"])}, torch {esc(summary["torch"])}; model '
+        f'<p class="meta">{gpus} x {esc(summary["device_name"])}'
+        f'{"; " + esc(summary["host_line"]) if summary.get("host_line") else ""}; torch {esc(summary["torch"])}; model '
         f'{esc(cfg.model)} ({summary["parameters"] / 1e6:.3g}M parameters), {esc(cfg.dtype)}, blocks '
         f'{"compiled (" + esc(summary["compile"]) + ")" if summary.get("compile") else "eager"}'
         f'{f", micro-batches padded to multiples of {cfg.bucket()} tokens per rank" if cfg.bucket() else ""}; lengths '

@@ -606,6 +606,11 @@ def test_cli_smoke_writes_json_and_html(tmp_path, capsys):
     assert list((tmp_path / "bench_step_traces").glob("trace_*_rank0.json.gz"))
     printed = capsys.readouterr().out
     assert "USDT:" not in printed and "trimmed ms" in printed
+    # every rank's host, probed where it runs; one line printed and on the page
+    hosts = doc["results"]["hosts"]
+    assert len(hosts) == 2 and all(h["launch_us"] > 0 and h["python_mops"] > 0 and h["usable_cpus"] >= 1 for h in hosts)
+    assert f"bench step: {doc['results']['host_line']}\n" in printed and "us per operator launch (ranks " in printed
+    assert doc["results"]["host_line"] in html
     assert "dcp:balanced by rank (idle / exposed comm ms): 0: " in printed  # the 2-rank world's profiled step
     assert "Idle and exposed communication by rank" in html
     assert "where each arm's speedup comes from" in printed and "Where each arm" in html  # gloo's collectives by name

@@ -89,6 +89,8 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
         print(f"{nodes.describe()}: its ranks finished; rank 0 writes the report", flush=True)
         return 0
     summary = summarize(res, cfg)
+    if summary["host_line"]:
+        print(f"bench step: {summary['host_line']}", flush=True)
     _print_tables(summary, cfg)
     cks = checks(summary, "cuda" if cuda else "cpu")
     _print_verdicts(summary, cks)

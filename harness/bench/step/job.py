@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from harness.bench import host
 from harness.bench.host_lead import summarize_rank as summarize_leads
 from harness.bench.step.calibrate import calibrate_cost
 from harness.bench.step.config import PHASES, Arm, StepBenchConfig, arm_cost, cost_model_from
@@ -48,7 +49,8 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
     ctx.heartbeat = heartbeat
     if cfg.trace_dir and rank == 0:
         Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
-    out = {"rank": rank, "runs": _runs(ctx)}
+    probed = host.probe(ctx.device)  # before the runs: what this rank's host pays per call (``harness.bench.host``)
+    out = {"rank": rank, "runs": _runs(ctx), "host": probed}
     if rank == 0:
         out["batches"] = [{"lengths": b[0], "clipped": b[1]} for b in ctx.batches[cfg.warmup:]]
         out["device_name"] = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"

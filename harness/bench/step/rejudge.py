@@ -47,7 +47,7 @@ def rejudge(path: str | Path) -> dict:
     device = "cuda" if cfg.get("device") == "cuda" else "cpu"
     recorded = {name: (res.get("ratios") or {}).get(name) for name in RATIOS}
     return {"file": str(p), "commit": (doc.get("producer") or {}).get("git_rev"), "device": res.get("device_name"),
-            "world": res.get("world"), "global_batch": (res.get("global_batch") or {}).get("mode"),
+            "host": res.get("host_line") or None, "world": res.get("world"), "global_batch": (res.get("global_batch") or {}).get("mode"),
             "runs": len(runs), "trim": trim, "ratios": ratios, "recorded": recorded,
             "checks": checks(summary, device), "recorded_checks": doc.get("checks")}
 

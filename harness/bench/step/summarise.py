@@ -11,6 +11,7 @@ import math
 import re
 import statistics
 
+from harness.bench.host import describe as describe_hosts
 from harness.bench.step.config import PHASES, StepBenchConfig
 from harness.bench.step.workload import model_cost, model_flops, peak_tflops
 from harness.bench.trace import mean_breakdown
@@ -79,7 +80,9 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
     return {**top, "runs": runs, "representative_run": rep, "breakdown_run": profiled, "ratios": ratios,
             "cost_ab": cost_ab(runs, cfg.trim), "weights_ab": weights_ab(runs, cfg.trim),
             "bucket_ab": bucket_ab(runs, cfg.trim), "world": world,
-            "device_name": r0["device_name"], "peak_tflops": peak_tflops(cfg, r0["device_name"]),
+            "device_name": r0["device_name"], "hosts": [r.get("host") for r in ranks],
+            "host_line": describe_hosts([r.get("host") for r in ranks]),
+            "peak_tflops": peak_tflops(cfg, r0["device_name"]),
             "parameters": r0["parameters"], "torch": r0["torch"], "compile": r0.get("compile"),
             "global_batch": _global_batch(r0["batches"], cfg, world)}
 
