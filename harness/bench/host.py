@@ -12,8 +12,9 @@ measured where each rank runs, beside the work:
 - ``python_mops``: millions of pure-Python integer additions a second (the interpreter's speed: schedule
   phases, plan building, Inductor's Python wrapper).
 
-Both are medians of several short rounds, ~30 ms in all; they vary a few percent between runs on one host, and
-by 2x between hosts of one GPU kind.
+Each is the best of several short rounds (~60 ms in all): what the host can do, not what a busy moment gave
+(another thread holding the GIL, compile workers starting, a profiler's callbacks left installed all slow some
+rounds). Hosts of one GPU kind differ by up to 2x.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import platform
 import statistics
 import time
 
-ROUNDS = 7
+ROUNDS = 15
 OPS_PER_ROUND = 200
 ADDS_PER_ROUND = 100_000
 
@@ -48,7 +49,8 @@ def _usable_cpus() -> int:
 
 
 def launch_us(device) -> float:
-    """Median host microseconds per small operator on ``device`` (a ``torch.device``), issued back to back."""
+    """Host microseconds per small operator on ``device`` (a ``torch.device``), issued back to back (the best
+    round)."""
     import torch
 
     a = torch.ones(1, device=device)
@@ -65,11 +67,11 @@ def launch_us(device) -> float:
             torch.add(a, b, out=c)
         per_op.append(1e6 * (time.perf_counter() - t0) / OPS_PER_ROUND)
         sync()  # each round starts with an empty queue: the host never waits on a full one
-    return statistics.median(per_op)
+    return min(per_op)
 
 
 def python_mops() -> float:
-    """Millions of pure-Python integer additions a second (median of short rounds)."""
+    """Millions of pure-Python integer additions a second (the best of short rounds)."""
     rates = []
     for _ in range(ROUNDS):
         t0 = time.perf_counter()
@@ -77,7 +79,7 @@ def python_mops() -> float:
         for i in range(ADDS_PER_ROUND):
             x += i
         rates.append(ADDS_PER_ROUND / 1e6 / max(time.perf_counter() - t0, 1e-9))
-    return statistics.median(rates)
+    return max(rates)
 
 
 def probe(device) -> dict:

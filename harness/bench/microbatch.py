@@ -142,6 +142,7 @@ def measure(cfg: MicrobatchConfig) -> dict:
         off += p.numel()
     variants = [parse_variant(v, cfg.device) for v in cfg.variants]
     gen = torch.Generator().manual_seed(cfg.seed)
+    probed = host.probe(dev)  # before anything is compiled or profiled
 
     def runner(lengths: list[int], backend: str):
         cu = [0]
@@ -220,7 +221,7 @@ def measure(cfg: MicrobatchConfig) -> dict:
                          "enqueue_ms_all": enq[key], "total_ms_all": tot[key]})
     model.compile_blocks(None)
     flat.zero_()
-    return {"rows": rows, "host": host.probe(dev), "device_name": torch.cuda.get_device_name(dev) if cuda else "CPU",
+    return {"rows": rows, "host": probed, "device_name": torch.cuda.get_device_name(dev) if cuda else "CPU",
             "torch": torch.__version__, "config": asdict(cfg)}
 
 
