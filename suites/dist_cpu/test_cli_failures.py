@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from harness.jobs import zygote
+
 pytestmark = pytest.mark.dist_cpu
+SMALL = ["--batch-size", "8", "--lengths", "lognormal:mean=96,sigma=0.8,min=16,max=400", "--max-seqlen-per-rank", "128"]
+"""A job whose steps take a fraction of a second: the tests wait for step 2, and the default job's bshd steps are
+what the waiting cost."""
 
 
 def _descendants(root: int) -> list[int]:
@@ -83,8 +88,8 @@ def _alive(pids: list[int]) -> list[int]:
                  id="killed"),
 ])
 def test_a_rank_that_stops_or_dies_ends_converge_with_one_line(tmp_path, sig, expect, limit_s):
-    proc = subprocess.Popen([sys.executable, "-m", "harness", "converge", "--steps", "400", "--stall-timeout", "20",
-                             "--golden", "off", "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "converge", *SMALL, "--steps", "400", "--stall-timeout",
+                             "20", "--golden", "off", "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
         seen = []
@@ -115,7 +120,7 @@ def test_a_rank_that_stops_or_dies_ends_converge_with_one_line(tmp_path, sig, ex
 
 
 def _start_and_reach_step_2(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "harness", "converge", "--steps", "400", "--golden", "off",
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "converge", *SMALL, "--steps", "400", "--golden", "off",
                              "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if "step    2/400" in line:
@@ -172,8 +177,12 @@ def test_an_interrupted_cli_ends_the_whole_job_and_names_its_log(tmp_path, sig, 
 
 
 def test_a_killed_cli_takes_torchrun_and_every_rank_with_it(tmp_path):
-    """SIGKILL cannot be handled: torchrun and the ranks ask the kernel to kill them with their parent."""
+    """SIGKILL cannot be handled: torchrun and the ranks ask the kernel to kill them with their parent, and the
+    zygote removes its socket's folder as it goes (the launcher's ``atexit`` never runs)."""
     proc, pids = _start_and_reach_step_2(tmp_path)
+    sockets = {Path(_cmdline(p).split(b"\0")[-2].decode()).parent for p in pids
+               if b"harness.jobs.zygote" in _cmdline(p)}
+    assert sockets or not zygote.enabled(), "the CPU job's ranks were not forked by a zygote"
     try:
         proc.kill()
         proc.wait(10)
@@ -183,3 +192,4 @@ def test_a_killed_cli_takes_torchrun_and_every_rank_with_it(tmp_path):
             if _is_process(p):
                 os.kill(p, signal.SIGKILL)
     assert not left, f"processes {left} outlived the killed launcher"
+    assert not [d for d in sockets if d.exists()], f"zygote folders {sockets} outlived the killed launcher"
