@@ -81,21 +81,21 @@ def test_main_job_writes_a_complete_report(tmp_path, faults):
     """The main job with a short convergence run (the 50-step golden run is the slow suite's). The default suite
     skips its fault catalogue (``suites/faults`` runs every fault, and the faults command's report is tested
     below); the slow suite runs the whole job."""
-    r = cli("run", "--batches", "1", "--steps", "3", "--out", str(tmp_path), *([] if faults else ["--no-faults"]))
+    r = cli("run", "--batches", "1", "--steps", "2", "--out", str(tmp_path), *([] if faults else ["--no-faults"]))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "verdict: PASS" in r.stdout and "[bshd] step    3/3" in r.stdout
+    assert "verdict: PASS" in r.stdout and "[bshd] step    2/2" in r.stdout
     (run,) = [p for p in tmp_path.iterdir() if p.name.startswith("run-")]
     html = (run / "index.html").read_text()
     assert "Edge cases" in html and "Convergence" in html and "Pipeline: one step per layout" in html
-    assert "converge__tiny_gpt__w4_pp2__m512__fp32" in html and "[dcp ] step    3/3" in r.stdout
+    assert "converge__tiny_gpt__w4_pp2__m512__fp32" in html and "[dcp ] step    2/2" in r.stdout
     n = len(__import__("harness.faults", fromlist=["FAULTS"]).FAULTS)
     if faults:
         assert "Fault catalogue" in html and f"faults caught: {n}/{n}" in (run / "summary.md").read_text()
     else:
         assert "faults caught" not in (run / "summary.md").read_text()
     assert "vs reference (1 rank: no CP, PP or EP)" in html and "dcp (pp 2) vs reference" in html
-    assert (run / "convergence" / "metrics.jsonl").read_text().count("\n") == 9
-    assert (run / "pipeline" / "metrics.jsonl").read_text().count("\n") == 9
+    assert (run / "convergence" / "metrics.jsonl").read_text().count("\n") == 6  # 3 layouts x 2 steps
+    assert (run / "pipeline" / "metrics.jsonl").read_text().count("\n") == 6
     assert json.loads((run / "results.json").read_text())["verdict"] == "PASS"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run-")]  # no half-written folder
 
