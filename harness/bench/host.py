@@ -1,20 +1,22 @@
 """The host a benchmark ran on, and how fast it issues work: what a step's host side pays per call.
 
-The same GPU kind comes with hosts of very different speed: one H100 lease ran the one-GPU step 190 ms, another
-245 ms at the same code, its device idle 112 ms a step waiting for the host (a PyTorch operator cost ~15 us of host
-time on one and ~30 us on the other). A step that is host-bound somewhere (small micro-batches, a CP group's
-shards) is then a measurement of the host as much as of the GPU, so every report names its host and two figures
-measured where each rank runs, beside the work:
+The same GPU kind comes with hosts of very different speed: on three one-H100 leases the same code's one-GPU step
+took 195-245 ms and its speedup over static CP's packer read 1.10-1.26x; on the slowest, a PyTorch matrix product
+cost ~30 us of host time against ~19 us, and the device idled waiting for the host. Within one host, processes
+differ too: three started one after the other ran Python at 18, 33 and 31 M additions/s, each steady over its
+rounds (where the process landed, not a busy moment). A step that is host-bound somewhere (small micro-batches, a
+CP group's shards) measures the host as much as the GPU, so every report names the host each rank had, with two
+figures measured in the rank's own process, before its steps:
 
-- ``launch_us``: median host microseconds per small PyTorch operator on the rank's device (``torch.add`` of
-  one-element tensors into a preallocated output; on CUDA without synchronising, so dispatch plus kernel launch:
-  the unit of a launch-bound step);
-- ``python_mops``: millions of pure-Python integer additions a second (the interpreter's speed: schedule
-  phases, plan building, Inductor's Python wrapper).
+- ``launch_us``: host microseconds per small PyTorch operator on the rank's device (``torch.add`` of one-element
+  tensors into a preallocated output; on CUDA without synchronising, so dispatch plus kernel launch: the unit of a
+  launch-bound step);
+- ``python_mops``: millions of pure-Python integer additions a second (the interpreter's speed: schedule phases,
+  plan building, Inductor's Python wrapper).
 
-Each is the best of several short rounds (~60 ms in all): what the host can do, not what a busy moment gave
-(another thread holding the GIL, compile workers starting, a profiler's callbacks left installed all slow some
-rounds). Hosts of one GPU kind differ by up to 2x.
+Each is the best of 15 short rounds (~60 ms in all), so a moment's interruption does not set it. The figures name
+the host; they do not predict a step's ratio by themselves (two leases whose ranks probed alike gave 1.096x and
+1.261x: ``reports/recorded/host_speed.h100.log``).
 """
 
 from __future__ import annotations
