@@ -103,6 +103,25 @@ def layer_ranges(num_layers: int, pp_size: int, *, first: int | None = None, las
     return _uneven(num_layers, pp_size, V, first, last)
 
 
+def model_split(num_layers: int, pp: int, vpp: int = 1) -> list[list[tuple[int, int]]]:
+    """The training runtime's split: ``layer_ranges`` even, else counting the embedding and / or the loss as a
+    layer (Megatron's ``account_for_*_in_pipeline_split``), the first of these that divides into ``pp * vpp``
+    chunks; ``PlanInputError`` when none does.
+
+    >>> model_split(2, 2)
+    [[(0, 1)], [(1, 1)]]
+    >>> model_split(3, 2)
+    [[(0, 1)], [(1, 2)]]
+    """
+    for emb, loss in ((False, False), (True, False), (False, True), (True, True)):
+        if (num_layers + emb + loss) % (pp * vpp) == 0:
+            return layer_ranges(num_layers, pp, vpp_size=vpp if vpp > 1 else None, account_embedding=emb,
+                                account_loss=loss)
+    raise PlanInputError(f"{num_layers} layers cannot be split over pp={pp} x vpp={vpp} = {pp * vpp} model "
+                         f"chunks, even counting the embedding and the loss as layers; use a model whose layer "
+                         f"count (+ 0, 1 or 2) is a multiple of {pp * vpp}, or fewer stages / chunks")
+
+
 def stage_layers(ranges_of_stage: list[tuple[int, int]]) -> list[int]:
     """The global layers a stage builds, chunk after chunk (construction order)."""
     return [i for start, n in ranges_of_stage for i in range(start, start + n)]

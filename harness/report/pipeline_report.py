@@ -29,6 +29,7 @@ from harness.plan.execution import Execution
 from harness.plan.layout import Schedule
 from harness.report import md
 from harness.report.html import esc, figure_png, table
+from harness.runtime.model_config import MODELS, pipeline_shares
 
 HEADER = ["layout", "micro-batches", "measured bubble", "simulated bubble", "measured span (ms)"]
 FORWARD_CMAP, BACKWARD_CMAP = "Blues", "Oranges"
@@ -56,11 +57,16 @@ def num_microbatches(timeline: list[dict]) -> int:
 
 
 def execution_of(config: Mapping) -> Execution:
-    """The pipeline a training config ran (``TrainConfig``'s ``pp``, ``vpp``, ``pipeline``): with vpp > 1 the
-    runtime runs the interleaved 1F1B whatever ``pipeline`` says."""
+    """The pipeline a training config ran (``TrainConfig``'s ``pp``, ``vpp``, ``pipeline``), its chunks priced as
+    the config's planner priced them (``pipeline_shares``: each chunk's FLOPs, the head on the last; even shares
+    for a model this harness does not know): with vpp > 1 the runtime runs the interleaved 1F1B whatever
+    ``pipeline`` says."""
     pp, vpp = int(config.get("pp", 1)), int(config.get("vpp", 1))
     kind = "1f1b" if vpp > 1 else config.get("pipeline", "1f1b")
-    return Execution.pipeline(pp, vpp=vpp, schedule=kind)
+    shares = None
+    if pp > 1 and config.get("model") in MODELS:
+        shares = pipeline_shares(config["model"], pp, vpp, int(config.get("max_seqlen_per_rank", 256)))
+    return Execution.pipeline(pp, vpp=vpp, schedule=kind, chunk_shares=shares)
 
 
 def first_timelines(rows: Mapping[str, list[dict]]) -> dict[str, tuple[dict, list[dict]]]:
@@ -181,8 +187,9 @@ def section(rows: Mapping[str, list[dict]], config: Mapping, schedules: Mapping[
         f"<h3>Pipeline: one step per layout ({esc(ex.describe())})</h3>",
         "<p>Measured bubble = 1 - compute time / (ranks x span) from the passes of the first step (compute: "
         "input there to pass done; span: to the last pass's end). Simulated bubble: the planner's pipeline "
-        f"simulator (harness.plan.bounds.simulate) on the same schedule under {esc(cost_name)}, the model split "
-        "evenly over the chunks, forward 1/3 and backward 2/3 of a pass pair; n/a when the re-planned schedule "
+        f"simulator (harness.plan.bounds.simulate) on the same schedule under {esc(cost_name)}, each chunk's "
+        "share its FLOPs (the LM head on the last), forward 1/3 and backward 2/3 of a pass pair; n/a when the "
+        "re-planned schedule "
         "is not the one that ran.</p>",
         table(bubble_rows(rows, config, schedules, cost), HEADER, left=1),
     ]

@@ -254,8 +254,8 @@ class TinyLM(nn.Module):
         return Block(c, moe=i in self.moe_layers(), layer=i) if kind == "B" else HYBRID_LAYERS[kind](c)
 
     def moe_layers(self) -> list[int]:
-        """Global layers with an MoE block: all but the first (dense) one, for an MoE config."""
-        return list(range(1, self.c.layers)) if self.c.experts else []
+        """Global layers with an MoE block (``ModelConfig.moe_layers``: all but the first, for an MoE config)."""
+        return self.c.moe_layers()
 
     def run_layers(self, x, pos_T, real_T, attention: Attention, layers=None, routing=None, mixing=None,
                    experts=None):

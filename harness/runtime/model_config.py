@@ -97,6 +97,55 @@ class ModelConfig:
             vocab_size=self.vocab, **kw)
 
 
+    def moe_layers(self) -> list[int]:
+        """Global layers with an MoE block: all but the first (dense) one, for an MoE config."""
+        return list(range(1, self.layers)) if self.experts else []
+
+    def layer_flops(self, i: int, seq_len: int) -> float:
+        """Forward FLOPs per token of global layer ``i`` (matrix products, and causal attention's scores and
+        values at sequence length ``seq_len``; ``i >= layers``: MTP depth ``i - layers + 1``, a dense block
+        plus its 2E -> E combining projection)."""
+        h, d = self.hidden, self.hidden // self.heads
+        attention = 2 * h * (self.heads + 2 * self.kv_heads) * d + 2 * self.heads * d * h + 2 * h * seq_len
+        mlp = 2 * h * self.ffn * (3 if self.mlp == "swiglu" else 2)
+        if i >= self.layers:
+            return 2 * (2 * h) * h + attention + mlp
+        kind = self.kinds[i]
+        if kind == "B":
+            moe = i in self.moe_layers()
+            return attention + (mlp * self.top_k + 2 * h * self.experts if moe else mlp)
+        if kind == "*":
+            return attention
+        if kind == "-":
+            return mlp
+        di, n = self.ssm_heads * self.ssm_head_dim, self.ssm_state  # "M": the mixer's projections
+        return 2 * h * (2 * di + 2 * n + self.ssm_heads) + 2 * di * h
+
+    def chunk_shares(self, pp: int, vpp: int = 1, seq_len: int = 256) -> tuple[float, ...]:
+        """Each pipeline model chunk's forward FLOPs per token (``c = v * pp + s``, the order of
+        ``harness.plan.Execution.pipeline(chunk_shares=)``): its layers under the runtime's split
+        (``harness.plan.pipeline.model_split``), and on the last chunk the LM head and the MTP blocks (each
+        with its own logits through the shared head). The embedding costs no FLOPs and is not priced. With the
+        even shares a chunk holding the head is priced like the others although it does more: on tiny-gpt at
+        two stages the second stage does ~1.4x the first's work."""
+        from harness.plan.pipeline import model_split  # the plan's rule, no torch
+
+        ranges = model_split(self.layers, pp, vpp)
+        shares = [0.0] * (pp * vpp)
+        for s, chunks in enumerate(ranges):
+            for v, (start, n) in enumerate(chunks):
+                shares[v * pp + s] = float(sum(self.layer_flops(i, seq_len) for i in range(start, start + n)))
+        head = 2 * self.hidden * self.vocab
+        shares[-1] += head + sum(self.layer_flops(self.layers + k, seq_len) + head for k in range(self.mtp_depth))
+        return tuple(shares)
+
+
+def pipeline_shares(model: str, pp: int, vpp: int, max_seqlen_per_rank: int) -> tuple[float, ...]:
+    """The chunk shares a training config's pipeline is planned and simulated with: ``MODELS[model]``'s
+    ``chunk_shares`` with attention priced at half a rank's capacity (``max_seqlen_per_rank // 2`` tokens)."""
+    return MODELS[model].chunk_shares(pp, vpp, max(1, max_seqlen_per_rank // 2))
+
+
 MLPS = ("swiglu", "gelu")
 LAYER_KINDS = ("M", "*", "-")
 

@@ -15,6 +15,7 @@ from harness.parallel.ulysses import HeadSplitError, kv_replicas
 from harness.plan import ALGORITHMS, CostModel, token_bucket
 from harness.plan.execution import INDEPENDENT, SYNCHRONOUS, Execution
 from harness.runtime.model import MODELS
+from harness.runtime.model_config import pipeline_shares
 from harness.runtime.weight_cache import MODES as WEIGHT_MODES
 from harness.train.layouts import LAYOUTS, LayoutConfig, LayoutError, static_cp_for
 from harness.train.pipeline import PipelineConfig
@@ -89,7 +90,9 @@ class TrainConfig:
             if self.expert_parallel:
                 why += (f"; MoE expert parallelism also joins each stage's {n}-rank DP x CP domain in every pass, "
                         "which the pipeline model does not price")
-            return Execution.pipeline(self.pp, vpp=self.vpp, schedule=self.pipeline), why
+            return Execution.pipeline(self.pp, vpp=self.vpp, schedule=self.pipeline,
+                                      chunk_shares=pipeline_shares(self.model, self.pp, self.vpp,
+                                                                   self.max_seqlen_per_rank)), why
         if self.expert_parallel:
             return SYNCHRONOUS, f"MoE with expert parallelism over the {n}-rank DP x CP domain"
         what = "MoE without expert parallelism" if MODELS[self.model].experts else "dense model"

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from harness.plan.errors import PlanInputError
 from harness.plan.layout import Block, Schedule
-from harness.plan.pipeline import layer_ranges, stage_layers
+from harness.plan.pipeline import model_split, stage_layers
 from harness.plan.pipeline_schedule import KINDS, check_pipeline, chunk_index, chunk_location, stage_actions
 
 DELIVERIES = ("broadcast", "compute")
@@ -86,17 +86,13 @@ class PipelineConfig:
 
 
 def split(num_layers: int, pp: int, vpp: int = 1) -> list[list[tuple[int, int]]]:
-    """``layer_ranges`` of the model: an even split, else one that counts the embedding and / or the
+    """``harness.plan.pipeline.model_split``: an even split, else one that counts the embedding and / or the
     loss as a layer (Megatron's ``account_for_*_in_pipeline_split``) so that the slots divide. A seam
     (``Stage.of`` looks it up when a rank builds its stage): ``harness.faults`` re-creates wrong layer offsets."""
-    tries = ((False, False), (True, False), (False, True), (True, True))
-    for emb, loss in tries:
-        if (num_layers + emb + loss) % (pp * vpp) == 0:
-            return layer_ranges(num_layers, pp, vpp_size=vpp if vpp > 1 else None, account_embedding=emb,
-                                account_loss=loss)
-    raise PipelineConfigError(f"{num_layers} layers cannot be split over pp={pp} x vpp={vpp} = {pp * vpp} model "
-                              f"chunks, even counting the embedding and the loss as layers; use a model whose layer "
-                              f"count (+ 0, 1 or 2) is a multiple of {pp * vpp}, or fewer stages / chunks")
+    try:
+        return model_split(num_layers, pp, vpp)
+    except PlanInputError as e:
+        raise PipelineConfigError(str(e)) from None
 
 
 @dataclass
