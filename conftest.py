@@ -3,7 +3,6 @@
 - Markers are registered here and ``--strict-markers`` is on (pyproject), so a typo fails.
 - ``slow``, ``nightly`` and ``gpu`` tests are deselected unless ``-m`` names what to run
   (e.g. ``pytest -m slow``, ``pytest -m "gpu or nightly"``). ``dist_cpu`` and ``upstream`` run by default.
-- Long tests (``dist_cpu`` and ``HEAVY``) run first: the xdist workers then end together.
 - Tooling (``--impl``, ``--update-golden``, hypothesis profiles, fixtures) lives in
   ``harness/pytest_plugin.py``.
 """
@@ -18,9 +17,6 @@ MARKERS = {
     "upstream": "runs the installed upstream implementation (megatron-core)",
 }
 OPT_IN = ("slow", "nightly", "gpu")
-HEAVY = ("suites/repo/test_cli.py", "suites/convergence/test_planted.py", "suites/runtime/test_bench_microbatch.py",
-         "suites/repo/test_nightly.py")
-"""Files of long tests without the ``dist_cpu`` marker (CLI jobs, single-process training runs)."""
 
 
 def pytest_configure(config):
@@ -29,13 +25,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.option.markexpr:  # unless the user chose with -m
-        keep, drop = [], []
-        for item in items:
-            (drop if any(item.get_closest_marker(m) for m in OPT_IN) else keep).append(item)
-        if drop:
-            config.hook.pytest_deselected(items=drop)
-            items[:] = keep
-    # long tests first (stable otherwise): xdist hands tests out in this order, so the short ones fill the workers'
-    # last minutes instead of one long test running on while the other workers idle
-    items.sort(key=lambda item: 0 if item.get_closest_marker("dist_cpu") or item.nodeid.startswith(HEAVY) else 1)
+    if config.option.markexpr:
+        return  # the user chose with -m
+    keep, drop = [], []
+    for item in items:
+        (drop if any(item.get_closest_marker(m) for m in OPT_IN) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
