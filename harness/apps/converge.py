@@ -383,7 +383,9 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
         exercise = dcp_exercise(rows, cfg.domain(world))
         checks = evaluate(rows, cfg, world, hw, golden=gold) + ref_checks + exercise_checks(exercise)
         verdict = verdict_of(checks)
+        shares = cfg.execution_model(world)[0].chunk_shares  # the pipeline's chunk prices (None without stages)
         config = {**cfg.to_dict(), "token_bucket_resolved": cfg.bucket(), "world": world,
+                  "chunk_shares": list(shares) if shares else None,
                   "static_cp": rank0["static_cp"], "longest": rank0["longest"], "case_id": cid, "hardware": hw,
                   "golden": gold["path"] if gold else None, "dcp_exercise": exercise, "planted": plant,
                   "reference": reference.name() if with_probes else None}

@@ -29,7 +29,6 @@ from harness.plan.execution import Execution
 from harness.plan.layout import Schedule
 from harness.report import md
 from harness.report.html import esc, figure_png, table
-from harness.runtime.model_config import MODELS, pipeline_shares
 
 HEADER = ["layout", "micro-batches", "measured bubble", "simulated bubble", "measured span (ms)"]
 FORWARD_CMAP, BACKWARD_CMAP = "Blues", "Oranges"
@@ -58,15 +57,13 @@ def num_microbatches(timeline: list[dict]) -> int:
 
 def execution_of(config: Mapping) -> Execution:
     """The pipeline a training config ran (``TrainConfig``'s ``pp``, ``vpp``, ``pipeline``), its chunks priced as
-    the config's planner priced them (``pipeline_shares``: each chunk's FLOPs, the head on the last; even shares
-    for a model this harness does not know): with vpp > 1 the runtime runs the interleaved 1F1B whatever
+    its planner priced them (``chunk_shares``, which ``converge`` records: each chunk's FLOPs, the head on the last;
+    even shares in results from before it did): with vpp > 1 the runtime runs the interleaved 1F1B whatever
     ``pipeline`` says."""
     pp, vpp = int(config.get("pp", 1)), int(config.get("vpp", 1))
     kind = "1f1b" if vpp > 1 else config.get("pipeline", "1f1b")
-    shares = None
-    if pp > 1 and config.get("model") in MODELS:
-        shares = pipeline_shares(config["model"], pp, vpp, int(config.get("max_seqlen_per_rank", 256)))
-    return Execution.pipeline(pp, vpp=vpp, schedule=kind, chunk_shares=shares)
+    shares = config.get("chunk_shares") if pp > 1 else None
+    return Execution.pipeline(pp, vpp=vpp, schedule=kind, chunk_shares=shares or None)
 
 
 def first_timelines(rows: Mapping[str, list[dict]]) -> dict[str, tuple[dict, list[dict]]]:
