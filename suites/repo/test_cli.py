@@ -80,8 +80,10 @@ def test_bench_schedule_quick_writes_json(tmp_path):
 def test_main_job_writes_a_complete_report(tmp_path, faults):
     """The main job with a short convergence run (the 50-step golden run is the slow suite's). The default suite
     skips its fault catalogue (``suites/faults`` runs every fault, and the faults command's report is tested
-    below); the slow suite runs the whole job."""
-    r = cli("run", "--batches", "1", "--steps", "2", "--out", str(tmp_path), *([] if faults else ["--no-faults"]))
+    below) and its hybrid model's case (the same convergence path as the other two cases; the model's layouts are
+    ``suites/convergence``'s); the slow suite runs the whole job."""
+    lean = [] if faults else ["--no-faults", "--no-hybrid"]
+    r = cli("run", "--batches", "1", "--steps", "2", "--out", str(tmp_path), *lean)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "verdict: PASS" in r.stdout and "[bshd] step    2/2" in r.stdout
     (run,) = [p for p in tmp_path.iterdir() if p.name.startswith("run-")]
@@ -91,6 +93,7 @@ def test_main_job_writes_a_complete_report(tmp_path, faults):
     n = len(__import__("harness.faults", fromlist=["FAULTS"]).FAULTS)
     if faults:
         assert "Fault catalogue" in html and f"faults caught: {n}/{n}" in (run / "summary.md").read_text()
+        assert (run / "hybrid" / "metrics.jsonl").read_text().count("\n") == 6
     else:
         assert "faults caught" not in (run / "summary.md").read_text()
     assert "vs reference (1 rank: no CP, PP or EP)" in html and "dcp (pp 2) vs reference" in html
