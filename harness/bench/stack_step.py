@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from harness.bench import host
+from harness.bench.host import describe as describe_hosts
 from harness.bench.stack_calibrate import (
     calibration_batches,
     calibration_line,
@@ -77,8 +79,9 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
     stack.build(cfg.seed)
     cost = cost_model_from(cfg.cost_model) if cfg.cost_model else model_cost(cfg)
     steps = cfg.warmup + cfg.iters
-    out = {"rank": rank, "device": torch.cuda.get_device_name(0), "runs": [], "calibration": None}
     dev = torch.device("cuda")
+    out = {"rank": rank, "device": torch.cuda.get_device_name(0), "runs": [], "calibration": None,
+           "host": host.probe(dev)}  # before the steps (``harness.bench.host``)
     if cfg.calibrate and cfg.cost_model is None and "balanced" in cfg_dict["stack_arms"]:
         times = {}  # every rank's are the slowest rank's: the fit and the schedules agree on every rank
         for name, lengths in calibration_batches(world, cfg.max_seqlen_per_rank).items():
@@ -183,8 +186,9 @@ def summarize(res: dict, cfg: StepBenchConfig, world: int, arms: list[str]) -> d
             row[arm] = {"median_ms": med, "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
                         "sequences_by_cp": v["sequences_by_cp"]}
         per_run.append(row)
+    hosts = [r.get("host") for r in res["ranks"]]
     out = {"device": r0["device"], "gpus": world, "arms": {}, "ratios": {}, "per_run": per_run,
-           "calibration": r0.get("calibration")}
+           "calibration": r0.get("calibration"), "hosts": hosts, "host_line": describe_hosts(hosts)}
     for arm in arms:
         out["arms"][arm] = {k: statistics.median(r[arm][k] for r in per_run) if per_run[0][arm][k] is not None else None
                             for k in ("median_ms", "tflops_per_gpu", "mfu")}
@@ -240,6 +244,8 @@ def main(*, nproc: int | None, out, overrides: dict, stall_s: float | None, arms
     if res is None:
         return 0
     summary = summarize(res, cfg, n, arms)
+    if summary["host_line"]:
+        print(f"bench step: {summary['host_line']}", flush=True)
     rows = [{"arm": a, **v} for a, v in summary["arms"].items()]
     print(table(rows, [("arm", "arm", "s"), ("median_ms", "step ms (median of runs)", ".1f"),
                        ("tflops_per_gpu", "TFLOP/s per GPU", ".1f"), ("mfu", "MFU", ".3f")]))
