@@ -8,8 +8,8 @@ Options:
   --gpu-part NAME    of the GPU suite (``-m gpu suites/gpu``), run only part NAME (``GPU_PARTS``): parts sized to
                      fit one 10-minute device call each on 4 GPUs.
 
-Hypothesis profiles (choose with ``--hypothesis-profile``): ``ci`` (default: 200 examples per
-property, derandomized so CI is reproducible), ``nightly`` (5000, random), ``quick`` (50).
+Hypothesis profiles (choose with ``--hypothesis-profile``): ``ci`` (default: 100 examples per
+property, hypothesis's own default, derandomized so CI is reproducible), ``nightly`` (5000, random), ``quick`` (50).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ try:
 
     _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                    print_blob=True)
-    settings.register_profile("ci", max_examples=200, derandomize=True, **_common)
+    settings.register_profile("ci", max_examples=100, derandomize=True, **_common)
     settings.register_profile("nightly", max_examples=5000, **_common)
     settings.register_profile("quick", max_examples=50, derandomize=True, **_common)
     settings.load_profile("ci")

@@ -468,14 +468,14 @@ def _measure_ep(rank, world, cfg):
 
 
 def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
-    """Every arm, twice (two runs, each calibrated afresh), with the blocks' segments compiled
-    (``aot_eager``: the compiled path between CP collectives; the eager path runs in the CLI smoke
-    test and the convergence suites) and the micro-batches padded to multiples of 16 tokens per rank."""
-    over = {**TINY, "compile": "aot_eager", "token_bucket": 16, "runs": 2, "trace_dir": str(tmp_path / "traces")}
+    """Every arm, twice (two runs, each calibrated afresh), eager, with the micro-batches padded to multiples of 16
+    tokens per rank. The compiled paths between CP collectives (``aot_eager`` segments and the chain) run in
+    ``test_chain_arms_train_to_the_same_weights_as_segment_arms``; compiling here cost ~9 s of CPU a rank."""
+    over = {**TINY, "token_bucket": 16, "runs": 2, "trace_dir": str(tmp_path / "traces")}
     ranks = run_on_ranks(_measure, world_size=2, tmp_path=tmp_path, args=({**over, "device": "cpu"},), timeout_s=240)
     cfg = step.StepBenchConfig.from_dict(over)
     s = step.summarize({"world": 2, "ranks": ranks}, cfg)
-    assert s["compile"] == "aot_eager"
+    assert not s["compile"]
     assert len(s["runs"]) == 2 and all(len(r["runs"]) == 2 for r in ranks)
     assert all(t % 16 == 0 for run in ranks[0]["runs"] for a in run["arms"].values()
                for t in a["processed_tokens"])  # bucketed

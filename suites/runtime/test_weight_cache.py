@@ -299,13 +299,14 @@ def _close(grads_a: dict, grads_b: dict, rel: float) -> float:
     return worst
 
 
-@pytest.mark.parametrize("scope", [None, "segments", "chain"])
+@pytest.mark.parametrize("scope", [None, pytest.param("segments", marks=pytest.mark.slow), "chain"])
 def test_the_fused_gemm_accumulates_what_autograd_accumulates(scope):
     """``fused``: the weight-gradient GEMM adds into ``.grad`` itself (``harness.runtime.fused_linear``), eager and
     compiled (``aot_eager``). fp32: two steps of three micro-batches, losses and gradients within fp32 rounding of
     the per-call path (1e-6). bf16: the per-call path rounds each micro-batch's product to bf16, the fused GEMM
     does not, so neither equals the other; against the fp32 step's gradients the fused ones are no further off
-    than autograd's (they are closer)."""
+    than autograd's (they are closer). The compiled segments' variant is the slow suite's (eager
+    and the chain, the compiled scope ``bench step`` runs on CUDA, are in the default run)"""
     from harness.runtime import model as model_module
 
     torch._dynamo.reset()
