@@ -29,6 +29,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.jobs import zygote
+
 PEER_PATTERNS = re.compile(
     r"Connection (reset|closed) by peer|Broken pipe|Timed out|[Tt]imeout|timed out|"
     r"NCCL communicator was aborted|ProcessGroup.*(aborted|shutdown)|Socket Timeout|Connection refused|"
@@ -76,9 +78,10 @@ def _last_line(r: RankReport) -> str:
     return "killed at the deadline" if r.exitcode is None else f"exit code {r.exitcode}"
 
 
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot_autograd", "harness.jobs.launch"]
-"""What the fork server imports before it forks any rank (nothing that starts threads or CUDA). Ranks import
-``torch._dynamo`` and AOT autograd as they run (compiled segments, and more): preloaded, each rank skips ~2 s."""
+PRELOAD = [*zygote.PRELOAD, "harness.jobs.launch"]
+"""What the fork server imports before it forks any rank (nothing that starts threads or CUDA): the zygote's
+preloads (torch, and ``torch._dynamo`` and AOT autograd, which ranks import as they run: ~2 s a rank), and this
+module."""
 
 
 def _worker(fn, rank: int, world_size: int, world_dir: str, backend: str, timeout_s: float, args, kwargs,

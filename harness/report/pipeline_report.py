@@ -186,8 +186,7 @@ def section(rows: Mapping[str, list[dict]], config: Mapping, schedules: Mapping[
         "input there to pass done; span: to the last pass's end). Simulated bubble: the planner's pipeline "
         f"simulator (harness.plan.bounds.simulate) on the same schedule under {esc(cost_name)}, each chunk's "
         "share its FLOPs (the LM head on the last), forward 1/3 and backward 2/3 of a pass pair; n/a when the "
-        "re-planned schedule "
-        "is not the one that ran.</p>",
+        "re-planned schedule is not the one that ran.</p>",
         table(bubble_rows(rows, config, schedules, cost), HEADER, left=1),
     ]
     for layout, (_, tl) in first_timelines(rows).items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from harness.plan.cost import CostModel
+from harness.plan.pipeline import model_split
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,7 +97,6 @@ class ModelConfig:
             num_attention_heads=self.heads, num_query_groups=self.kv_heads, gated_mlp=self.mlp == "swiglu",
             vocab_size=self.vocab, **kw)
 
-
     def moe_layers(self) -> list[int]:
         """Global layers with an MoE block: all but the first (dense) one, for an MoE config."""
         return list(range(1, self.layers)) if self.experts else []
@@ -128,8 +128,6 @@ class ModelConfig:
         with its own logits through the shared head). The embedding costs no FLOPs and is not priced. With the
         even shares a chunk holding the head is priced like the others although it does more: on tiny-gpt at
         two stages the second stage does ~1.4x the first's work."""
-        from harness.plan.pipeline import model_split  # the plan's rule, no torch
-
         ranges = model_split(self.layers, pp, vpp)
         shares = [0.0] * (pp * vpp)
         for s, chunks in enumerate(ranges):

@@ -99,6 +99,12 @@ def test_main_job_writes_a_complete_report(tmp_path, faults):
     assert "vs reference (1 rank: no CP, PP or EP)" in html and "dcp (pp 2) vs reference" in html
     assert (run / "convergence" / "metrics.jsonl").read_text().count("\n") == 6  # 3 layouts x 2 steps
     assert (run / "pipeline" / "metrics.jsonl").read_text().count("\n") == 6
+    # the pipeline case records the chunk prices it planned with, which its report's simulated bubble reads
+    from harness.runtime.model_config import pipeline_shares
+
+    piped = json.loads((run / "pipeline" / "results.json").read_text())["config"]
+    assert piped["chunk_shares"] == list(pipeline_shares("tiny-gpt", 2, 1, piped["max_seqlen_per_rank"]))
+    assert json.loads((run / "convergence" / "results.json").read_text())["config"]["chunk_shares"] is None
     assert json.loads((run / "results.json").read_text())["verdict"] == "PASS"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run-")]  # no half-written folder
 

@@ -16,18 +16,18 @@ from harness.runtime.model_config import MODELS, pipeline_shares
 from harness.train.config import TrainConfig
 
 
-def _per_token(h: int, heads: int, kv: int, ffn: int, gated: bool, L: int) -> tuple[int, int]:
-    """(a dense block's, the head's) forward FLOPs per token, written out from the layers' shapes."""
+def _per_token(h: int, heads: int, kv: int, ffn: int, gated: bool, L: int) -> int:
+    """A dense block's forward FLOPs per token, written out from the layers' shapes."""
     d = h // heads
     qkv, proj = 2 * h * (heads + 2 * kv) * d, 2 * heads * d * h
     scores_values = 2 * 2 * h * L // 2  # QK^T and PV, 2 FLOPs a multiply-add, causal: half
     mlp = 2 * h * ffn * (3 if gated else 2)
-    return qkv + proj + scores_values + mlp, 0
+    return qkv + proj + scores_values + mlp
 
 
 def test_tiny_gpt_on_two_stages_prices_the_head_on_the_second():
     c = MODELS["tiny-gpt"]
-    block, _ = _per_token(c.hidden, c.heads, c.kv_heads, c.ffn, True, 64)
+    block = _per_token(c.hidden, c.heads, c.kv_heads, c.ffn, True, 64)
     head = 2 * c.hidden * c.vocab
     assert c.chunk_shares(2, 1, 64) == (block, block + head)
     assert pipeline_shares("tiny-gpt", 2, 1, 128) == c.chunk_shares(2, 1, 64)  # attention at half a rank
@@ -39,14 +39,14 @@ def test_chunks_that_hold_no_layer_cost_what_they_compute():
     c = MODELS["tiny-gpt"]
     assert model_split(2, 2, 2) == [[(0, 0), (1, 1)], [(0, 1), (2, 0)]]
     shares = c.chunk_shares(2, 2, 64)
-    block, _ = _per_token(c.hidden, c.heads, c.kv_heads, c.ffn, True, 64)
+    block = _per_token(c.hidden, c.heads, c.kv_heads, c.ffn, True, 64)
     assert shares == (0.0, block, block, 2 * c.hidden * c.vocab)
 
 
 def test_mtp_blocks_and_their_logits_sit_on_the_last_chunk():
     plain, mtp = MODELS["tiny-gpt"], MODELS["tiny-gpt-mtp"]
     h = mtp.hidden
-    block, _ = _per_token(h, mtp.heads, mtp.kv_heads, mtp.ffn, True, 64)
+    block = _per_token(h, mtp.heads, mtp.kv_heads, mtp.ffn, True, 64)
     extra = 2 * (2 * h) * h + block + 2 * h * mtp.vocab  # combine 2E -> E, the block, its logits
     assert mtp.chunk_shares(2, 1, 64) == (plain.chunk_shares(2, 1, 64)[0], plain.chunk_shares(2, 1, 64)[1] + extra)
 

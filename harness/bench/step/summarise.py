@@ -68,6 +68,7 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
     ``BREAKDOWN_FIELDS``, which come from the profiled run (``breakdown_run``: the last, or None)."""
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
     r0, world = ranks[0], result["world"]
+    hosts = [r.get("host") for r in ranks]  # each rank's probe (None in jobs from before it)
     runs = [_summarize_run(ranks, k, world, cfg) for k in range(len(r0["runs"]))]
     ratios = target_ratios(runs, cfg.trim)
     rep = _representative(ratios["speedup_vs_static"]["per_run"])
@@ -80,8 +81,7 @@ def summarize(result: dict, cfg: StepBenchConfig) -> dict:
     return {**top, "runs": runs, "representative_run": rep, "breakdown_run": profiled, "ratios": ratios,
             "cost_ab": cost_ab(runs, cfg.trim), "weights_ab": weights_ab(runs, cfg.trim),
             "bucket_ab": bucket_ab(runs, cfg.trim), "world": world,
-            "device_name": r0["device_name"], "hosts": [r.get("host") for r in ranks],
-            "host_line": describe_hosts([r.get("host") for r in ranks]),
+            "device_name": r0["device_name"], "hosts": hosts, "host_line": describe_hosts(hosts),
             "peak_tflops": peak_tflops(cfg, r0["device_name"]),
             "parameters": r0["parameters"], "torch": r0["torch"], "compile": r0.get("compile"),
             "global_batch": _global_batch(r0["batches"], cfg, world)}
