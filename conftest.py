@@ -7,6 +7,8 @@
   ``harness/pytest_plugin.py``.
 """
 
+import pytest
+
 pytest_plugins = ["harness.pytest_plugin"]
 
 MARKERS = {
@@ -33,3 +35,13 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def shared_zygote():
+    """For the modules whose tests start ``dcp-harness`` CPU jobs as processes: those jobs fork their ranks from
+    one zygote per test process (torch imported once, not once a job; ``harness.jobs.zygote.share``). A test of
+    a launcher's own zygote drops ``DCP_HARNESS_ZYGOTE_AT`` from the environment it starts the launcher with."""
+    from harness.jobs.launcher import share_zygote
+
+    yield share_zygote()

@@ -89,6 +89,13 @@ def _env() -> dict:
             "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
 
 
+def share_zygote() -> str | None:
+    """One zygote for the CPU jobs this process and the processes it starts from now on launch
+    (``harness.jobs.zygote.share``: a test session or a script that runs many ``dcp-harness`` jobs); its socket,
+    or None when ranks run as fresh processes."""
+    return zygote.share(_env())
+
+
 def _pump(stdout, lines: queue.Queue, log_file) -> None:
     for line in stdout:
         log_file.write(line)

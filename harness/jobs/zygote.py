@@ -23,6 +23,13 @@ does not get from a fresh process: torch's import-time state is the zygote's (it
 torch reads at import, ``IMPORT_ENV``), and Python's string hash seed is the zygote's for every rank of
 the job (a fresh process draws its own); a GPU run or ``DCP_HARNESS_ZYGOTE=0`` runs ranks as fresh
 processes.
+
+One zygote can serve several launchers: ``share()`` starts one and names its socket in ``DCP_HARNESS_ZYGOTE_AT``,
+which the processes started afterwards inherit, so a script or test session that runs many CPU jobs (each a
+``dcp-harness`` process) pays torch's import once instead of once a job (~4 s of CPU each). A launcher uses the
+named zygote only where it was started for the same import environment (its key, written beside the socket);
+otherwise it starts its own, as without the variable. The shared zygote lives as long as the process that
+called ``share()``.
 """
 
 from __future__ import annotations
@@ -52,6 +59,12 @@ START_TIMEOUT_S = 120.0
 CLIENT = Path(__file__).with_name("zygote_client.py")
 LENGTH = struct.Struct("!I")
 STATUS = struct.Struct("!i")
+
+
+SHARED = "DCP_HARNESS_ZYGOTE_AT"
+"""The socket of a running zygote (``share()``) that launchers use when it serves their import environment."""
+KEY_FILE = "key.json"
+"""Beside the socket: the import environment the zygote serves (``_key``), for launchers that did not start it."""
 
 
 def enabled() -> bool:
@@ -88,6 +101,9 @@ def address(env: dict) -> str | None:
     if not enabled() or not sys.platform.startswith("linux"):
         return None
     key = _key(env)
+    shared = os.environ.get(SHARED)
+    if shared and _serves(shared, key):
+        return shared
     with _lock:
         found = _servers.get(key)
         if found is not None and found[0].poll() is None:
@@ -99,6 +115,24 @@ def address(env: dict) -> str | None:
         if started is not None:
             _servers[key] = started
         return started[1] if started else None
+
+
+def _serves(path: str, key: tuple) -> bool:
+    """Whether the zygote at ``path`` is up and was started for the import environment ``key``."""
+    try:
+        written = json.loads((Path(path).parent / KEY_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return written == json.loads(json.dumps(key)) and Path(path).is_socket()
+
+
+def share(env: dict) -> str | None:
+    """Start (or reuse) this process's zygote for ranks started with ``env`` and name it in ``SHARED`` for the
+    processes started from now on; its socket, or None when no zygote can be had."""
+    at = address(env)
+    if at is not None:
+        os.environ[SHARED] = at
+    return at
 
 
 def _start(env: dict) -> tuple[subprocess.Popen, str] | None:
@@ -113,6 +147,9 @@ def _start(env: dict) -> tuple[subprocess.Popen, str] | None:
         _stop(proc, path)
         return None
     proc.stdout.close()
+    key_file = Path(path).parent / KEY_FILE
+    key_file.with_suffix(".tmp").write_text(json.dumps(_key(env)))
+    key_file.with_suffix(".tmp").replace(key_file)  # whole or absent, for a launcher reading it now
     return proc, path
 
 

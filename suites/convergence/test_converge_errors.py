@@ -14,6 +14,8 @@ from harness.apps import converge
 from harness.train.layouts import LayoutError
 from harness.train.trainer import TrainConfig
 
+pytestmark = pytest.mark.usefixtures("shared_zygote")  # CLI jobs fork their ranks from one zygote
+
 
 @pytest.mark.parametrize("cfg, world, match", [
     (TrainConfig(layouts=("bshd", "ring")), 4, "unknown layout"),

@@ -13,6 +13,8 @@ from harness.faults.catalogue import UnknownFaultError
 from harness.train.layouts import LayoutError
 from harness.train.trainer import TrainConfig
 
+pytestmark = pytest.mark.usefixtures("shared_zygote")  # CLI jobs fork their ranks from one zygote
+
 
 def test_a_loss_that_turns_nan_after_step_one_fails_every_comparison(tmp_path):
     cfg = TrainConfig(steps=2, layouts=("bshd", "dcp"), max_seqlen_per_rank=512)

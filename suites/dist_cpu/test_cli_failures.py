@@ -22,6 +22,12 @@ SMALL = ["--batch-size", "8", "--lengths", "lognormal:mean=96,sigma=0.8,min=16,m
 what the waiting cost."""
 
 
+@pytest.fixture(autouse=True)
+def _own_zygote(monkeypatch):
+    """These tests find a job's processes among the CLI's descendants and check its own zygote's clean-up."""
+    monkeypatch.delenv(zygote.SHARED, raising=False)
+
+
 def _descendants(root: int) -> list[int]:
     parent = {}
     for d in Path("/proc").iterdir():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.dist_cpu
+pytestmark = [pytest.mark.dist_cpu, pytest.mark.usefixtures("shared_zygote")]
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--world", "4", "--steps", "2", "--batch-size", "8", "--lengths", "lognormal:mean=96,sigma=0.8,min=16,max=400",

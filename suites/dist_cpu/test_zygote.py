@@ -21,6 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = "suites.dist_cpu.zygote_probe"
 
 
+@pytest.fixture(autouse=True)
+def _own_zygote(monkeypatch):
+    """The launchers these tests start own their zygote, unless a test names a shared one."""
+    monkeypatch.delenv(zygote.SHARED, raising=False)
+
+
 def _client(at: str, mode: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "PROBE": "from-the-client", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-u", *zygote.command(at, PROBE, [mode, "x y"])], cwd=ROOT, env=env,
@@ -192,3 +198,36 @@ def test_a_killed_launcher_leaves_no_zygote_and_no_socket_folder(tmp_path):
     while Path(at).parent.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not Path(at).parent.exists(), f"{Path(at).parent} outlived its SIGKILLed launcher"
+
+
+def _launcher_sees(env: dict) -> dict:
+    """What a launcher started with ``env`` gets from ``address`` for its jobs' import environment, and whether it
+    started a zygote of its own."""
+    code = ("import json; from harness.jobs import launcher, zygote; at = zygote.address(launcher._env()); "
+            "print(json.dumps({'at': at, 'own': bool(zygote._servers)}))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)
+
+
+def test_launchers_started_after_share_fork_from_the_shared_zygote_when_their_imports_match():
+    """``share()`` (a test session, a script running many jobs): the launchers it starts use its zygote; one whose
+    import environment differs (here ``OMP_NUM_THREADS``), or given a socket that is gone, starts its own."""
+    code = "import os; from harness.jobs import launcher; print(launcher.share_zygote(), flush=True); input()"
+    sharer = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        at = sharer.stdout.readline().strip()
+        assert Path(at).is_socket(), at
+        env = {**os.environ, zygote.SHARED: at}
+        assert _launcher_sees(env) == {"at": at, "own": False}
+        other = _launcher_sees({**env, "OMP_NUM_THREADS": "3"})
+        assert other["own"] and other["at"] not in (None, at)
+        proc = _client(at, "exit")  # and the shared zygote forks ranks like any other
+        proc.communicate(timeout=60)
+        assert proc.returncode == 7
+    finally:
+        sharer.communicate("\n", timeout=30)
+    assert not Path(at).parent.exists(), "the shared zygote outlived the process that shared it"
+    gone = _launcher_sees({**env})
+    assert gone["own"] and gone["at"] != at

@@ -19,7 +19,7 @@ from harness.faults.run import ORDER
 from harness.jobs.launch import run_on_ranks
 from suites.computed_once import computed_once
 
-pytestmark = pytest.mark.dist_cpu
+pytestmark = [pytest.mark.dist_cpu, pytest.mark.usefixtures("shared_zygote")]
 
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from harness.plan import Schedule, validate_schedule
 
+pytestmark = pytest.mark.usefixtures("shared_zygote")  # CLI jobs fork their ranks from one zygote
+
 
 def cli(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=cwd,

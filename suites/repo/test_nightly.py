@@ -25,6 +25,8 @@ from harness.report import nightly_report
 from harness.train.layouts import LayoutError
 from harness.train.trainer import TrainConfig
 
+pytestmark = pytest.mark.usefixtures("shared_zygote")  # CLI jobs fork their ranks from one zygote
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -13,6 +13,8 @@ import pytest
 from harness.stack.megatron_core import WORKAROUNDS, _workarounds, preflight
 from harness.stack.protocol import StackError
 
+pytestmark = pytest.mark.usefixtures("shared_zygote")  # CLI jobs fork their ranks from one zygote
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

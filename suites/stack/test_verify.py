@@ -18,7 +18,7 @@ from harness.stack.drive import load_factory
 from harness.stack.protocol import StackError
 from harness.train.config import TrainConfig
 
-pytestmark = pytest.mark.dist_cpu
+pytestmark = [pytest.mark.dist_cpu, pytest.mark.usefixtures("shared_zygote")]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = f"{ROOT / 'docs/examples/own_trainer.py'}:make"
