@@ -13,7 +13,8 @@ same reason).
 
 Both are ``torch.library`` operators, so a compiled graph calls them as they are: the accumulation runs inside the
 compiled backward, where the chain's graph cannot see it (it cannot fuse the GEMM's epilogue into the product
-either, which Inductor does not do for extern GEMMs anyway). The sum is rounded once in fp32, where autograd rounds
+either, which Inductor does not do for extern GEMMs anyway). On CUDA the accumulation's kernel is C++ where it builds
+(``harness.runtime.native_wgrad``: the same GEMM without the Python kernel's host time per call). The sum is rounded once in fp32, where autograd rounds
 each micro-batch's product to bf16 first: the fused step is not bit for bit the per-call one (within bf16
 rounding; fp32 runs differ in the order of fp32 additions only). ``gemm_accumulate`` is the seam where the fault
 catalogue re-creates a GEMM that overwrites instead of accumulating.
@@ -24,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from harness.runtime import native_wgrad
 
 _FUSED_OUT_DTYPE: dict = {}
 """(device type, input dtype) -> whether ``torch.addmm(..., out_dtype=fp32, out=...)`` ran there (probed once)."""
@@ -43,6 +46,9 @@ def gemm_accumulate(main_grad: Tensor, go_TO: Tensor, x_TI: Tensor) -> None:
                 raise
             _FUSED_OUT_DTYPE[key] = False  # no mixed-dtype GEMM here (older torch, or the CPU): compute, then add
     main_grad.addmm_(go_TO.t().to(main_grad.dtype), x_TI.to(main_grad.dtype))
+
+
+_GEMM_ACCUMULATE = gemm_accumulate
 
 
 def _linear(x: Tensor, w: Tensor, main_grad: Tensor) -> Tensor:
@@ -83,7 +89,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, go):
     x, w = ctx.saved_tensors
-    _ACCUMULATE(ctx.main_grad, go, x)
+    native = native_wgrad.active_for(go) if gemm_accumulate is _GEMM_ACCUMULATE else None  # a planted seam: Python
+    (native or _ACCUMULATE)(ctx.main_grad, go, x)
     # the weight's "gradient": a zero broadcast to its shape (no memory), so that autograd still runs the step copy's
     # node and then the weight's own accumulation node, which fires its post-accumulate hooks (a compiled graph
     # drops the edge of an input whose gradient is always None); the copy's node adds nothing in this mode
