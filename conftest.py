@@ -7,6 +7,8 @@
   ``harness/pytest_plugin.py``.
 """
 
+import os
+
 import pytest
 
 pytest_plugins = ["harness.pytest_plugin"]
@@ -22,6 +24,9 @@ OPT_IN = ("slow", "nightly", "gpu")
 
 
 def pytest_configure(config):
+    # the jobs the suites run log no wandb runs (~1-2 s of CPU a layout, in every converge job): the sink itself is
+    # suites/repo/test_tracking.py's, which logs real offline runs; a WANDB_MODE the user set is kept
+    os.environ.setdefault("WANDB_MODE", "disabled")
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
 

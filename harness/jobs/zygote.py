@@ -71,8 +71,15 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+RUNTIME_ENV = ("TORCHELASTIC_", "TORCH_NCCL_")
+"""Prefixes under ``IMPORT_ENV``'s that torch reads only at run time (the elastic agent, NCCL's process groups):
+torchrun sets them for its ranks, whose side jobs (``converge``'s reference under a user's torchrun) may then share
+the zygote of the process that started torchrun."""
+
+
 def _key(env: dict) -> tuple:
-    return (sys.executable, *sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_ENV)))
+    return (sys.executable, *sorted((k, v) for k, v in env.items()
+                                    if k.startswith(IMPORT_ENV) and not k.startswith(RUNTIME_ENV)))
 
 
 _servers: dict[tuple, tuple[subprocess.Popen, str]] = {}

@@ -174,7 +174,8 @@ def test_a_node_that_dies_or_stops_is_named_by_the_other(how, tmp_path):
 
 
 TWO = ["--world", "2", "--steps", "2", "--batch-size", "8", "--lengths", "lognormal:mean=200,sigma=0.8,min=16,max=500",
-       "--max-seqlen-per-rank", "256"]
+       "--max-seqlen-per-rank", "256", "--layouts", "bshd,dcp"]
+"""The in-place launches' job: bshd and dcp (thd adds no launch path of its own)."""
 
 
 def _losses(out: Path) -> tuple[list, list]:
@@ -282,7 +283,8 @@ def test_the_slurm_example_is_valid_bash_naming_real_options():
 def test_the_step_benchmark_on_two_nodes_writes_one_report(tmp_path):
     port = _free_port()
     cmd = [sys.executable, "-m", "harness", "bench", "step", "--cpu", "--nproc", "1", "--nnodes", "2",
-           "--rdzv-endpoint", f"127.0.0.1:{port}"]
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--arms", "thd:dp-balanced,dcp:balanced", "--warmup", "1",
+           "--iters", "2", "--profile-iters", "1"]
     n1 = subprocess.Popen([*cmd, "--node-rank", "1", "--out", str(tmp_path / "n1" / "b.json")], cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     n0 = subprocess.run([*cmd, "--node-rank", "0", "--out", str(tmp_path / "n0" / "b.json")], cwd=ROOT,

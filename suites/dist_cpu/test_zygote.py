@@ -211,8 +211,9 @@ def _launcher_sees(env: dict) -> dict:
 
 
 def test_launchers_started_after_share_fork_from_the_shared_zygote_when_their_imports_match():
-    """``share()`` (a test session, a script running many jobs): the launchers it starts use its zygote; one whose
-    import environment differs (here ``OMP_NUM_THREADS``), or given a socket that is gone, starts its own."""
+    """``share()`` (a test session, a script running many jobs): a launcher it starts uses its zygote and starts
+    none of its own; the socket is not taken for another import environment (here ``OMP_NUM_THREADS``) nor once
+    the sharing process is gone (a launcher then starts its own, as without the variable)."""
     code = "import os; from harness.jobs import launcher; print(launcher.share_zygote(), flush=True); input()"
     sharer = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
@@ -221,13 +222,23 @@ def test_launchers_started_after_share_fork_from_the_shared_zygote_when_their_im
         assert Path(at).is_socket(), at
         env = {**os.environ, zygote.SHARED: at}
         assert _launcher_sees(env) == {"at": at, "own": False}
-        other = _launcher_sees({**env, "OMP_NUM_THREADS": "3"})
-        assert other["own"] and other["at"] not in (None, at)
+        key = zygote._key(_jobs_env(env))
+        assert zygote._serves(at, key)
+        assert not zygote._serves(at, zygote._key({**_jobs_env(env), "OMP_NUM_THREADS": "3"}))
         proc = _client(at, "exit")  # and the shared zygote forks ranks like any other
         proc.communicate(timeout=60)
         assert proc.returncode == 7
     finally:
         sharer.communicate("\n", timeout=30)
     assert not Path(at).parent.exists(), "the shared zygote outlived the process that shared it"
-    gone = _launcher_sees({**env})
-    assert gone["own"] and gone["at"] != at
+    assert not zygote._serves(at, key)
+
+
+def _jobs_env(env: dict) -> dict:
+    """The environment a launcher started with ``env`` gives its jobs (``launcher._env``)."""
+    import unittest.mock
+
+    from harness.jobs import launcher
+
+    with unittest.mock.patch.dict(os.environ, env, clear=True):
+        return launcher._env()
