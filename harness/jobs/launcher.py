@@ -97,9 +97,15 @@ def share_zygote() -> str | None:
 
 
 def _pump(stdout, lines: queue.Queue, log_file) -> None:
+    """Copy torchrun's output into the log and hand each line to the watcher. A launcher that is leaving (its job
+    killed on a signal) closes the log after a bounded wait for this thread; lines that come after that are still
+    relayed, not written (a write to the closed file would print this thread's traceback under the CLI's one line)."""
     for line in stdout:
-        log_file.write(line)
-        log_file.flush()
+        try:
+            log_file.write(line)
+            log_file.flush()
+        except ValueError:  # the log was closed: the launcher is leaving
+            pass
         lines.put(line)
     lines.put(None)
 
@@ -201,6 +207,7 @@ def run(job: str, nproc: int, out: Path, cfg: dict, *, timeout_s: float, stall_s
                                      first, nodes)
             except BaseException:
                 _kill(proc, beats)
+                pump.join(5)  # the output up to the kill reaches the log before it is closed
                 raise
             pump.join(10)
         if failure is not None:

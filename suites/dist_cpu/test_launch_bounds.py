@@ -135,3 +135,21 @@ def test_the_first_error_is_found_whatever_the_ranks_numbers(tmp_path):
     (tmp_path / "rank2.error").write_text("10.0\nTraceback ...\nNodeMismatchError: node 1 runs 4 processes, node 0 runs 2")
     rank, why = first_failure(tmp_path, 4, {}, {2: 1, 3: 1, 4: -15, 5: -15}, None, first=4)
     assert rank == 2 and why == "raised NodeMismatchError: node 1 runs 4 processes, node 0 runs 2"
+
+
+def test_output_that_comes_after_the_log_closed_is_relayed_without_a_traceback(tmp_path):
+    """A launcher that leaves on a signal kills the job, waits a bounded time for its output, and closes the log;
+    lines torchrun's dying processes print after that are still relayed, never written to the closed file (that
+    write's traceback, printed by the output thread, once came out under the CLI's one-line message)."""
+    import io
+    import queue
+
+    from harness.jobs import launcher
+
+    log = open(tmp_path / "job.log", "w")  # noqa: SIM115 - closed below, as the leaving launcher closes it
+    log.write("before the kill\n")
+    log.close()
+    lines: queue.Queue = queue.Queue()
+    launcher._pump(io.StringIO("late 1\nlate 2\n"), lines, log)
+    assert [lines.get_nowait() for _ in range(3)] == ["late 1\n", "late 2\n", None]
+    assert (tmp_path / "job.log").read_text() == "before the kill\n"
