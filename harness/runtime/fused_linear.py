@@ -65,15 +65,24 @@ def _accumulate(main_grad: Tensor, go: Tensor, x: Tensor) -> None:
 _LIB = torch.library.Library("dcp_harness", "FRAGMENT")
 _LIB.define("linear_wgrad(Tensor x, Tensor w, Tensor main_grad) -> Tensor", tags=(torch.Tag.pt2_compliant_tag,))
 _LIB.define("accumulate_wgrad(Tensor(a!) main_grad, Tensor go, Tensor x) -> ()", tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define("linear_wgrad_native(Tensor x, Tensor w, Tensor main_grad) -> Tensor",
+            tags=(torch.Tag.pt2_compliant_tag,))
 _LIB.impl("linear_wgrad", _linear, "CompositeExplicitAutograd")
+_LIB.impl("linear_wgrad_native", _linear, "CompositeExplicitAutograd")
 _LIB.impl("accumulate_wgrad", _accumulate, "CompositeExplicitAutograd")
 _LINEAR = torch.ops.dcp_harness.linear_wgrad.default
+_LINEAR_NATIVE = torch.ops.dcp_harness.linear_wgrad_native.default
+"""The same linear whose backward accumulates with ``native_wgrad``'s C++ operator: a forward operator of its own, so
+that a compiled graph (and the compile caches, across processes) records which accumulation its backward calls."""
 _ACCUMULATE = torch.ops.dcp_harness.accumulate_wgrad.default
 
 
 @torch.library.register_fake("dcp_harness::linear_wgrad", lib=_LIB)
 def _linear_fake(x, w, main_grad):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+torch.library.register_fake("dcp_harness::linear_wgrad_native", _linear_fake, lib=_LIB)
 
 
 @torch.library.register_fake("dcp_harness::accumulate_wgrad", lib=_LIB)
@@ -87,10 +96,9 @@ def _setup_context(ctx, inputs, output):
     ctx.main_grad = main_grad  # not saved: other micro-batches add into it before this backward runs (its version moves)
 
 
-def _backward(ctx, go):
+def _backward(ctx, go, accumulate=None):
     x, w = ctx.saved_tensors
-    native = native_wgrad.active_for(go) if gemm_accumulate is _GEMM_ACCUMULATE else None  # a planted seam: Python
-    (native or _ACCUMULATE)(ctx.main_grad, go, x)
+    (accumulate or _ACCUMULATE)(ctx.main_grad, go, x)
     # the weight's "gradient": a zero broadcast to its shape (no memory), so that autograd still runs the step copy's
     # node and then the weight's own accumulation node, which fires its post-accumulate hooks (a compiled graph
     # drops the edge of an input whose gradient is always None); the copy's node adds nothing in this mode
@@ -98,9 +106,19 @@ def _backward(ctx, go):
     return (go @ w if ctx.needs_input_grad[0] else None), dummy, None
 
 
+def _backward_native(ctx, go):
+    return _backward(ctx, go, native_wgrad.load())
+
+
 torch.library.register_autograd("dcp_harness::linear_wgrad", _backward, setup_context=_setup_context, lib=_LIB)
+torch.library.register_autograd("dcp_harness::linear_wgrad_native", _backward_native, setup_context=_setup_context,
+                                lib=_LIB)
 
 
 def linear_wgrad(x: Tensor, w: Tensor, main_grad: Tensor) -> Tensor:
-    """``F.linear(x, w)``; its backward adds ``go^T @ x`` into ``main_grad`` (see the module doc)."""
+    """``F.linear(x, w)``; its backward adds ``go^T @ x`` into ``main_grad`` (see the module doc): with the C++
+    accumulation where ``native_wgrad.prepare()`` chose it for ``x``'s device, unless the fault seam
+    ``gemm_accumulate`` is replaced (a planted fault always runs)."""
+    if x.device.type in native_wgrad.DEVICES and gemm_accumulate is _GEMM_ACCUMULATE:
+        return _LINEAR_NATIVE(x, w, main_grad)
     return _LINEAR(x, w, main_grad)

@@ -4,8 +4,12 @@ In the ``fused`` weight mode every linear layer's backward calls ``dcp_harness::
 12-layer model's step of 16 micro-batches makes ~400 such calls on each rank. That operator's kernel is Python
 (reshapes, the dtype probe, then ``torch.addmm(..., out_dtype=fp32, out=main_grad)``), which a host-bound step
 pays on every call, and a CP group pays at its slowest rank. This module builds the same kernel in C++ as the
-operator ``dcp_harness::accumulate_wgrad_native`` (one dispatcher call into ``at::addmm_out`` with ``out_dtype``),
-which ``fused_linear``'s backward calls in its place where ``active_for`` allows.
+operator ``dcp_harness::accumulate_wgrad_native`` (one dispatcher call into ``at::addmm_out`` with ``out_dtype``).
+``prepare()``, which every fused-mode step calls as it opens (``weight_cache.cached_weights``), decides per process
+for which device types it runs (``DEVICES``), building or loading it first; ``fused_linear.linear_wgrad`` then calls
+a forward operator of its own whose backward uses it. The choice is thus in the compiled graph itself: a graph
+compiled with it, found in Inductor's caches by a later process, is never run where the library was not loaded or
+not chosen.
 
 It is built with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler, ninja and Python's headers; the source
 is C++ only, no CUDA toolchain) once per machine and torch build, into torch's extension folder
@@ -107,17 +111,27 @@ def load(verbose: bool = False):
     return op
 
 
-def active_for(t: torch.Tensor):
-    """The C++ operator for tensors like ``t`` under ``DCP_HARNESS_NATIVE_WGRAD``, or None for the Python one."""
+DEVICES: frozenset = frozenset()
+"""The device types whose fused linears accumulate with the C++ operator (``prepare``)."""
+
+
+def prepare() -> frozenset:
+    """Decide ``DEVICES`` under ``DCP_HARNESS_NATIVE_WGRAD`` (loading the operator where it is chosen) and return it:
+    ``off`` none; ``auto`` CUDA where a GPU is present and it builds (a failed build warns once); ``on`` CUDA and the
+    CPU, or ``NativeBuildError``. Cheap after the first call for a choice."""
+    global DEVICES
     mode = choice()
-    if mode == "off" or (mode == "auto" and t.device.type != "cuda"):
-        return None
-    try:
-        return load()
-    except NativeBuildError as e:
-        if mode == "on":
-            raise
-        if not _STATE.get("warned"):
-            _STATE["warned"] = True
+    if _STATE.get("decided") == mode:
+        return DEVICES
+    wanted = {"off": frozenset(), "on": frozenset({"cpu", "cuda"}),
+              "auto": frozenset({"cuda"}) if torch.cuda.is_available() else frozenset()}[mode]
+    if wanted:
+        try:
+            load()
+        except NativeBuildError as e:
+            if mode == "on":
+                raise
             warnings.warn(f"{e}; the Python kernel runs", RuntimeWarning, stacklevel=2)
-        return None
+            wanted = frozenset()
+    DEVICES, _STATE["decided"] = wanted, mode
+    return DEVICES

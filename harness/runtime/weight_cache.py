@@ -93,6 +93,8 @@ def cached_weights(mode: str = "cached") -> Iterator[None]:
     if _STATE.active:
         raise WeightCacheError("cached_weights() is already open: one training step at a time (a step inside a "
                                "step would share its copies)")
+    if mode == "fused":
+        fused_linear.native_wgrad.prepare()  # which accumulation the step's fused linears call, decided per process
     _STATE.active, _STATE.fresh, _STATE.fused = True, {}, mode == "fused"
     _STATE.steps += 1
     try:
