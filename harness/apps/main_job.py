@@ -53,8 +53,11 @@ def _timeline() -> dict:
             "img": figure_png(plots.timelines(scheds, gpt, steps)), "step_times": steps}
 
 
-DEFAULT_CONVERGENCE = {"model": "tiny-gpt", "steps": 50, "world": 4}
-DEFAULT_PIPELINE = {"model": "tiny-gpt", "steps": 50, "world": 4, "pp": 2, "max_seqlen_per_rank": 512}
+DEFAULT_CONVERGENCE = {"model": "tiny-gpt", "steps": 50, "world": 4, "micro_batch_size": 4}
+"""bshd in micro-batches of 4 padded sequences, as Megatron's pretraining path runs it: the padding is the layout's
+point, not the number of passes (one sequence a pass would run 32 passes a step for the same tokens)."""
+DEFAULT_PIPELINE = {"model": "tiny-gpt", "steps": 50, "world": 4, "pp": 2, "max_seqlen_per_rank": 512,
+                    "micro_batch_size": 4}
 """Two pipeline stages of a 2-rank DP x CP domain; its golden is the PP = 1 case on 2 ranks."""
 DEFAULT_HYBRID = {"model": "tiny-hybrid", "steps": 50, "world": 2, "max_seqlen_per_rank": 512}
 """SSM mixer, attention, SSM mixer, MLP ("M*M-") on a 2-rank domain: the mixers' all-to-all runs in
