@@ -830,7 +830,7 @@ def test_chain_arms_train_to_the_same_weights_as_segment_arms(tmp_path):
     static CP blocks and dynamic CP alike; the opaque attention really ran."""
     cost = {"quadratic": 1e-9, "linear": 1e-6, "constant": 1e-5, "per_microbatch": 1e-3, "name": "pinned"}
     arms = ("thd:dp-balanced", "thd:dp-balanced+chain", "dcp:balanced", "dcp:balanced+chain")
-    cfg = {**TINY, "warmup": 1, "iters": 2, "profile_iters": 0, "cost_model": cost, "device": "cpu", "arms": arms,
+    cfg = {**TINY, "warmup": 0, "iters": 1, "profile_iters": 0, "cost_model": cost, "device": "cpu", "arms": arms,
            "compile": "aot_eager"}
     ranks = run_on_ranks(_measure_counting_opaque, world_size=2, tmp_path=tmp_path, args=(cfg,), timeout_s=300)
     for r in ranks:
