@@ -12,10 +12,12 @@ curve. GPU bf16: per-step |delta| <= 2e-3 and mean |delta| <= 5e-4 against bshd.
 
 MoE models: hard top-k routing is discontinuous, so last-bit differences between layouts (matmuls
 over different row counts, attention over different key partitions) eventually resolve a near-tie
-differently and the trajectories separate (tiny MoE, 4 CPU ranks, fp32: all layouts within 2e-7 for
-49 steps, then 2e-5 .. 2e-3; final 10-step means within 0.04%). For them the strict rule covers the
-first ``MOE_EXACT_STEPS`` steps, and afterwards the mean loss of the last ``LATE_WINDOW`` steps must
-stay within ``LATE_BAND`` (relative) of bshd's. Exact MoE agreement over long horizons needs the same
+differently and the trajectories separate. Every run records its routes (``harness.train.routes``) and
+an fp32 layout is held per step while its routes equal its reference's, up to their first difference
+where that difference is a near-tie, with a failing check where it is not (``route_span``,
+``harness.apps.route_rule``); bf16 runs, goldens and runs without route records keep the fixed span of
+``MOE_EXACT_STEPS`` steps. After the span, the mean loss of the last ``LATE_WINDOW`` steps must stay
+within ``LATE_BAND`` (relative) of the reference's. Exact MoE agreement over long horizons needs the same
 routes in every layout (router replay).
 
 bf16 runs longer than ``BF16_EXACT_STEPS``: bf16 rounding makes the layouts' trajectories separate with the
@@ -37,7 +39,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from harness import golden as golden_mod
-from harness.apps import reference
+from harness.apps import reference, route_rule
 from harness.data.corpus import CorpusConfig, batch_lengths, global_batch
 from harness.faults.catalogue import get
 from harness.finite import nonfinite_message, within, worst
@@ -133,7 +135,9 @@ class ConvergeResult:
 
 def strict_span(cfg: TrainConfig) -> tuple[int | None, str]:
     """How many leading steps the per-step rule covers for ``cfg`` (None: all of them) and why the rest is held
-    to the late-window band instead: MoE routing (``MOE_EXACT_STEPS``), else bf16 rounding (``BF16_EXACT_STEPS``)."""
+    to the late-window band instead: MoE routing (``MOE_EXACT_STEPS``), else bf16 rounding (``BF16_EXACT_STEPS``).
+    An fp32 MoE layout compared with a reference whose routes were recorded gets its span from them instead
+    (``route_span``)."""
     if MODELS[cfg.model].experts > 0:
         return MOE_EXACT_STEPS, "MoE routing"
     if cfg.dtype == "bfloat16":
@@ -198,19 +202,32 @@ def golden_of(cfg: TrainConfig, world: int, golden: str = "auto") -> dict | None
     return None
 
 
+def route_span(who: str, cfg: TrainConfig, own: dict | None, ref: dict | None) -> tuple[tuple[int | None, str], list]:
+    """The per-step rule's span for the run ``who`` against its reference, and its route checks: for an MoE model
+    from the two runs' recorded routes (``harness.apps.route_rule``), else ``strict_span``."""
+    if MODELS[cfg.model].experts > 0:
+        return route_rule.judge(who, own, ref, cfg.dtype, MOE_EXACT_STEPS)
+    return strict_span(cfg), []
+
+
 def evaluate(rows: dict[str, list[dict]], cfg: TrainConfig, world: int, hw: str, *, use_golden: bool = False,
-             golden: dict | None = None) -> list[dict]:
-    """Layout-vs-bshd and layout-vs-golden checks (``golden``: from ``load_golden``; ``use_golden`` loads it)."""
+             golden: dict | None = None, routes: dict | None = None) -> list[dict]:
+    """Layout-vs-bshd and layout-vs-golden checks (``golden``: from ``load_golden``; ``use_golden`` loads it).
+    ``routes``: each layout's recorded MoE routes (``route_rule.load``), which set an MoE layout's span against
+    bshd (``route_span``); without them the fixed span applies."""
     tol, span = loss_tolerance(cfg), strict_span(cfg)
     base = "bshd" if "bshd" in rows else next(iter(rows))
     ref = [r["loss"] for r in rows[base]]
+    routes = routes or {}
     checks = []
     for layout, rs in rows.items():
         if layout != base:
-            checks += _compare(f"{layout} vs {base}", [r["loss"] for r in rs], ref, tol, span)
+            lspan, route_checks = route_span(f"{layout} vs {base}", cfg, routes.get(layout), routes.get(base))
+            checks += _compare(f"{layout} vs {base}", [r["loss"] for r in rs], ref, tol, lspan)
             for k in range(len(rs[0].get("mtp_loss") or [])):  # each multi-token-prediction depth's loss too
                 checks += _compare(f"{layout} vs {base} (MTP depth {k + 1})", [r["mtp_loss"][k] for r in rs],
-                                   [r["mtp_loss"][k] for r in rows[base]], tol, span)
+                                   [r["mtp_loss"][k] for r in rows[base]], tol, lspan)
+            checks += route_checks
     if golden is None and use_golden:
         golden = load_golden(cfg, world, hw)
     if golden is not None:
@@ -361,6 +378,7 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
             return None
         rank0 = res["ranks"][0]
         rows = rank0["layouts"]
+        routes = {layout: route_rule.load(e) for layout, e in (rank0.get("routes") or {}).items()}
         if golden == "update":
             progress(f"wrote golden {write_golden(rows, cfg, world, cid, hw)}")
         ref_rows, ref_checks = None, []
@@ -374,14 +392,20 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
                          if line.startswith("[") else None, stall_s=stall_s,
                          log=out_root / "logs" / f"{cid}-reference-{stamp}.log")
             ref_rows = ref["ranks"][0]["layouts"][reference.REF_LAYOUT]
+            ref_routes = route_rule.load((ref["ranks"][0].get("routes") or {}).get(reference.REF_LAYOUT))
+            spans, route_checks = {}, []
+            for layout in rows:
+                spans[layout], more = route_span(f"{layout}{reference.tag(cfg)} vs {reference.name()}", cfg,
+                                                 routes.get(layout), ref_routes)
+                route_checks += more
             ref_checks = reference.checks(rows, _probes(res), ref_rows, _probes(ref), cfg, compare=_compare,
-                                          span=strict_span(cfg))
+                                          span=spans) + route_checks
             for c in ref_checks:
                 c["reference"] = True
             (tmp / "reference_raw.json").unlink()
         shutil.rmtree(probe_dir, ignore_errors=True)
         exercise = dcp_exercise(rows, cfg.domain(world))
-        checks = evaluate(rows, cfg, world, hw, golden=gold) + ref_checks + exercise_checks(exercise)
+        checks = evaluate(rows, cfg, world, hw, golden=gold, routes=routes) + ref_checks + exercise_checks(exercise)
         verdict = verdict_of(checks)
         shares = cfg.execution_model(world)[0].chunk_shares  # the pipeline's chunk prices (None without stages)
         config = {**cfg.to_dict(), "token_bucket_resolved": cfg.bucket(), "world": world,

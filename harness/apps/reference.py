@@ -9,7 +9,8 @@ layout is compared with it, quantity by quantity (``TOLERANCES``):
 
 - ``loss``: every step's loss (and each MTP depth's), absolute; MoE models and long bf16 runs under the rule of
   ``harness.apps.converge.strict_span`` (strict for the first ``MOE_EXACT_STEPS`` / ``BF16_EXACT_STEPS`` steps,
-  then a band on the late mean);
+  then a band on the late mean; an fp32 MoE layout until its routes first differ from the reference's at a
+  near-tie, ``harness.apps.converge.route_span``);
 - ``grad_norm``: every step's gradient norm before clipping, relative (the strict span only);
 - ``step1_gradients``: every parameter's reduced step-1 gradient, relative L2, worst parameter over the ranks
   that hold it (per parameter, so a bug confined to one layer is not averaged away);
@@ -73,16 +74,19 @@ def _relative(name_: str, vals: list[float], ref: list[float], tol: float, span:
 
 
 def checks(rows: dict[str, list[dict]], ranks: list[dict], ref_rows: list[dict], ref_ranks: list[dict],
-           cfg: TrainConfig, *, compare, span: tuple[int | None, str] = (None, "")) -> list[dict]:
+           cfg: TrainConfig, *, compare, span: tuple[int | None, str] | dict = (None, "")) -> list[dict]:
     """Every layout of a run against its reference, one line per layout and quantity. ``ranks``/``ref_ranks``:
     each rank's probes (``{"probes": {layout: ...}}``); ``compare``: ``harness.apps.converge._compare`` (the loss rule);
-    ``span``: the per-step rule's span and the band's reason (``harness.apps.converge.strict_span``)."""
+    ``span``: the per-step rule's span and the band's reason (``harness.apps.converge.strict_span``), or one per
+    layout (``harness.apps.converge.route_span``: an MoE model's, from its routes)."""
     tol, ref_name, t = tolerances(cfg.dtype, cfg.model), name(), tag(cfg)
     ref_loss = [r["loss"] for r in ref_rows]
     ref_norm = [r["grad_norm"] for r in ref_rows]
     out = []
+    spans = span if isinstance(span, dict) else {}
     for layout, rs in rows.items():
         who = f"{layout}{t} vs {ref_name}"
+        span = spans.get(layout, (None, "")) if spans else span
         out += compare(who, [r["loss"] for r in rs], ref_loss, tol["loss"], span)
         for k in range(len(rs[0].get("mtp_loss") or [])):
             out += compare(f"{layout}{t} vs {ref_name} (MTP depth {k + 1})", [r["mtp_loss"][k] for r in rs],

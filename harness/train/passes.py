@@ -134,12 +134,13 @@ class MicroBatchOps:
 
 
 def model_passes(model, stage: pipeline.Stage, ops: MicroBatchOps, dtype: str, total: float, sums: dict,
-                 probe=None, mtp_scales=None) -> pipeline.ChunkPasses:
+                 probe=None, mtp_scales=None, routes=None) -> pipeline.ChunkPasses:
     """``ChunkPasses`` of a step: embedding on model chunk 0, the rank's layers of each chunk, the LM
     head (and the MTP depths, weighted by ``mtp_scales``: ``mtp_loss_scales``) on the last chunk. ``sums``
     collects the detached CE, MTP and aux sums. ``dtype``: ``float32``, or ``bfloat16`` (autocast). A compiled
     dense model on one chunk runs as one compiled call with the loss head inside (``TinyLM.token_losses``)
-    unless per-token losses are probed."""
+    unless per-token losses are probed. ``routes``: a ``harness.train.routes.StepRoutes`` that records the MoE
+    layers' routes of every micro-batch (the tie-aware convergence rule), or None."""
     autocast = torch.autocast(ops.device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
     c = model.c
     if mtp_scales is None:
@@ -158,7 +159,7 @@ def model_passes(model, stage: pipeline.Stage, ops: MicroBatchOps, dtype: str, t
             if pipeline.pre_process(stage, v):
                 x = model.embed(mb.data["tokens"])
             h, aux = model.run_layers(x, rot, real, attention, layers=stage.chunks[v], mixing=mixing,
-                                      experts=ops.experts(m))
+                                      experts=ops.experts(m), routing=None if routes is None else routes.recorder(mb))
             if stage.index(v) == stage.num_chunks - 1:
                 h = _losses(model, mb, h, rot, real, attention, mixing, sums, probe, mtp_scales)
         sums["aux"].add_(aux.detach().double())

@@ -270,6 +270,8 @@ class StepHooks:
     """Pad each micro-batch to a multiple of this many tokens (``build_microbatches``; 0: no padding)."""
     on_pass: Callable[[object], None] | None = None
     """Called as each pass (a micro-batch's forward or backward: ``pipeline.run_passes``' actions) starts."""
+    routes: object | None = None
+    """A ``harness.train.routes.StepRoutes`` recording the MoE routes of this rank's micro-batches (not reduced)."""
 
 
 @dataclass
@@ -338,7 +340,7 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
         expert_parallel.check_lockstep(len(mbs), everyone, device)
     ops = passes.MicroBatchOps(model, groups, mbs, cp_groups, device, exchange, experts=run.experts).prepare()
     mtp_scales = passes.mtp_loss_scales(model.c, mbs, everyone, lcfg.static_cp)
-    chunk_passes = passes.model_passes(model, run.stage, ops, dtype, scale, sums, probe, mtp_scales)
+    chunk_passes = passes.model_passes(model, run.stage, ops, dtype, scale, sums, probe, mtp_scales, hooks.routes)
     audited()
     _mark(hooks)
     before_last = None

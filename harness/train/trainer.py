@@ -31,6 +31,7 @@ from harness.runtime.model import MODELS, TinyLM
 from harness.train import pipeline, step
 from harness.train.config import TrainConfig, longest_sequence, model_cost
 from harness.train.probes import Probes
+from harness.train.routes import RouteLog, StepRoutes
 
 __all__ = ["TrainConfig", "longest_sequence", "model_cost", "train", "train_layout"]
 
@@ -55,7 +56,9 @@ def samples_of(batch, owners, me, device, mtp_depth: int = 0) -> dict:
 
 
 def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: step.Run, lcfg, device, log,
-                 probes=None, heartbeat: Heartbeat | None = None) -> list[dict]:
+                 probes=None, heartbeat: Heartbeat | None = None, routes: RouteLog | None = None) -> list[dict]:
+    """Train ``layout`` for ``cfg.steps`` steps; rank 0's metrics rows. ``routes``: where an MoE model's routes of
+    every step go (``harness.train.routes``; each row then carries ``route_digest`` and ``route_margin``)."""
     torch.manual_seed(cfg.corpus.seed)
     model = TinyLM(MODELS[cfg.model]).to(device)
     shards = None
@@ -75,11 +78,14 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: step
         batch = global_batch(cfg.corpus, k)
         probe = probes.step(k, batch) if probes is not None else None
         local = samples_of(batch, {g: g % N for g in range(len(batch))}, me, device, model.c.mtp_depth)
+        step_routes = StepRoutes(model.c.layers, len(batch), longest_sequence(cfg), device) \
+            if routes is not None else None
         try:
             r = step.train_step(model, run, layout, [len(x) - 1 for x in batch], local, lcfg, cost, device=device,
                                 opt=opt, params=params, grads=grads, dtype=cfg.dtype, exchange=cfg.cp_exchange,
                                 grad_clip=cfg.grad_clip, shards=shards, probe=probe, probes=probes, step_index=k,
-                                weights=cfg.weights, hooks=step.StepHooks(token_multiple=cfg.bucket()))
+                                weights=cfg.weights, hooks=step.StepHooks(token_multiple=cfg.bucket(),
+                                                                          routes=step_routes))
         except (ScheduleError, GroupAuditError, pipeline.ScheduleAgreementError, PipelineScheduleError,
                 expert_parallel.DispatchAuditError, expert_parallel.LockstepError) as e:  # raised alike on every rank
             e.step, e.layout = k, layout
@@ -95,6 +101,9 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: step
                "grad_norm": float(r.grad_norm), "tokens": int(total), "processed_tokens": int(stats[2]),
                "padding_fraction": 1.0 - total / float(stats[2]), "step_time": float(elapsed),
                "tokens_per_s": total / float(elapsed), "microbatches": r.num_microbatches, **r.usage}
+        if step_routes is not None:  # every rank's routes summed: the step's whole picture on every rank
+            routes.append(step_routes.reduce())
+            row["route_digest"], row["route_margin"] = step_routes.summary()
         if sums["mtp"]:  # multi-token prediction: each depth's loss, apart from the LM loss
             row["mtp_loss"] = [float(x) / denom for x in stats[3:]]
         if cfg.pp > 1 and k == 0:
@@ -162,13 +171,14 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
     shard = expert_parallel.ExpertShard(MODELS[cfg.model].experts, n, playout.position(rank)) \
         if cfg.expert_parallel else None
     heartbeat = Heartbeat.from_cfg(cfg_dict, rank)
+    routes = {layout: RouteLog() for layout in cfg.layouts} if MODELS[cfg.model].experts > 0 else {}
     out = {}
     for layout in cfg.layouts:  # groups created and destroyed around each layout (a re-initialisation)
         groups = DynamicGroups(playout, rank)
         try:
             out[layout] = train_layout(layout, rank, world, cfg, step.Run(step.new_groups(groups), pipe, stage, p2p, shard),
                                        lcfg,
-                                       device, log, probes.get(layout), heartbeat)
+                                       device, log, probes.get(layout), heartbeat, routes.get(layout))
             # every rank past its last collective on these groups before any rank destroys them (gloo
             # aborts a process whose group is torn down under a peer's pending operation)
             dist.barrier()
@@ -177,6 +187,8 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
     result = {"rank": rank, "static_cp": lcfg.static_cp, "longest": longest, "stage": stage.stage,
               "live_groups": live_groups(),
               "layouts": out if rank == 0 else {}}
+    if routes and rank == 0:
+        result["routes"] = _routes_result(routes, cfg_dict.get("probe_dir"))
     if cfg.probes:
         keep = cfg_dict.get("probe_dir")  # a JSON-reporting job: the large records go to files there
         if keep:
@@ -184,3 +196,21 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
         result["probes"] = {layout: p.save(Path(keep) / f"{layout}.rank{rank}.npz") if keep else p.portable()
                             for layout, p in probes.items()}
     return result
+
+
+def _routes_result(routes: dict[str, RouteLog], keep: str | None) -> dict:
+    """Each layout's route records (``harness.train.routes``): a ``.npz`` file in ``keep`` (a JSON-reporting job's
+    probe folder), else the arrays as nested lists (a job whose ranks share no folder)."""
+    import numpy as np
+
+    out = {}
+    for layout, log in routes.items():
+        arrays = log.arrays()
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            path = Path(keep) / f"{layout}.routes.npz"
+            np.savez(path, **arrays)
+            out[layout] = {"file": str(path)}
+        else:
+            out[layout] = {k: v.tolist() for k, v in arrays.items()}
+    return out

@@ -3,6 +3,7 @@ attention-only, MoE, multi-token prediction and hybrid SSM (Mamba-style) models.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from harness.jobs.launch import run_on_ranks
@@ -59,5 +60,14 @@ def test_padding_and_schedules_differ_as_designed(runs):
         assert all(len(rows[layout][0]["mtp_loss"]) == 1 and rows[layout][0]["mtp_loss"][0] > 0 for layout in rows)
     if model == "tiny-moe":
         assert rows["bshd"][0]["aux_loss"] > 0  # router z-loss over real tokens only
+        # the routes every layout recorded, summed over the ranks, are the same whatever the layout did to the
+        # tokens (CP 2 slices, padding, packing); no near-tie flips in these 3 steps
+        assert [r["route_digest"] for r in rows["thd"]] == [r["route_digest"] for r in rows["bshd"]] == \
+            [r["route_digest"] for r in rows["dcp"]]
+        assert all(0 < r["route_margin"] < 1 for lay in rows.values() for r in lay)
+        arrays = r["routes"]["dcp"]
+        assert np.asarray(arrays["digests"]).shape[:2] == (3, 3) and np.asarray(arrays["digests"])[:, 0].sum() == 0
     else:
+        assert "routes" not in r and "route_digest" not in rows["bshd"][0]
+    if model != "tiny-moe":
         assert rows["bshd"][0]["aux_loss"] == 0

@@ -241,15 +241,23 @@ def test_the_page_flags_a_shrunk_margin_and_a_changed_verdict():
     assert nightly_report.flag(window)[2] == 1000  # the median of the last 7 runs only
 
 
-@pytest.mark.parametrize("model, dtype, rule", [
-    ("tiny-gpt", "bfloat16", (30, "bf16 rounding")), ("tiny-moe", "float32", (20, "MoE routing")),
-    ("tiny-gpt", "float32", (None, ""))])
-def test_each_history_line_records_the_rule_its_run_was_judged_by(tmp_path, model, dtype, rule):
+FLIP = {"target": "dcp vs bshd: routes equal until step 12, then ...", "pass": True, "value": 1e-6, "limit": 3e-5,
+        "route_difference": {"step": 11}}
+
+
+@pytest.mark.parametrize("model, dtype, checks, rule", [
+    ("tiny-gpt", "bfloat16", [], (30, "bf16 rounding")), ("tiny-moe", "bfloat16", [FLIP], (20, "MoE routing")),
+    ("tiny-moe", "float32", [], (None, "MoE routing")), ("tiny-moe", "float32", [FLIP], (11, "MoE routing")),
+    ("tiny-moe", "float32", [{**FLIP, "pass": False}], (20, "MoE routing")),
+    ("tiny-gpt", "float32", [], (None, ""))])
+def test_each_history_line_records_the_rule_its_run_was_judged_by(tmp_path, model, dtype, checks, rule):
+    """fp32 MoE runs: the span their routes set (every step while routes agree, up to a near-tie flip, the fixed
+    span after a routing bug); bf16 and dense runs: the fixed rule."""
     from types import SimpleNamespace
 
     rows = {"bshd": [{"loss": 1.0, "tokens_per_s": 10.0}]}
-    res = SimpleNamespace(rows=rows, checks=[], case_id="converge__x__w4__bf16", verdict="PASS", run_dir=tmp_path / "r",
-                          config={"model": model, "dtype": dtype, "hardware": "h200", "world": 4})
+    res = SimpleNamespace(rows=rows, checks=checks, case_id="converge__x__w4__bf16", verdict="PASS",
+                          run_dir=tmp_path / "r", config={"model": model, "dtype": dtype, "hardware": "h200", "world": 4})
     e = history.entry(res, role=nc.DISTRIBUTED, root=tmp_path, producer=golden.producer(), extra_checks=[])
     assert (e["rule"]["strict_steps"], e["rule"]["why"]) == rule
     assert (e["rule"]["late_window"], e["rule"]["late_band"]) == (converge.LATE_WINDOW, converge.LATE_BAND)

@@ -106,13 +106,17 @@ def deltas(checks: list[dict], reference: str) -> dict[str, float]:
 def entry(result, *, role: str, root: Path, producer: dict, extra_checks: list[dict]) -> dict:
     """The history line of one case's run (``result``: a ``harness.apps.converge.ConvergeResult``)."""
     # lazy: imports torch; the CLI imports this module without it
+    from harness.apps import route_rule
     from harness.apps.converge import LATE_BAND, LATE_WINDOW, loss_tolerance, strict_span
+    from harness.runtime.model import MODELS
     from harness.train.config import TrainConfig
 
     rows, cfg = result.rows, result.config
     kind = TrainConfig(model=cfg["model"], dtype=cfg["dtype"])
     strict, why = strict_span(kind)
     checks = result.checks + extra_checks
+    if MODELS[kind.model].experts > 0 and kind.dtype in route_rule.TIE:  # the span the recorded routes set
+        strict = route_rule.span_of(checks, strict)
     base = "bshd" if "bshd" in rows else next(iter(rows))
     run = Path(os.path.relpath(result.run_dir, root)).as_posix()
     tracking = _tracking(result.run_dir)
