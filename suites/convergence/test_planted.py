@@ -38,3 +38,15 @@ def test_plant_refuses_unknown_faults_and_golden_updates(tmp_path):
     r = subprocess.run([sys.executable, "-m", "harness", "converge", "--plant", "nope", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unknown fault 'nope'" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow  # ~1 min on 2 cores; the rule's own cases are suites/convergence/test_route_rule.py
+def test_a_routing_bug_in_an_moe_model_fails_the_route_checks_naming_it(tmp_path):
+    """RoPE positions per rank change every CP layout's hidden states, so their routers route tokens far from any tie
+    differently from bshd's and the reference's: each such comparison fails as a routing bug, not rounding."""
+    cfg = TrainConfig(model="tiny-moe", steps=2)
+    res = converge.run(cfg, world=4, out_root=str(tmp_path), progress=lambda s: None, plant="rope-positions-per-rank")
+    routing = [c for c in res.checks if "route_difference" in c]
+    assert res.verdict == "FAIL" and routing and not any(c["pass"] for c in routing), routing
+    assert all("routes differ at step 1 where no top-k choice was near a tie" in c["target"] for c in routing)
+    assert {c["target"].split(":")[0] for c in routing} >= {"thd vs bshd", "dcp vs bshd"}
