@@ -326,19 +326,22 @@ def test_the_host_lead_names_the_rank_whose_gpu_waits_for_its_host():
     """Leads from the host's and the GPU's clocks at each pass (ms from the step's start): rank 1's GPU reaches
     every pass microseconds after its host (starved), rank 0's runs 2-4 ms behind its host (waiting for rank 1
     in the collectives). The summary, its line and the HTML table say so."""
-    from harness.bench.host_lead import STARVED_MS, lead_line, leads_ms, summarize_rank
+    from harness.bench.host_lead import STARVED_MS, lead_line, leads_ms, pass_line, summarize_rank
     from harness.report.step_report import _host_lead
 
     assert leads_ms([0.0, 5.0, 9.0], [0.01, 7.5, 12.0]) == pytest.approx([0.01, 2.5, 3.0])
     with pytest.raises(ValueError, match="differ in length: 2 != 1"):
         leads_ms([0.0, 1.0], [0.0])
-    ahead = [{"kinds": ["F", "B", "F", "B"], "leads": [2.0, 4.0, 2.5, 3.5], "end": 6.0},
-             {"kinds": ["F", "B"], "leads": [1.5, 3.0], "end": 5.0}]
-    starved = [{"kinds": ["F", "B", "F", "B"], "leads": [0.01, 0.02, 0.3, 0.02], "end": 0.02},
-               {"kinds": ["F", "B"], "leads": [0.02, 0.01], "end": 0.03}]
+    ahead = [{"kinds": ["F", "B", "F", "B"], "leads": [2.0, 4.0, 2.5, 3.5], "end": 6.0,
+              "host_ms": [1.0, 2.0, 1.2], "device_ms": [3.0, 5.0, 3.4]},
+             {"kinds": ["F", "B"], "leads": [1.5, 3.0], "end": 5.0, "host_ms": [1.4], "device_ms": [3.2]}]
+    starved = [{"kinds": ["F", "B", "F", "B"], "leads": [0.01, 0.02, 0.3, 0.02], "end": 0.02,
+                "host_ms": [4.0, 8.0, 4.2], "device_ms": [4.0, 8.1, 4.2]},
+               {"kinds": ["F", "B"], "leads": [0.02, 0.01], "end": 0.03, "host_ms": [4.1], "device_ms": [4.1]}]
     r0, r1 = summarize_rank(ahead), summarize_rank(starved)
     assert r0 == {"passes": 6, "median_ms": 2.75, "forward_median_ms": 2.0, "backward_median_ms": 3.5,
-                  "starved": 0.0, "end_median_ms": 5.5}
+                  "starved": 0.0, "end_median_ms": 5.5, "host_forward_ms": pytest.approx(1.2),
+                  "host_backward_ms": 2.0, "device_forward_ms": pytest.approx(3.2), "device_backward_ms": 5.0}
     assert r1["passes"] == 6 and r1["starved"] == pytest.approx(5 / 6) and r1["median_ms"] < STARVED_MS
     assert summarize_rank([]) is None and summarize_rank([{"kinds": [], "leads": [], "end": 0.0}]) is None
     line = lead_line("dcp:balanced", [r0, r1])
@@ -346,6 +349,14 @@ def test_the_host_lead_names_the_rank_whose_gpu_waits_for_its_host():
                     "backward's start; passes that found the GPU waiting): 0: 2.00 / 3.50, 0%, 1: 0.02 / 0.02, 83%; "
                     "the least: rank 1, 0.02 ms (83% of its passes starved)")
     assert lead_line("x", [r0]) is None and lead_line("x", [r0, None]) is None  # one rank, or a CPU run
+    # each pass's time on both clocks: rank 1's host takes as long as its GPU (host-bound), rank 0's a third
+    assert pass_line("dcp:balanced", [r0, r1]) == (
+        "  dcp:balanced time per pass by rank (median ms from a pass's start to the next's, host / GPU; forward, "
+        "backward; the host's reaching the GPU's: host-bound): 0: 1.20 / 3.20, 2.00 / 5.00, 1: 4.10 / 4.10, "
+        "8.00 / 8.10")
+    assert pass_line("x", [r0]).startswith("  x time per pass") and pass_line("x", [r0, None]) is None
+    old = summarize_rank([{k: v for k, v in s.items() if k not in ("host_ms", "device_ms")} for s in ahead])
+    assert old["host_forward_ms"] is None and pass_line("x", [old]) is None  # records without pass times
     html = _host_lead({"arms": {"dcp:balanced": {"host_lead_per_rank": [r0, r1]},
                                 "thd:dp-balanced": {"host_lead_per_rank": [None, None]}}})
     assert "rank 1" in html and "0.02 / 0.02; 83%" in html and "thd:dp-balanced" not in html

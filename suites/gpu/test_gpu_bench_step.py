@@ -32,4 +32,6 @@ def test_bench_step_runs_on_two_gpus(tmp_path):
         # each rank's lead over its GPU: a pass of every measured step, never reached by the GPU before its host
         for lead in a["host_lead_per_rank"]:
             assert lead["passes"] >= 2 * 2 and lead["median_ms"] > -0.01 and 0 <= lead["starved"] <= 1
+            # each pass's time on the host and on the GPU (start to the next pass's start)
+            assert lead["host_forward_ms"] > 0 and lead["device_forward_ms"] > 0 and lead["device_backward_ms"] > 0
     assert s["arms"]["thd:dp-balanced"]["breakdown"]["communication"] > 0  # static CP 2 exchanges K/V

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.bench.common import REPORTS, table, write_report
-from harness.bench.host_lead import lead_line
+from harness.bench.host_lead import lead_line, pass_line
 from harness.bench.step.config import BenchConfigError, StepBenchConfig
 from harness.bench.step.summarise import TARGETS, checks, summarize
 from harness.bench.trace import device_only_line, kernel_lines, rank_line
@@ -129,9 +129,9 @@ def _print_tables(summary: dict, cfg: StepBenchConfig) -> None:
                   "step; negative: the arm spends more):")
             print(table(saved, saved_columns(saved)))
     for k, v in summary["arms"].items():
-        line = lead_line(k, v.get("host_lead_per_rank") or [])
-        if line:
-            print(line)
+        for line in (lead_line(k, v.get("host_lead_per_rank") or []), pass_line(k, v.get("host_lead_per_rank") or [])):
+            if line:
+                print(line)
     for k, v in summary["arms"].items():
         if v["breakdown_error"]:
             print(f"  {k}: no breakdown: {v['breakdown_error']}")

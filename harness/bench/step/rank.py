@@ -97,15 +97,18 @@ class StepMarks:
         return [1e3 * (t - self.points[0]) for t in self.points[1:]]
 
     def leads(self) -> dict | None:
-        """The host's lead over the GPU at each pass's start and at the step's last mark
-        (``harness.bench.host_lead``); None on CPU."""
+        """The host's lead over the GPU at each pass's start and at the step's last mark, and each pass's time on
+        the host and on the GPU but the last's (to the next pass's start; ``harness.bench.host_lead``); None on CPU."""
         if not self.cuda:
             return None
         t0, e0 = self.host[0], self.points[0]
         host = [1e3 * (t - t0) for _, t, _ in self.passes] + [1e3 * (self.host[-1] - t0)]
         dev = [e0.elapsed_time(e) for _, _, e in self.passes] + [e0.elapsed_time(self.points[-1])]
         lead = leads_ms(host, dev)
-        return {"kinds": [k for k, _, _ in self.passes], "leads": lead[:-1], "end": lead[-1]}
+        passes = len(self.passes)  # each pass's time: from its start to the next pass's, on either clock
+        return {"kinds": [k for k, _, _ in self.passes], "leads": lead[:-1], "end": lead[-1],
+                "host_ms": [host[i + 1] - host[i] for i in range(passes - 1)],
+                "device_ms": [dev[i + 1] - dev[i] for i in range(passes - 1)]}
 
 
 def local_samples(lengths: list[int], index: int, me: int, n: int, vocab: int, seed: int, device) -> dict:
