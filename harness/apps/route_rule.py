@@ -21,6 +21,8 @@ logit), so they keep the fixed span; their route differences are reported, not j
 
 from __future__ import annotations
 
+import base64
+import io
 from pathlib import Path
 
 import numpy as np
@@ -40,9 +42,11 @@ def load(entry: dict | None) -> dict | None:
     if "file" in entry:
         if not Path(entry["file"]).exists():
             return None
-        with np.load(entry["file"]) as z:
-            return {k: z[k] for k in z.files}
-    return {k: np.asarray(v, dtype=np.int64 if k == "digests" else np.float64) for k, v in entry.items()}
+        source = entry["file"]
+    else:
+        source = io.BytesIO(base64.b64decode(entry["npz"]))
+    with np.load(source) as z:
+        return {k: z[k] for k in z.files}
 
 
 def judge(who: str, own: dict | None, ref: dict | None, dtype: str, fixed: int) -> tuple[tuple[int | None, str], list]:

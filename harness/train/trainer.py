@@ -102,8 +102,10 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: step
                "padding_fraction": 1.0 - total / float(stats[2]), "step_time": float(elapsed),
                "tokens_per_s": total / float(elapsed), "microbatches": r.num_microbatches, **r.usage}
         if step_routes is not None:  # every rank's routes summed: the step's whole picture on every rank
-            routes.append(step_routes.reduce())
+            step_routes.reduce()
             row["route_digest"], row["route_margin"] = step_routes.summary()
+            if rank == 0:  # the one that reports keeps them
+                routes.append(step_routes)
         if sums["mtp"]:  # multi-token prediction: each depth's loss, apart from the LM loss
             row["mtp_loss"] = [float(x) / denom for x in stats[3:]]
         if cfg.pp > 1 and k == 0:
@@ -200,7 +202,11 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
 
 def _routes_result(routes: dict[str, RouteLog], keep: str | None) -> dict:
     """Each layout's route records (``harness.train.routes``): a ``.npz`` file in ``keep`` (a JSON-reporting job's
-    probe folder), else the arrays as nested lists (a job whose ranks share no folder)."""
+    probe folder), else the same file's bytes in base64 (a job whose ranks share no folder; ~12 bytes a cell and
+    step, where nested lists would take ~5x that)."""
+    import base64
+    import io
+
     import numpy as np
 
     out = {}
@@ -212,5 +218,7 @@ def _routes_result(routes: dict[str, RouteLog], keep: str | None) -> dict:
             np.savez(path, **arrays)
             out[layout] = {"file": str(path)}
         else:
-            out[layout] = {k: v.tolist() for k, v in arrays.items()}
+            buf = io.BytesIO()
+            np.savez(buf, **arrays)
+            out[layout] = {"npz": base64.b64encode(buf.getvalue()).decode()}
     return out
