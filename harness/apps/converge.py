@@ -381,7 +381,7 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
         routes = {layout: route_rule.load(e) for layout, e in (rank0.get("routes") or {}).items()}
         if golden == "update":
             progress(f"wrote golden {write_golden(rows, cfg, world, cid, hw)}")
-        ref_rows, ref_checks = None, []
+        ref_rows, ref_checks, ref_routes = None, [], None
         if with_probes:
             progress(f"  {reference.name()}: the same model, corpus, seed and batches, whole sequences packed (thd)")
             ref_cfg = reference.config(cfg)
@@ -409,6 +409,7 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
         verdict = verdict_of(checks)
         shares = cfg.execution_model(world)[0].chunk_shares  # the pipeline's chunk prices (None without stages)
         config = {**cfg.to_dict(), "token_bucket_resolved": cfg.bucket(), "world": world,
+                  "route_differences": route_rule.differences(routes, ref_routes, reference.name()),
                   "chunk_shares": list(shares) if shares else None,
                   "static_cp": rank0["static_cp"], "longest": rank0["longest"], "case_id": cid, "hardware": hw,
                   "golden": gold["path"] if gold else None, "dcp_exercise": exercise, "planted": plant,

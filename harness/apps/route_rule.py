@@ -79,3 +79,19 @@ def span_of(checks: list[dict], fixed: int) -> int | None:
     difference, a failing one's ``fixed``; None when no route differed (every step was held per step)."""
     spans = [c["route_difference"]["step"] if c["pass"] else fixed for c in checks if "route_difference" in c]
     return min(spans) if spans else None
+
+
+def differences(routes: dict[str, dict | None], ref_routes: dict | None, ref_name: str) -> dict:
+    """Where each layout's routes first part from bshd's and from the reference's (``first_difference``; None: they
+    never do), recorded for every precision - bf16 runs are not judged by them (``judge``), and their records are
+    what a bf16 ``TIE`` would be calibrated from. Empty without route records (a dense model)."""
+    base = "bshd" if "bshd" in routes else next(iter(routes), None)
+    out = {}
+    for layout, own in routes.items():
+        if own is None:
+            continue
+        if layout != base and routes.get(base) is not None:
+            out[f"{layout} vs {base}"] = first_difference(own, routes[base])
+        if ref_routes is not None:
+            out[f"{layout} vs {ref_name}"] = first_difference(own, ref_routes)
+    return out

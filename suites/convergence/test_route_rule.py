@@ -142,3 +142,15 @@ def test_evaluate_holds_an_moe_layout_with_bshds_routes_to_every_step():
     assert judged["dcp vs bshd: max |delta loss| (first 5 steps) <= 1e-05"]
     assert judged["dcp vs bshd: last-10-step mean loss within 1% (MoE routing)"]
     assert all(judged.values()), judged
+
+
+def test_every_comparisons_first_difference_is_recorded_whatever_the_precision():
+    seq, pos, logits = _tokens()
+    other = logits.clone()
+    other[:, [0, 1, 2, 3]] = other[:, [3, 2, 1, 0]]
+    same, moved = _log([_record(seq, pos, logits)] * 2), _log([_record(seq, pos, logits), _record(seq, pos, other)])
+    d = route_rule.differences({"bshd": same, "thd": same, "dcp": moved}, same, "reference")
+    assert set(d) == {"thd vs bshd", "dcp vs bshd", "bshd vs reference", "thd vs reference", "dcp vs reference"}
+    assert d["thd vs bshd"] is None and d["dcp vs bshd"]["step"] == d["dcp vs reference"]["step"] == 1
+    assert route_rule.differences({}, None, "reference") == {}
+    assert set(route_rule.differences({"bshd": same, "dcp": moved}, None, "reference")) == {"dcp vs bshd"}
