@@ -83,15 +83,14 @@ def checks(rows: dict[str, list[dict]], ranks: list[dict], ref_rows: list[dict],
     ref_loss = [r["loss"] for r in ref_rows]
     ref_norm = [r["grad_norm"] for r in ref_rows]
     out = []
-    spans = span if isinstance(span, dict) else {}
     for layout, rs in rows.items():
         who = f"{layout}{t} vs {ref_name}"
-        span = spans.get(layout, (None, "")) if spans else span
-        out += compare(who, [r["loss"] for r in rs], ref_loss, tol["loss"], span)
+        lspan = span.get(layout, (None, "")) if isinstance(span, dict) else span
+        out += compare(who, [r["loss"] for r in rs], ref_loss, tol["loss"], lspan)
         for k in range(len(rs[0].get("mtp_loss") or [])):
             out += compare(f"{layout}{t} vs {ref_name} (MTP depth {k + 1})", [r["mtp_loss"][k] for r in rs],
-                           [r["mtp_loss"][k] for r in ref_rows], tol["loss"], span)
-        strict = len(ref_norm) if span[0] is None else min(span[0], len(ref_norm))
+                           [r["mtp_loss"][k] for r in ref_rows], tol["loss"], lspan)
+        strict = len(ref_norm) if lspan[0] is None else min(lspan[0], len(ref_norm))
         out.append(_relative(who, [r["grad_norm"] for r in rs], ref_norm, tol["grad_norm"], strict, "grad norm"))
         grads = gradient_deviations(ref_ranks, ranks, layout, ref_layout=REF_LAYOUT)
         if grads:

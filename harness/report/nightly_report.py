@@ -156,13 +156,14 @@ def _draw_rule(ax, e: dict, rows: dict, ref: list[float], tol: float) -> str:
     the mean with each layout's late-mean deviation as a bar - the band a curve is held to where it is held."""
     rule, n = e.get("rule") or {}, len(ref)
     strict = rule.get("strict_steps")
-    if not strict or strict >= n:
+    if strict is None or strict >= n:
         ax.fill_between(range(1, n + 1), -tol, tol, color="#2e7d32", alpha=0.12, label=f"per step +-{tol:g}")
         return "tolerance band"
     w, band = min(rule["late_window"], n), rule["late_band"]
-    ax.fill_between(range(1, strict + 1), -tol, tol, color="#2e7d32", alpha=0.12,
-                    label=f"per step +-{tol:g} (first {strict})")
-    ax.axvline(strict + 0.5, color="#2e7d32", ls=":", lw=0.8)
+    if strict > 0:  # 0: an MoE run whose routes parted at a near-tie in its first step
+        ax.fill_between(range(1, strict + 1), -tol, tol, color="#2e7d32", alpha=0.12,
+                        label=f"per step +-{tol:g} (first {strict})")
+        ax.axvline(strict + 0.5, color="#2e7d32", ls=":", lw=0.8)
     late = range(n - w + 1, n + 1)
     ref_mean = sum(ref[-w:]) / w
     ax.fill_between(late, -band * abs(ref_mean), band * abs(ref_mean), color="#1565c0", alpha=0.10,

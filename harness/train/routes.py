@@ -110,6 +110,7 @@ class RouteLog:
     def __init__(self):
         self.digests: list[np.ndarray] = []
         self.margins: list[np.ndarray] = []
+        self.blocks = 1
 
     def append(self, routes: StepRoutes) -> None:
         self.digests.append(routes.digest.cpu().numpy().copy())
@@ -119,7 +120,7 @@ class RouteLog:
     def arrays(self) -> dict:
         return {"digests": np.stack(self.digests) if self.digests else np.zeros((0, 0, 0), np.int64),
                 "margins": np.stack(self.margins) if self.margins else np.zeros((0, 0, 0), np.float32),
-                "blocks": np.asarray(getattr(self, "blocks", 1))}
+                "blocks": np.asarray(self.blocks)}
 
 
 MAX_CELLS = 8
@@ -130,12 +131,12 @@ def first_difference(own: dict, ref: dict) -> dict | None:
     """Where the routes of ``own`` first differ from those of ``ref`` (each ``RouteLog.arrays()``): None if they
     agree at every step both ran, else ``{"step", "cells", "count", "worst_margin"}`` - the step (0-based), up to
     ``MAX_CELLS`` differing cells as ``[layer, sequence, first position, ref's margin, own margin]`` (largest first),
-    their count, and the largest margin among them (the reference's, or own where larger: the token that flipped
-    was near a tie in both runs or it was not one)."""
+    their count, and over the cells the largest of each cell's smaller margin of the two runs (a cell counts as
+    near a tie where either run had one there: rounding moves the margins of both alike)."""
     a, b = own["digests"], ref["digests"]
     n = min(len(a), len(b))
     if a.shape[1:] != b.shape[1:]:
-        raise ValueError(f"route records of different shapes ({a.shape[1:]} and {b.shape[1:]} layers x sequences):"
+        raise ValueError(f"route records of different shapes ({a.shape[1:]} and {b.shape[1:]} layers x cells):"
                          " the two runs trained different models or batches")
     for s in range(n):
         diff = np.argwhere(a[s] != b[s])

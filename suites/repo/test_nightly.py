@@ -294,6 +294,10 @@ def test_the_deviation_panel_draws_each_band_where_its_rule_holds(tmp_path):
     assert [ln.get_ydata()[0] for ln in bars] == pytest.approx([0.0, 0.0], abs=1e-12)
     assert "first 30 (bf16 rounding)" in ax.get_title()
     assert _band_steps(_deviation_panel(tmp_path / "fp32", None)) == [(1, 100)]
+    # an MoE run whose routes parted at a near-tie in its first step: no step held per step, the late band only
+    flip = _deviation_panel(tmp_path / "moe", {"strict_steps": 0, "why": "MoE routing", "late_window": 10,
+                                               "late_band": 0.01})
+    assert _band_steps(flip) == [(91, 100)] and "first 0 (MoE routing)" in flip.get_title()
 
 
 def test_a_diverged_run_still_draws_its_panel(tmp_path):
