@@ -41,20 +41,19 @@ from pathlib import Path
 from harness import golden as golden_mod
 from harness.apps import reference, route_rule
 from harness.data.corpus import CorpusConfig, batch_lengths, global_batch
-from harness.faults.catalogue import get
 from harness.finite import nonfinite_message, within, worst
 from harness.io import atomic_write_json, atomic_write_text, temporary_folder
 from harness.jobs.entry import launched_world, local_ranks
 from harness.jobs.nodes import Nodes
 from harness.paths import REPORTS
 from harness.report.tracking import log_runs
-from harness.runtime.model import MODELS
+from harness.runtime.model_config import MODELS
 from harness.stack.checks import NOT_EXERCISED as STACK_NOT_EXERCISED
 from harness.stack.checks import TOLERANCES as STACK_TOLERANCES
 from harness.stack.checks import tolerances
+from harness.train.config import TrainConfig, execution_line, longest_sequence, model_cost
 from harness.train.layouts import LayoutConfig, LayoutError, plan, static_cp_for
-from harness.train.probes import load
-from harness.train.trainer import TrainConfig, execution_line, longest_sequence, model_cost
+from harness.train.records import load
 
 TOLERANCES = {dtype: t["loss"] for dtype, t in STACK_TOLERANCES.items()}
 """Loss bands per precision (``harness.stack.checks.TOLERANCES``): fp32 1e-5 per step and on average; bf16 2e-3 per
@@ -334,6 +333,8 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
     if reference_mode not in ("run", "off"):
         raise LayoutError(f"reference must be 'run' or 'off', got {reference_mode!r}")
     if plant is not None:
+        from harness.faults.catalogue import get  # lazy: the fault modules import torch
+
         get(plant)  # an unknown name: one line before anything starts
         if golden == "update":
             raise LayoutError(f"--plant {plant} with --update-golden would write a golden of a planted bug: drop one")

@@ -33,7 +33,7 @@ from harness.io import atomic_write_json, atomic_write_text, temporary_folder
 from harness.paths import REPORTS
 from harness.plan import gpt_benchmark_cost, schedule, simulate
 from harness.report.html import figure_png
-from harness.train.trainer import TrainConfig
+from harness.train.config import TrainConfig
 
 TIMELINE = ("wikipedia", 32, 256, 0)  # distribution, ranks, sequences, seed
 

@@ -29,7 +29,7 @@ from dataclasses import replace
 from harness.faults.checks import gradient_deviations, token_loss_deviations
 from harness.finite import nonfinite_message, within, worst
 from harness.stack.checks import REF_LAYOUT, tolerances
-from harness.train.trainer import TrainConfig, longest_sequence
+from harness.train.config import TrainConfig, longest_sequence
 
 NO_REFERENCE = "NO REFERENCE"
 """The verdict of a run that had nothing outside its own layouts to be judged against (``--reference off``

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.train.routes import first_difference
+from harness.train.records import first_difference
 
 TIE = {"float32": 3e-5}
 """The largest top-k margin (router logits, absolute) a rounding difference between two fp32 runs may flip. Measured

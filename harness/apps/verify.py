@@ -20,7 +20,6 @@ from harness import golden as golden_mod
 from harness.apps import verify_golden as vg
 from harness.apps.converge import hardware
 from harness.data.corpus import batch_lengths
-from harness.faults.catalogue import get, planted
 from harness.io import atomic_write_json
 from harness.jobs.entry import launch, launched_world, register
 from harness.jobs.launch import run_on_ranks
@@ -103,6 +102,8 @@ def spawned_rank(rank: int, world: int, cfg: dict) -> str:
     """``harness.stack.drive.job`` in a forked rank, inside ``cfg["around"]`` as torchrun's entry runs it."""
     if not cfg.get("around"):
         return job(rank, world, cfg)
+    from harness.faults.catalogue import planted  # lazy: the fault modules import torch
+
     with planted(*cfg["around"][1:]):
         return job(rank, world, cfg)
 
@@ -137,6 +138,8 @@ def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path | str, options
         raise StackError(f"--plant {plant} with --update-golden would write a golden of a planted bug: drop one")
     cfg.validate(world)
     if plant is not None:
+        from harness.faults.catalogue import get  # lazy: the fault modules import torch
+
         get(plant)  # an unknown name: one line before anything starts
         if BUILTIN.get(stack, stack) != BUILTIN["harness"]:
             raise StackError(f"--plant {plant} replaces functions of the harness's runtime; it applies to the stack "

@@ -33,13 +33,12 @@ import torch
 
 from harness.parallel import te_cp
 from harness.parallel.collectives import gather_keys_values
+from harness.parallel.options import EXCHANGES  # noqa: F401 - re-exported
 from harness.parallel.ring import RingPlan, ring_attention
 from harness.parallel.ulysses import HeadPlan, head_parallel_attention
 from harness.plan.thd import whole_chunks, zigzag_chunks, zigzag_permutation
 from harness.runtime.attention import DeviceChunks, backend_available, chunk_attention, resolve_lse_backend
 from harness.runtime.row_sum import RowSources
-
-EXCHANGES = ("gather", "ring", "a2a", "auto")
 
 RING_MIN_TOKENS_PER_RANK = {2: 8192, 4: 8192}
 """``auto`` picks the ring from this many tokens per rank, by block size; ``RING_MIN_TOKENS_DEFAULT``

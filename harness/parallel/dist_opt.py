@@ -23,9 +23,7 @@ import torch.distributed as dist
 
 from harness.parallel.collectives import all_gather, reduce_scatter
 from harness.parallel.grad_reduce import DEFAULT_BUCKET_ELEMENTS, GradBuffer
-
-OPTIMIZERS = ("replicated", "distributed")
-"""How a run keeps its optimiser: every rank the whole AdamW, or each rank 1/N of it (this module)."""
+from harness.parallel.options import OPTIMIZERS  # noqa: F401 - re-exported
 
 
 class DistributedOptimizerError(ValueError):

@@ -41,15 +41,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness.plan.errors import LayoutError
+from harness.parallel.options import ExpertParallelError, check_divisible  # noqa: F401 - re-exported
 from harness.runtime.layers import MoE
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 EXPERT_PREFIX = ".experts."
-
-
-class ExpertParallelError(LayoutError):
-    """Expert parallelism cannot run this model on this domain (names the values and the fix)."""
 
 
 class DispatchAuditError(RuntimeError):
@@ -89,14 +85,6 @@ class ExpertShard:
 
     def owner(self, expert: int) -> int:
         return expert // self.per_rank
-
-
-def check_divisible(num_experts: int, domain: int, model: str = "the model") -> None:
-    if num_experts < 1 or domain < 1 or num_experts % domain:
-        raise ExpertParallelError(
-            f"expert parallelism shards {model}'s {num_experts} experts over the {domain}-rank DP x CP domain: "
-            f"{num_experts} is not a multiple of {domain}; use a domain whose size divides {num_experts} (world / pp), "
-            f"a model with a multiple of {domain} experts, or turn expert parallelism off")
 
 
 def is_expert_param(name: str) -> bool:

@@ -20,9 +20,7 @@ import torch
 import torch.distributed as dist
 
 from harness.parallel.collectives import reduce_scatter as _reduce_scatter
-
-DEFAULT_BUCKET_ELEMENTS = 40_000_000
-"""Megatron's default DDP bucket size (elements; 160 MB of fp32)."""
+from harness.parallel.options import DEFAULT_BUCKET_ELEMENTS
 
 
 class GradReduceError(ValueError):

@@ -14,45 +14,14 @@ install when it is missing.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.distributed as dist
 
 from harness.parallel.audit import GroupAuditError
-from harness.plan.errors import LayoutError, PlanInputError
-
-COMM_TYPES = ("p2p", "all_gather", "a2a")
-"""TE's CP communication types the harness drives in THD (``te:<type>`` exchanges)."""
-INSTALL = 'pip install "transformer-engine[pytorch]==2.20.2"'
+from harness.parallel.options import COMM_TYPES, INSTALL, TEUnavailableError, comm_type, require_te  # noqa: F401
 
 _MODULES: dict[tuple, object] = {}
 _STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-class TEUnavailableError(PlanInputError):
-    """TransformerEngine is not installed, or there is no CUDA device for it."""
-
-
-def require_te(device) -> None:
-    """Raise ``TEUnavailableError`` (one line: what to install or use) unless TE can run on ``device``."""
-    if importlib.util.find_spec("transformer_engine") is None:
-        raise TEUnavailableError(f"--attention te needs TransformerEngine: {INSTALL} (on a CUDA machine; "
-                                 "see the README's GPU section)")
-    if torch.device(device).type != "cuda":
-        raise TEUnavailableError("--attention te runs on CUDA devices only; use --device cuda, or the harness's own "
-                                 "CP attention on CPU")
-
-
-def comm_type(exchange: str) -> str | None:
-    """``p2p`` for ``te:p2p`` ...; None for the harness's own exchanges. Unknown TE types are an error."""
-    if not exchange.startswith("te:"):
-        return None
-    kind = exchange[3:]
-    if kind not in COMM_TYPES:
-        raise LayoutError(f"unknown TransformerEngine CP communication type {kind!r}; choose te:"
-                             f"{', te:'.join(COMM_TYPES)}")
-    return kind
 
 
 def te_module(heads: int, kv_heads: int, head_dim: int, scale, device):

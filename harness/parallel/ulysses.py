@@ -23,7 +23,6 @@ Heads must split over the block: ``heads % P == 0``; K/V heads are split as they
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,25 +30,9 @@ import torch
 import torch.distributed as dist
 
 from harness.parallel import ssm_cp
+from harness.parallel.options import HeadSplitError, kv_replicas  # noqa: F401 - HeadSplitError re-exported
 from harness.plan.thd import whole_chunks
 from harness.runtime.attention import DeviceChunks, chunk_attention
-
-
-class HeadSplitError(ValueError):
-    """The block's heads do not split over its ranks (the all-to-all exchange cannot run)."""
-
-
-def kv_replicas(heads: int, kv_heads: int, cp_size: int) -> int:
-    """How many ranks each K/V head is sent to (1: the K/V heads split as they are); raises
-    ``HeadSplitError`` when the heads cannot be split over ``cp_size`` ranks."""
-    if heads % cp_size:
-        raise HeadSplitError(f"the a2a CP exchange splits heads over the block's ranks: heads={heads} is not a "
-                             f"multiple of cp_size={cp_size}; use exchange='gather' (or 'ring') for this model")
-    if kv_heads % cp_size == 0:
-        return 1
-    # cp | heads = (heads / kv_heads) kv_heads, so r = cp / gcd(kv_heads, cp) divides heads / kv_heads: each copy
-    # of a K/V head serves whole query heads of one rank
-    return cp_size // math.gcd(kv_heads, cp_size)
 
 
 class _Replicate(torch.autograd.Function):

@@ -44,6 +44,7 @@ from harness.runtime.layers import (  # noqa: F401 - re-exported: the model's pu
 )
 from harness.runtime.model_config import MLPS, MODELS, ModelConfig  # noqa: F401 - re-exported
 from harness.runtime.mtp import MTPLayer
+from harness.runtime.options import COMPILE_SCOPES
 from harness.runtime.weight_cache import linear, weight
 
 # ---------------------------------------------------------------- compiled block segments
@@ -127,7 +128,6 @@ def _chain_body(x_TE, layers, head):
 
 
 _SEGMENTS["chain"] = _chain_body
-COMPILE_SCOPES = ("segments", "chain")
 
 
 def compiled_segment(name: str, backend: str, mode: str | None = None):

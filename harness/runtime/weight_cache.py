@@ -43,11 +43,7 @@ import torch.nn.functional as F
 
 from harness.runtime import fused_linear
 from harness.runtime.grad_add import add_into
-
-MODES = ("cached", "fused", "per-call")
-"""``cached``: one copy per step and in-place accumulation (this module); ``fused``: the copies, and the weight-gradient
-GEMM accumulating into ``.grad`` itself (``harness.runtime.fused_linear``; within bf16 rounding of the others, not bit
-for bit); ``per-call``: autocast's cast at every call and autograd's accumulation."""
+from harness.runtime.options import WEIGHT_MODES as MODES  # noqa: F401 - re-exported
 
 
 class WeightCacheError(RuntimeError):

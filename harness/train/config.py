@@ -6,19 +6,23 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from harness.data.corpus import CorpusConfig, batch_lengths
-from harness.parallel import te_cp
-from harness.parallel.cp_attention import EXCHANGES
-from harness.parallel.dist_opt import OPTIMIZERS
-from harness.parallel.expert_parallel import check_divisible
-from harness.parallel.grad_reduce import DEFAULT_BUCKET_ELEMENTS
-from harness.parallel.ulysses import HeadSplitError, kv_replicas
+from harness.parallel.options import (
+    COMM_TYPES,
+    DEFAULT_BUCKET_ELEMENTS,
+    EXCHANGES,
+    OPTIMIZERS,
+    HeadSplitError,
+    check_divisible,
+    comm_type,
+    kv_replicas,
+    require_te,
+)
 from harness.plan import ALGORITHMS, CostModel, token_bucket
 from harness.plan.execution import INDEPENDENT, SYNCHRONOUS, Execution
-from harness.runtime.model import MODELS
-from harness.runtime.model_config import pipeline_shares
-from harness.runtime.weight_cache import MODES as WEIGHT_MODES
+from harness.runtime.model_config import MODELS, pipeline_shares
+from harness.runtime.options import WEIGHT_MODES
 from harness.train.layouts import LAYOUTS, LayoutConfig, LayoutError, static_cp_for
-from harness.train.pipeline import PipelineConfig
+from harness.train.pipeline_config import PipelineConfig
 from harness.upstream.megatron import NAME as UPSTREAM_SCHEDULER
 
 
@@ -136,11 +140,11 @@ class TrainConfig:
             raise LayoutError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if not isinstance(self.grad_bucket_elements, int) or self.grad_bucket_elements < 1:
             raise LayoutError(f"grad_bucket_elements must be an int >= 1, got {self.grad_bucket_elements!r}")
-        if te_cp.comm_type(self.cp_exchange):  # TransformerEngine's CP attention: TE and a CUDA device, or one line
-            te_cp.require_te(self.device)
+        if comm_type(self.cp_exchange):  # TransformerEngine's CP attention: TE and a CUDA device, or one line
+            require_te(self.device)
         elif self.cp_exchange not in EXCHANGES:
             raise LayoutError(f"cp_exchange must be one of {', '.join(EXCHANGES)} or te:<"
-                              f"{'|'.join(te_cp.COMM_TYPES)}>, got {self.cp_exchange!r}")
+                              f"{'|'.join(COMM_TYPES)}>, got {self.cp_exchange!r}")
         elif self.cp_exchange == "a2a":  # the largest CP block is the domain: its heads must split over it
             try:
                 kv_replicas(MODELS[self.model].heads, MODELS[self.model].kv_heads, n)
@@ -206,3 +210,9 @@ def longest_sequence(cfg: TrainConfig) -> int:
 
 def model_cost(cfg: TrainConfig) -> CostModel:
     return MODELS[cfg.model].training_cost(name=cfg.model)
+
+
+def execution_line(cfg: TrainConfig, world: int) -> str:
+    """The line a run prints: the execution model its schedules are made for, and why."""
+    ex, why = cfg.execution_model(world)
+    return f"execution model: {ex.describe()} ({why})"

@@ -14,6 +14,7 @@ import hashlib
 import torch
 
 from harness.parallel.expert_parallel import is_expert_param
+from harness.train.records import load  # noqa: F401 - re-exported
 
 
 class StepProbe:
@@ -113,23 +114,3 @@ class Probes:
         np.savez(path, **arrays)
         return {"file": str(path), "grad_norms": self.grad_norms, "digests": self.digests, "stage": self.stage,
                 "sequences": [{"step": s["step"], "lengths": s["lengths"]} for s in full["sequences"]]}
-
-
-def load(small: dict) -> dict:
-    """A rank's probes as ``Probes.result`` gives them, from what ``Probes.save`` returned and wrote."""
-    import numpy as np
-
-    if "file" not in small:  # returned whole (``Probes.portable``)
-        return small
-    out = {k: v for k, v in small.items() if k != "file"}
-    out["grads"], out["clipped"] = {}, {}
-    with np.load(small["file"]) as z:
-        seqs = [dict(s) for s in small["sequences"]]
-        for key in z.files:
-            kind, _, name = key.partition(":")
-            if kind in ("grads", "clipped"):
-                out[kind][name] = z[key]
-            else:
-                seqs[int(kind[3:])][name] = z[key].tolist()
-    out["sequences"] = seqs
-    return out

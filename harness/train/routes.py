@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-BLOCK = 16
-"""Positions of a sequence per cell."""
+from harness.train.records import BLOCK, MAX_CELLS, first_difference  # noqa: F401 - re-exported
+
 _P = 2_147_483_647  # 2^31 - 1: every product below stays under 2^62 in int64
 _A, _B, _C = 1_000_003, 998_244_353 % _P, 1_234_567_891 % _P
 
@@ -121,31 +121,3 @@ class RouteLog:
         return {"digests": np.stack(self.digests) if self.digests else np.zeros((0, 0, 0), np.int64),
                 "margins": np.stack(self.margins) if self.margins else np.zeros((0, 0, 0), np.float32),
                 "blocks": np.asarray(self.blocks)}
-
-
-MAX_CELLS = 8
-"""How many differing cells ``first_difference`` names (the count is always whole)."""
-
-
-def first_difference(own: dict, ref: dict) -> dict | None:
-    """Where the routes of ``own`` first differ from those of ``ref`` (each ``RouteLog.arrays()``): None if they
-    agree at every step both ran, else ``{"step", "cells", "count", "worst_margin"}`` - the step (0-based), up to
-    ``MAX_CELLS`` differing cells as ``[layer, sequence, first position, ref's margin, own margin]`` (largest first),
-    their count, and over the cells the largest of each cell's smaller margin of the two runs (a cell counts as
-    near a tie where either run had one there: rounding moves the margins of both alike)."""
-    a, b = own["digests"], ref["digests"]
-    n = min(len(a), len(b))
-    if a.shape[1:] != b.shape[1:]:
-        raise ValueError(f"route records of different shapes ({a.shape[1:]} and {b.shape[1:]} layers x cells):"
-                         " the two runs trained different models or batches")
-    for s in range(n):
-        diff = np.argwhere(a[s] != b[s])
-        if len(diff):
-            worst = np.minimum(ref["margins"][s][tuple(diff.T)], own["margins"][s][tuple(diff.T)])
-            order = np.argsort(-worst, kind="stable")
-            blocks = int(own.get("blocks", 1))
-            cells = [[int(diff[i][0]), int(diff[i][1]) // blocks, int(diff[i][1]) % blocks * BLOCK,
-                      float(ref["margins"][s][tuple(diff[i])]), float(own["margins"][s][tuple(diff[i])])]
-                     for i in order[:MAX_CELLS]]
-            return {"step": s, "cells": cells, "count": len(diff), "worst_margin": float(worst.max())}
-    return None

@@ -29,7 +29,7 @@ from harness.plan import ScheduleError
 from harness.plan.pipeline_schedule import PipelineScheduleError
 from harness.runtime.model import MODELS, TinyLM
 from harness.train import pipeline, step
-from harness.train.config import TrainConfig, longest_sequence, model_cost
+from harness.train.config import TrainConfig, execution_line, longest_sequence, model_cost
 from harness.train.probes import Probes
 from harness.train.routes import RouteLog, StepRoutes
 
@@ -136,12 +136,6 @@ def _gather_timeline(timeline, run: step.Run, device) -> list[dict] | None:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
     return out
-
-
-def execution_line(cfg: TrainConfig, world: int) -> str:
-    """The line a run prints: the execution model its schedules are made for, and why."""
-    ex, why = cfg.execution_model(world)
-    return f"execution model: {ex.describe()} ({why})"
 
 
 def train(rank: int, world: int, cfg_dict: dict) -> dict:

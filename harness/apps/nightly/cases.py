@@ -26,6 +26,7 @@ from harness import golden
 from harness.data.corpus import CorpusConfig, batch_lengths
 from harness.data.workloads import parse_spec
 from harness.runtime.model_config import MODELS
+from harness.train.config import TrainConfig
 from harness.train.layouts import LayoutError, plan
 
 NIGHTLY_MODELS = ("tiny-gpt", "tiny-moe", "tiny-gpt-mtp", "tiny-hybrid")
@@ -181,17 +182,12 @@ def _stack_config(steps: int, world: int):
     """The megatron-core case: ``verify``'s corpus and checks (every layout against the one-rank run, and the
     golden of this hardware when there is one), ``STACK_STEPS`` steps at most, on ``verify``'s default seed (the
     first whose step 1 needs CP > 1: 0 on 4 ranks, 1 on 2)."""
-    # lazy: imports torch; the CLI imports this module without it
-    from harness.apps.verify import exercising
-    from harness.train.trainer import TrainConfig
+    from harness.apps.verify import exercising  # lazy: imports torch; the CLI imports this module without it
 
     return exercising(TrainConfig(steps=min(steps, STACK_STEPS), device="cuda", dtype="bfloat16"), world)
 
 
 def _config(model: str, steps: int, device: str, domain: int, pp: int):
-    # lazy: imports torch; the CLI imports this module without it
-    from harness.train.trainer import TrainConfig
-
     corpus = CorpusConfig(lengths=LENGTHS, seed=SEED)
     longest = int(parse_spec(corpus.lengths)[1]["max"])
     moe_gpu = MODELS[model].experts > 0 and device == "cuda"
@@ -204,9 +200,6 @@ def _config(model: str, steps: int, device: str, domain: int, pp: int):
 def _numerics_config(model: str, steps: int):
     """The single-GPU numerics case: the configuration the GPU suites calibrate the bf16 tolerances on
     (the default corpus, 1024 tokens per rank, at most ``NUMERICS_STEPS`` steps); bshd against thd."""
-    # lazy: imports torch; the CLI imports this module without it
-    from harness.train.trainer import TrainConfig
-
     return TrainConfig(model=model, steps=min(steps, NUMERICS_STEPS), device="cuda", dtype="bfloat16",
                        max_seqlen_per_rank=1024, layouts=("bshd", "thd"))
 

@@ -55,9 +55,11 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
          overrides: dict | None = None, stall_s: float | None = None, nodes: Nodes | None = None) -> int:
     """``nproc``: processes on this machine; ``nodes``: this machine of a multi-node job (the world is
     ``nproc x nnodes``; node 0 writes the report)."""
-    import torch
+    cuda = False
+    if not cpu:
+        import torch  # lazy: a --cpu run's launching process needs no torch (its ranks import it)
 
-    cuda = torch.cuda.is_available() and not cpu
+        cuda = torch.cuda.is_available()
     if not cuda and not cpu:
         print("dcp-harness bench step: needs CUDA GPUs; --cpu runs a smoke configuration on gloo", file=sys.stderr,
               flush=True)

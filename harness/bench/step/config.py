@@ -1,8 +1,8 @@
 """``bench step``'s inputs: the config, its arms, the option choices and their errors.
 
 Everything here is checked before any process starts (``StepBenchConfig.validate``), so a bad
-option fails in the CLI with a message naming the fix. Pure Python: the torch-heavy modules it
-consults for the valid names (the model table, the K/V exchanges) are imported when a check needs them.
+option fails in the CLI with a message naming the fix. Pure Python: the valid names come from the torch-free
+``harness.parallel.options`` and ``harness.runtime.options``.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from harness.data.workloads import parse_spec
+from harness.parallel.options import EXCHANGES, HeadSplitError, kv_replicas
 from harness.plan import ALGORITHMS, CostModel
 from harness.plan.errors import PlanInputError
 from harness.plan.execution import NAMED as EXECUTIONS
 from harness.plan.token_bucket import check as check_bucket
 from harness.plan.token_bucket import resolve as resolve_bucket
 from harness.runtime.model_config import MODELS
+from harness.runtime.options import COMPILE_SCOPES, WEIGHT_MODES
 
 _COST_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
@@ -61,11 +63,6 @@ class Arm:
 
 
 def parse_arm(text: str) -> Arm:
-    # lazy: imports torch; the CLI imports this module without it
-    from harness.parallel.cp_attention import EXCHANGES
-    from harness.runtime.model import COMPILE_SCOPES  # lazy: torch, as above
-    from harness.runtime.weight_cache import MODES as WEIGHT_MODES  # lazy: torch, as above
-
     text = str(text)
     text_, tilde, cost = text.partition("~")
     if tilde and not _COST_NAME.fullmatch(cost):
@@ -290,14 +287,9 @@ class StepBenchConfig:
             raise BenchConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.plan not in ("ahead", "inline"):
             raise BenchConfigError(f"plan must be 'ahead' or 'inline', got {self.plan!r}")
-        # lazy: imports torch; the CLI imports this module without it
-        from harness.parallel.cp_attention import EXCHANGES
-
         if self.cp_exchange not in EXCHANGES:
             raise BenchConfigError(f"cp_exchange must be one of {', '.join(EXCHANGES)}, got {self.cp_exchange!r}")
         if "a2a" in {a.exchange or self.cp_exchange for a in arms}:  # a block of the whole world: heads must split
-            from harness.parallel.ulysses import HeadSplitError, kv_replicas  # lazy: torch, as above
-
             try:
                 kv_replicas(MODELS[self.model].heads, MODELS[self.model].kv_heads, world)
             except HeadSplitError as e:
