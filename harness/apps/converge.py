@@ -527,7 +527,8 @@ def config_from_args(a) -> TrainConfig:
                       dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
                       weights=getattr(a, "weights", None) or "cached",
                       optimizer=getattr(a, "optimizer", None) or "replicated",
-                      token_bucket=_given(getattr(a, "token_bucket", None), "auto"))
+                      token_bucket=_given(getattr(a, "token_bucket", None), "auto"),
+                      fp32_probe=getattr(a, "fp32_probe", "on") != "off")
     if a.max_seqlen_per_rank:
         cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank)
     return cfg

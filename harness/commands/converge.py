@@ -67,6 +67,10 @@ def add_arguments(c) -> None:
                    help="also train the reference (one rank: no CP, PP or EP; harness.apps.reference) and judge every "
                         "layout against it: losses, gradient norms, step-1 gradients and token losses (default "
                         "run); off: without a golden the verdict is NO REFERENCE")
+    c.add_argument("--fp32-probe", choices=["on", "off"], default="on",
+                   help="bf16 runs: each layout and the reference also run step 1 in fp32 (update thrown away), its "
+                        "step-1 gradients and token losses held to fp32's band (bf16's let a wrong RoPE offset "
+                        "through); off: bf16's bands only")
     c.add_argument("--plant", metavar="FAULT", default=None,
                    help="run with a fault of the catalogue active on every rank (dcp-harness faults --list): "
                         "shows what the verdict says of that bug; it must FAIL")
@@ -75,7 +79,7 @@ def add_arguments(c) -> None:
 
 
 def run(a) -> int:
-    from harness.apps import converge  # imports torch (~1 s): only the training commands pay for it
+    from harness.apps import converge  # lazy: the CLI's own import stays light
     from harness.stack import checks  # lazy: as above
 
     if a.device == "auto":

@@ -113,7 +113,7 @@ def cp_attention(q_TH, k_TH, v_TH, plan: CPAttentionPlan, group, *, backend: str
     if plan.cp_size == 1:
         return chunk_attention(q_TH, k_TH, v_TH, plan.chunks, backend=backend, scale=scale)
     if plan.exchange == "ring":
-        return ring_attention(q_TH, k_TH, v_TH, plan.ring, group, backend=resolve_lse_backend(backend, q_TH.device),
+        return ring_attention(q_TH, k_TH, v_TH, plan.ring, group, backend=resolve_lse_backend(backend, q_TH.device, q_TH.dtype),
                               scale=scale)
     if plan.exchange == "a2a":
         return head_parallel_attention(q_TH, k_TH, v_TH, plan.heads, group, backend=backend, scale=scale)

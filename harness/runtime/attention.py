@@ -151,9 +151,11 @@ def _available(name: str, device_type: str) -> bool:
     return importlib.util.find_spec({"flash_attn": "flash_attn", "te": "transformer_engine"}[name]) is not None
 
 
-def resolve_backend(name: str, device) -> str:
+def resolve_backend(name: str, device, dtype=None) -> str:
+    """``auto``: ``flash`` (else ``varlen``) on CUDA for half-precision inputs, ``sdpa`` on CPU and for fp32 / fp64
+    inputs (``dtype``; the flash kernels take bf16 / fp16 only)."""
     if name == "auto":
-        if torch.device(device).type != "cuda":
+        if torch.device(device).type != "cuda" or dtype in (torch.float32, torch.float64):
             name = "sdpa"
         else:
             name = "flash" if backend_available("flash", device) else "varlen"
@@ -172,7 +174,7 @@ def chunk_attention(q_TQ, k_TK, v_TK, chunks: DeviceChunks, *, backend: str = "a
     caller applied ``chunks.key_index``, e.g. with fp32 gradient accumulation)."""
     if keys_gathered:
         chunks = DeviceChunks(chunks.plan, chunks.cu_q, chunks.cu_k, None, chunks.max_q, chunks.max_k)
-    return BACKENDS[resolve_backend(backend, q_TQ.device)](q_TQ, k_TK, v_TK, chunks, scale)
+    return BACKENDS[resolve_backend(backend, q_TQ.device, q_TQ.dtype)](q_TQ, k_TK, v_TK, chunks, scale)
 
 
 def thd_attention(q_TH, k_TH, v_TH, cu_seqlens_padded, *, backend: str = "auto", scale=None):
@@ -191,11 +193,12 @@ LSE_BACKENDS = ("flash", "sdpa")
 """Backends with a log-sum-exp forward and a backward from (out, lse): what ``ring`` exchange uses."""
 
 
-def resolve_lse_backend(name: str, device) -> str:
+def resolve_lse_backend(name: str, device, dtype=None) -> str:
     """``auto`` -> ``flash`` on CUDA (when the ATen op exists), ``sdpa`` elsewhere; ``varlen`` ->
     ``flash`` (the same kernels); any other backend than ``LSE_BACKENDS`` is an error naming the choices."""
     if name == "auto":
-        name = "flash" if torch.device(device).type == "cuda" and backend_available("flash", device) else "sdpa"
+        name = "flash" if torch.device(device).type == "cuda" and dtype not in (torch.float32, torch.float64) \
+            and backend_available("flash", device) else "sdpa"
     elif name == "varlen" and backend_available("flash", device):
         name = "flash"  # varlen_attn wraps the same flash kernels; their ATen ops give the log-sum-exp
     if name not in LSE_BACKENDS:

@@ -50,6 +50,11 @@ class TrainConfig:
     probes: bool = False
     """Record what the fault catalogue's checks read (``harness.train.probes``) on every rank and
     return it with the rows."""
+    fp32_probe: bool = True
+    """With ``probes`` in a bf16 run: each layout first runs step 1 in fp32 from the same initial model (its update
+    thrown away) and records its probes under ``<layout>@fp32`` (``PROBE_SUFFIX``), so the step-1 gradients and token
+    losses are judged at fp32's tolerance too. bf16's (5e-2, 2e-2) let a wrong RoPE offset through: at initialisation
+    attention barely depends on position, and the bug's step-1 footprint sits under bf16 rounding's bands."""
     pp: int = 1
     """Pipeline stages (``harness.train.pipeline``); the world is pp stages of a DP x CP domain each."""
     vpp: int = 1
@@ -210,6 +215,10 @@ def longest_sequence(cfg: TrainConfig) -> int:
 
 def model_cost(cfg: TrainConfig) -> CostModel:
     return MODELS[cfg.model].training_cost(name=cfg.model)
+
+
+PROBE_SUFFIX = "@fp32"
+"""The probes of a bf16 run's fp32 step 1 are recorded under ``layout + PROBE_SUFFIX`` (``TrainConfig.fp32_probe``)."""
 
 
 def execution_line(cfg: TrainConfig, world: int) -> str:

@@ -12,6 +12,8 @@ Rank 0 prints one progress line per step and appends the step's metrics to ``cfg
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,7 +31,7 @@ from harness.plan import ScheduleError
 from harness.plan.pipeline_schedule import PipelineScheduleError
 from harness.runtime.model import MODELS, TinyLM
 from harness.train import pipeline, step
-from harness.train.config import TrainConfig, execution_line, longest_sequence, model_cost
+from harness.train.config import PROBE_SUFFIX, TrainConfig, execution_line, longest_sequence, model_cost
 from harness.train.probes import Probes
 from harness.train.routes import RouteLog, StepRoutes
 
@@ -138,6 +140,17 @@ def _gather_timeline(timeline, run: step.Run, device) -> list[dict] | None:
     return out
 
 
+@contextmanager
+def _full_fp32():
+    """fp32 maths as the CPU does it: no TF32 in CUDA matrix products or cuDNN for the fp32 probe step."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def train(rank: int, world: int, cfg_dict: dict) -> dict:
     """Run every layout of ``cfg_dict`` (a ``TrainConfig`` as a dict, plus ``metrics_path``)."""
     cfg = TrainConfig.from_dict(cfg_dict)
@@ -162,7 +175,9 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
             with open(path, "a") as f:
                 f.write(strict_json({k: v for k, v in row.items() if k != "timeline"}) + "\n")
 
-    probes = {layout: Probes(stage=stage.stage, sharded=cfg.expert_parallel) for layout in cfg.layouts} \
+    probed = cfg.probes and cfg.fp32_probe and cfg.dtype != "float32"
+    probes = {name: Probes(stage=stage.stage, sharded=cfg.expert_parallel)
+              for layout in cfg.layouts for name in ((layout, layout + PROBE_SUFFIX) if probed else (layout,))} \
         if cfg.probes else {}
     shard = expert_parallel.ExpertShard(MODELS[cfg.model].experts, n, playout.position(rank)) \
         if cfg.expert_parallel else None
@@ -172,9 +187,14 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
     for layout in cfg.layouts:  # groups created and destroyed around each layout (a re-initialisation)
         groups = DynamicGroups(playout, rank)
         try:
-            out[layout] = train_layout(layout, rank, world, cfg, step.Run(step.new_groups(groups), pipe, stage, p2p, shard),
-                                       lcfg,
-                                       device, log, probes.get(layout), heartbeat, routes.get(layout))
+            run = step.Run(step.new_groups(groups), pipe, stage, p2p, shard)
+            if probed:  # step 1 in fp32 from the same initial model, for the step-1 checks at fp32's tolerance
+                with _full_fp32():
+                    train_layout(layout, rank, world, replace(cfg, dtype="float32", steps=1), run, lcfg, device,
+                                 lambda row, steps: None, probes[layout + PROBE_SUFFIX], heartbeat)
+                dist.barrier()
+            out[layout] = train_layout(layout, rank, world, cfg, run, lcfg, device, log, probes.get(layout), heartbeat,
+                                       routes.get(layout))
             # every rank past its last collective on these groups before any rank destroys them (gloo
             # aborts a process whose group is torn down under a peer's pending operation)
             dist.barrier()

@@ -15,6 +15,7 @@ from harness.runtime.attention import (
     backend_available,
     chunk_attention,
     resolve_backend,
+    resolve_lse_backend,
     thd_attention,
 )
 
@@ -84,6 +85,9 @@ def test_backend_resolution():
     with pytest.raises(ValueError, match="'flash' is not available on cpu"):
         resolve_backend("flash", "cpu")
     assert set(BACKENDS) == {"sdpa", "flash", "varlen", "flash_attn", "te"}
+    # fp32 inputs on CUDA (a bf16 run's fp32 probe step): the exact backend, as the flash kernels take bf16 / fp16 only
+    assert resolve_backend("auto", "cuda", torch.float32) == "sdpa"
+    assert resolve_lse_backend("auto", "cuda", torch.float32) == "sdpa"
 
 
 @pytest.mark.parametrize("name", ["flash", "varlen", "flash_attn", "te"])
