@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from harness.faults.checks import gradient_deviations, token_loss_deviations
+from harness.faults.checks import gradient_deviations, token_accounting, token_loss_deviations
 from harness.finite import nonfinite_message, within, worst
 from harness.stack.checks import REF_LAYOUT, tolerances
 from harness.train.config import PROBE_SUFFIX, TrainConfig, longest_sequence
@@ -87,9 +87,11 @@ def checks(rows: dict[str, list[dict]], ranks: list[dict], ref_rows: list[dict],
     tol, ref_name, t = tolerances(cfg.dtype, cfg.model), name(), tag(cfg)
     ref_loss = [r["loss"] for r in ref_rows]
     ref_norm = [r["grad_norm"] for r in ref_rows]
-    out = []
+    out = [_accounting(ref_name, ref_ranks, REF_LAYOUT)] if ref_ranks else []
     for layout, rs in rows.items():
         who = f"{layout}{t} vs {ref_name}"
+        if ranks:
+            out.append(_accounting(f"{layout}{t}", ranks, layout))
         lspan = span.get(layout, (None, "")) if isinstance(span, dict) else span
         out += compare(who, [r["loss"] for r in rs], ref_loss, tol["loss"], lspan)
         for k in range(len(rs[0].get("mtp_loss") or [])):
@@ -112,6 +114,14 @@ def probe_tolerances(device: str) -> dict:
     if device != "cuda":
         return fp32
     return {**fp32, "step1_gradients": FP32_PROBE_CUDA, "token_loss": FP32_PROBE_CUDA}
+
+
+def _accounting(who: str, ranks, layout: str) -> dict:
+    """Step 1 computed every loss token of the batch exactly once on ``ranks`` (``harness.faults.checks``): a dropped
+    or doubled sequence is named here, not read as a token-loss deviation (or, in the reference, as none)."""
+    alarm = token_accounting(None, ranks, layout)
+    return {"target": f"{who}: step 1 trains every loss token exactly once" + (f": {alarm.message}" if alarm else ""),
+            "value": 0 if alarm is None else alarm.where.get("sequences", 1), "limit": 0, "pass": alarm is None}
 
 
 def _step1(who: str, ranks, ref_ranks, layout: str, ref_layout: str, tol: dict, how: str) -> list[dict]:

@@ -101,7 +101,7 @@ def token_loss_deviations(ref, got, layout, ref_layout: str = "bshd") -> tuple[d
     rel = {}
     for g, L in lengths.items():
         a = np.array([sum(seen.get(g, {}).get(p, [0.0])) for p in range(L)])
-        b = np.array([sum(want[g][p]) for p in range(L)])
+        b = np.array([sum(want.get(g, {}).get(p, [0.0])) for p in range(L)])
         rel[g] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
     return rel, lengths
 

@@ -65,3 +65,18 @@ def test_a_bf16_run_catches_a_rope_offset_bug_by_its_fp32_step_one(tmp_path):
     failed = [c for c in bad.checks if not c["pass"]]
     assert bad.verdict == "FAIL" and failed and all("in fp32" in c["target"] for c in failed), failed
     assert any(c["target"].startswith("dcp vs reference") for c in failed), failed
+
+
+def test_a_dropped_sequence_is_named_by_the_token_accounting_not_a_key_error(tmp_path):
+    """A plant that drops sequences in the reroute (the reference's too): the step-1 accounting names the sequences
+    trained other than once in each layout and in the reference; the token-loss comparison reads a position the
+    reference never trained as 0 (it had raised ``KeyError``)."""
+    cfg = TrainConfig(steps=1, layouts=("dcp",))
+    res = converge.run(cfg, world=4, out_root=str(tmp_path), progress=lambda s: None, golden="off",
+                       plant="reroute-drops-sequence")
+    failed = [c["target"] for c in res.checks if not c["pass"]]
+    assert res.verdict == "FAIL", failed
+    ref = "reference (1 rank: no CP, PP or EP)"
+    for who in ("dcp", ref):
+        assert any(t.startswith(f"{who}: step 1 trains every loss token exactly once: ") and "not trained exactly once"
+                   in t for t in failed), (who, failed)
