@@ -54,7 +54,8 @@ class TrainConfig:
     """With ``probes`` in a bf16 run: each layout first runs step 1 in fp32 from the same initial model (its update
     thrown away) and records its probes under ``<layout>@fp32`` (``PROBE_SUFFIX``), so the step-1 gradients and token
     losses are judged at fp32's tolerance too. bf16's (5e-2, 2e-2) let a wrong RoPE offset through: at initialisation
-    attention barely depends on position, and the bug's step-1 footprint sits under bf16 rounding's bands."""
+    attention barely depends on position, and the bug's step-1 footprint sits under bf16 rounding's bands. Not with
+    TransformerEngine's CP attention (half precision only): ``probed_in_fp32``."""
     pp: int = 1
     """Pipeline stages (``harness.train.pipeline``); the world is pp stages of a DP x CP domain each."""
     vpp: int = 1
@@ -197,6 +198,11 @@ class TrainConfig:
                             micro_batch_size=self.micro_batch_size, scheduler=self.scheduler,
                             dcp_padding=self.dcp_padding, vpp_group=pipe.vpp_group,
                             execution=self.execution_model(world)[0], expert_parallel=self.expert_parallel)
+
+    def probed_in_fp32(self) -> bool:
+        """Whether each layout runs step 1 in fp32 first (``fp32_probe``): bf16 runs, except with TransformerEngine's
+        CP attention, whose kernels take half precision only."""
+        return self.fp32_probe and self.dtype != "float32" and comm_type(self.cp_exchange) is None
 
     def to_dict(self) -> dict:
         return asdict(self)

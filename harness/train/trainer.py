@@ -175,7 +175,7 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
             with open(path, "a") as f:
                 f.write(strict_json({k: v for k, v in row.items() if k != "timeline"}) + "\n")
 
-    probed = cfg.probes and cfg.fp32_probe and cfg.dtype != "float32"
+    probed = cfg.probes and cfg.probed_in_fp32()
     probes = {name: Probes(stage=stage.stage, sharded=cfg.expert_parallel)
               for layout in cfg.layouts for name in ((layout, layout + PROBE_SUFFIX) if probed else (layout,))} \
         if cfg.probes else {}

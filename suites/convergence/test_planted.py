@@ -80,3 +80,10 @@ def test_a_dropped_sequence_is_named_by_the_token_accounting_not_a_key_error(tmp
     for who in ("dcp", ref):
         assert any(t.startswith(f"{who}: step 1 trains every loss token exactly once: ") and "not trained exactly once"
                    in t for t in failed), (who, failed)
+
+
+def test_the_fp32_step_runs_for_bf16_runs_only_and_not_with_te_attention():
+    assert TrainConfig(dtype="bfloat16").probed_in_fp32()
+    assert not TrainConfig(dtype="float32").probed_in_fp32()  # fp32 runs are judged at fp32's band already
+    assert not TrainConfig(dtype="bfloat16", fp32_probe=False).probed_in_fp32()
+    assert not TrainConfig(dtype="bfloat16", cp_exchange="te:p2p").probed_in_fp32()  # TE's kernels: half precision
