@@ -57,27 +57,32 @@ def test_bench_step_overrides_exactly_the_fields_given(tmp_path):
     assert overrides(a, StepBenchConfig, step_command.CONVERT) == {}  # an empty list keeps the default arms
 
 
-def test_help_and_schedule_do_not_import_torch():
-    code = ("import sys\nfrom harness.cli import main\n"
-            "assert main(['schedule', '--dist', 'const:value=100', '-n', '4', '--ranks', '4', "
-            "'--max-seqlen-per-rank', '128']) == 0\n"
-            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+def _torch_after(code: str, timeout: int) -> str:
+    """The last line a fresh interpreter prints after running ``code`` with ``harness.cli.main`` at hand and then
+    listing the torch modules it imported."""
+    code = ("import sys\nfrom harness.cli import main\n" + code +
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "[]", r.stdout[-500:] + r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-2000:]
+    return r.stdout.splitlines()[-1]
+
+
+def test_help_and_schedule_do_not_import_torch():
+    code = ("assert main(['schedule', '--dist', 'const:value=100', '-n', '4', '--ranks', '4', "
+            "'--max-seqlen-per-rank', '128']) == 0\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n")
+    assert _torch_after(code, 120) == "[]"
 
 
 @pytest.mark.usefixtures("shared_zygote")
 def test_a_training_jobs_launching_process_does_not_import_torch(tmp_path):
     """``converge`` validates, launches, judges and reports without torch in the launching process (its ranks import
     it): ~2.5 s less CPU per job; a bad ``--weights`` / ``--cp-exchange`` / ``--pp`` is still refused there."""
-    code = ("import sys\nfrom harness.cli import main\n"
-            "rc = main(['converge', '--world', '2', '--steps', '1', '--layouts', 'dcp', '--golden', 'off',"
+    code = ("rc = main(['converge', '--world', '2', '--steps', '1', '--layouts', 'dcp', '--golden', 'off',"
             f" '--out', {str(tmp_path)!r}])\n"
             "for bad in (['--weights', 'nope'], ['--cp-exchange', 'te:nope'], ['--pp', '3']):\n"
             "    try:\n        code = main(['converge', '--world', '2', *bad])\n    except SystemExit as e:\n"
             "        code = e.code\n"
             "    assert code == 2, (bad, code)\n"
-            "print(rc, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "0 []", r.stdout[-1500:] + r.stderr[-2000:]
+            "print(rc, end=' ')\n")
+    assert _torch_after(code, 300) == "0 []"
