@@ -33,8 +33,10 @@ from harness.train.config import PROBE_SUFFIX, TrainConfig, longest_sequence
 
 FP32_PROBE_CUDA = 1e-4
 """The step-1 bands of the fp32 probe step on GPUs: fp32 without TF32 (``harness.train.trainer``), attention by the
-exact ``sdpa`` backend. Not yet measured on a GPU: 10x the CPU's 1e-5 for other kernels' summation orders; the RoPE
-plant's footprint in fp32 is ~1.6e-2 (step-1 gradients, 4 CPU ranks)."""
+exact ``sdpa`` backend. On one H100 (``reports/recorded/fp32_probe.h100.log``) the probe lines read 2.8e-7 / 3.7e-7
+(gradients) and ~5e-8 (token losses), fp32 layouts against the reference 9e-8 to 3.3e-7: the CPU's floor. 10x the
+CPU's 1e-5 leaves room for a CP group's collectives (not yet measured on GPUs); the RoPE plant's footprint in fp32 is
+~1.6e-2 (step-1 gradients, 4 CPU ranks)."""
 
 NO_REFERENCE = "NO REFERENCE"
 """The verdict of a run that had nothing outside its own layouts to be judged against (``--reference off``
