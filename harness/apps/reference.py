@@ -103,9 +103,13 @@ def checks(rows: dict[str, list[dict]], ranks: list[dict], ref_rows: list[dict],
         out.append(_relative(who, [r["grad_norm"] for r in rs], ref_norm, tol["grad_norm"], strict, "grad norm"))
         out += _step1(who, ranks, ref_ranks, layout, REF_LAYOUT, tol, "")
         probe = layout + PROBE_SUFFIX
-        if ranks and probe in ranks[0]["probes"] and ref_ranks and REF_LAYOUT + PROBE_SUFFIX in ref_ranks[0]["probes"]:
-            out += _step1(who, ranks, ref_ranks, probe, REF_LAYOUT + PROBE_SUFFIX, probe_tolerances(cfg.device),
-                          " in fp32 (step 1 run again in fp32)")
+        if ranks and probe in ranks[0]["probes"]:
+            if ref_ranks and REF_LAYOUT + PROBE_SUFFIX in ref_ranks[0]["probes"]:
+                out += _step1(who, ranks, ref_ranks, probe, REF_LAYOUT + PROBE_SUFFIX, probe_tolerances(cfg.device),
+                              " in fp32 (step 1 run again in fp32)")
+            else:  # the layout ran step 1 in fp32 and the reference did not: nothing to judge it against
+                out.append({"target": f"{who}: step 1 in fp32: the reference recorded no fp32 step 1",
+                            "value": float("nan"), "limit": 0, "pass": False})
     return out
 
 

@@ -87,3 +87,22 @@ def test_the_fp32_step_runs_for_bf16_runs_only_and_not_with_te_attention():
     assert not TrainConfig(dtype="float32").probed_in_fp32()  # fp32 runs are judged at fp32's band already
     assert not TrainConfig(dtype="bfloat16", fp32_probe=False).probed_in_fp32()
     assert not TrainConfig(dtype="bfloat16", cp_exchange="te:p2p").probed_in_fp32()  # TE's kernels: half precision
+
+
+def test_an_fp32_step_without_the_references_fails_instead_of_going_unjudged():
+    import numpy as np
+
+    from harness.apps import reference
+
+    def probes(ce):
+        return {"sequences": [{"step": 0, "lengths": {0: 2}, "seq": [0, 0], "pos": [0, 1], "ce": ce}],
+                "grads": {"w": np.ones(2)}, "clipped": {"w": np.ones(2)}, "grad_norms": [1.0], "digests": ["x"]}
+    ranks = [{"probes": {"dcp": probes([1.0, 2.0]), "dcp@fp32": probes([1.0, 2.0])}}]
+    rows, ref_rows = {"dcp": [{"loss": 1.0, "grad_norm": 1.0}]}, [{"loss": 1.0, "grad_norm": 1.0}]
+    cfg = TrainConfig(dtype="bfloat16")
+    both = [{"probes": {"thd": probes([1.0, 2.0]), "thd@fp32": probes([1.0, 2.5])}}]
+    lines = reference.checks(rows, ranks, ref_rows, both, cfg, compare=lambda *a: [])
+    assert [c["pass"] for c in lines if "in fp32" in c["target"]] == [True, False]  # token losses 2 vs 2.5: judged
+    lines = reference.checks(rows, ranks, ref_rows, [{"probes": {"thd": probes([1.0, 2.0])}}], cfg, compare=lambda *a: [])
+    missing = [c for c in lines if "recorded no fp32 step 1" in c["target"]]
+    assert len(missing) == 1 and not missing[0]["pass"], lines
