@@ -30,6 +30,7 @@ other operator -> other); enclosing operators count only where no finer category
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 from pathlib import Path
@@ -53,8 +54,10 @@ def is_host_sync(name: str) -> bool:
     return name.endswith("Synchronize") or name in ("cudaMemcpy", "cuMemcpyDtoH", "cuMemcpyDtoH_v2")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def classify(name: str, source: str = "device") -> str:
-    """Category of a kernel (``source="device"``) or host operator (``"host"``) name."""
+    """Category of a kernel (``source="device"``) or host operator (``"host"``) name (memoised: a step's trace
+    repeats a few hundred names over tens of thousands of events)."""
     n = name.lower()
     if any(k in n for k in (_COMM_DEVICE if source == "device" else _COMM_HOST)):
         return "communication"
@@ -191,8 +194,9 @@ KEEP_KERNELS = 40
 """Kernels ``breakdown`` keeps (the most charged time first)."""
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def short_name(name: str) -> str:
-    """A kernel's name without its return type, template arguments and parameters (at most 64 chars)."""
+    """A kernel's name without its return type, template arguments and parameters (at most 64 chars; memoised)."""
     n = name.strip().replace("(anonymous namespace)::", "")
     if n.startswith("void "):
         n = n[5:]

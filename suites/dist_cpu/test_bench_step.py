@@ -481,7 +481,7 @@ def _measure_ep(rank, world, cfg):
 def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
     """Every arm, twice (two runs, each calibrated afresh), eager, with the micro-batches padded to multiples of 16
     tokens per rank. The compiled paths between CP collectives (``aot_eager`` segments and the chain) run in
-    ``test_chain_arms_train_to_the_same_weights_as_segment_arms``; compiling here cost ~9 s of CPU a rank."""
+    ``test_chain_arms_train_to_the_same_weights_as_segment_arms`` (slow suite; compiling cost ~9 s of CPU a rank)."""
     over = {**TINY, "token_bucket": 16, "runs": 2, "trace_dir": str(tmp_path / "traces")}
     ranks = run_on_ranks(_measure, world_size=2, tmp_path=tmp_path, args=({**over, "device": "cpu"},), timeout_s=240)
     cfg = step.StepBenchConfig.from_dict(over)
@@ -699,7 +699,7 @@ def _measure_with_broken_trace_on_rank_1(rank, world, cfg):
 
 
 def test_a_failing_breakdown_on_one_rank_stops_profiling_everywhere_and_keeps_the_timings(tmp_path):
-    cfg = {**TINY, "profile_iters": 2, "arms": ("thd:dp-balanced", "dcp:balanced"), "device": "cpu"}
+    cfg = {**TINY, "profile_iters": 2, "arms": ("thd:dp-balanced", "dcp:balanced"), "device": "cpu", "calibrate": False}
     ranks = run_on_ranks(_measure_with_broken_trace_on_rank_1, world_size=2, tmp_path=tmp_path, args=(cfg,),
                          timeout_s=240)
     for r in ranks:
@@ -834,6 +834,8 @@ def _measure_counting_opaque(rank, world, cfg):
     return {**step.measure(rank, world, cfg), "opaque_forwards": opaque.forward_calls() - before}
 
 
+@pytest.mark.slow  # ~25-45 s of compiling; the chain's compile is in the default suite (suites/runtime: the model and
+# the weight copies compiled as a chain), the arms' grammar in test_token_bucket_arms_parse_and_name_a_bad_bucket
 def test_chain_arms_train_to_the_same_weights_as_segment_arms(tmp_path):
     """``+chain`` arms (the whole model as one compiled call, attentions opaque operators) run
     interleaved with the same arms compiled as segments (``aot_eager``, pinned cost model): the

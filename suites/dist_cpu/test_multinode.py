@@ -42,7 +42,7 @@ def _results(out: Path) -> dict:
 def test_two_agents_give_what_one_agent_gives_bit_for_bit(tmp_path):
     """bshd and dcp (CP blocks across the two nodes) on 2 x 2 ranks equal the same run on 1 x 4, and so do the
     report's checks (the reference lines too). Without thd (the same launcher and groups as dcp's static sizes):
-    the killed / stopped node tests and the two-node step benchmark run whole jobs."""
+    the killed / stopped node tests and the two-node step benchmark (slow suite) run whole jobs."""
     port = _free_port()
     lean = ("--layouts", "bshd,dcp")
     nodes = [_node(1, port, tmp_path / "n1", *lean), _node(0, port, tmp_path / "n0", *lean)]
@@ -280,6 +280,7 @@ def test_the_slurm_example_is_valid_bash_naming_real_options():
         parser().parse_args(line.split())  # the options the script uses exist
 
 
+@pytest.mark.slow  # the two agents' launch and report path is the default suite's converge on two nodes (above)
 def test_the_step_benchmark_on_two_nodes_writes_one_report(tmp_path):
     port = _free_port()
     cmd = [sys.executable, "-m", "harness", "bench", "step", "--cpu", "--nproc", "1", "--nnodes", "2",
@@ -330,6 +331,7 @@ def test_under_the_users_torchrun_a_node_that_dies_is_named_by_the_other(tmp_pat
     assert len(lines) == 1 and "rank 1 on node 1 went away" in lines[0], err[-2000:]
 
 
+@pytest.mark.slow  # the in-place ranks under torchrun: converge's run in the default suite (above)
 def test_verify_under_the_users_torchrun_judges_once_with_reports_carried_in_the_results(tmp_path):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                         "--rdzv-endpoint", "localhost:0", "-m", "harness", "verify", "harness", "--world", "2",

@@ -69,7 +69,7 @@ def test_schedule_takes_a_micro_batch_capacity_for_balanced_and_refuses_a_bad_on
 
 def test_bench_schedule_quick_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    r = cli("bench", "schedule", "--quick", "--batches", "1", "--out", str(out))
+    r = cli("bench", "schedule", "--quick", "--batches", "1", "--execution", "independent", "--out", str(out))
     doc = json.loads(out.read_text())
     names = {row["scheduler"] for row in doc["results"]}
     assert {"balanced", "megatron-dev", "megatron-pr2000", "dp-balanced"} <= names
@@ -111,17 +111,23 @@ def test_main_job_writes_a_complete_report(tmp_path, faults):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run-")]  # no half-written folder
 
 
-def test_faults_cli_lists_validates_before_running_and_writes_readable_reports(tmp_path):
+def test_faults_cli_lists_validates_before_running_and_writes_readable_reports(tmp_path, capsys):
+    """The listing and the refusals through the CLI's entry in this process (an uncaught exception would fail the
+    test); a run of two faults as a user starts it."""
+    from harness.cli import main
     from harness.faults import FAULTS
 
-    r = cli("faults", "--list")
-    assert r.returncode == 0 and all(f.name in r.stdout for f in FAULTS)
-    r = cli("faults", "--only", "stale-cp-group", "nosuch")
-    assert r.returncode == 2 and "unknown fault(s) 'nosuch'; the catalogue has: rope-positions-per-rank" in r.stderr
-    assert "Traceback" not in r.stderr and "clean runs first" not in r.stdout  # refused before any run
+    assert main(["faults", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f.name in listed for f in FAULTS)
+    assert main(["faults", "--only", "stale-cp-group", "nosuch"]) == 2
+    r = capsys.readouterr()
+    assert "unknown fault(s) 'nosuch'; the catalogue has: rope-positions-per-rank" in r.err
+    assert len(r.err.strip().splitlines()) == 1 and "clean runs first" not in r.out  # refused before any run
     (tmp_path / "file").write_text("x")
-    r = cli("faults", "--json", str(tmp_path / "file" / "out.json"))
-    assert r.returncode == 2 and "cannot " in r.stderr and "Traceback" not in r.stderr
+    assert main(["faults", "--json", str(tmp_path / "file" / "out.json")]) == 2
+    r = capsys.readouterr()
+    assert "cannot " in r.err and len(r.err.strip().splitlines()) == 1 and "clean runs first" not in r.out
     out, page = tmp_path / "f.json", tmp_path / "f.html"
     r = cli("faults", "--only", "stepwise-cumsum-interleaved", "pr2000-inverted-empty-slot-assert",
             "--json", str(out), "--html", str(page))

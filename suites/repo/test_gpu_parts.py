@@ -13,13 +13,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 PROBE = """
+import pytest
+
 from harness.pytest_plugin import gpu_part
 
 
-def pytest_collection_finish(session):
-    for item in session.items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        print(f"PART {gpu_part(item.nodeid, params)} {item.nodeid}")
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):  # before ``-m`` and ``--gpu-part`` keep their tests
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            print(f"PART {gpu_part(item.nodeid, params)} {item.nodeid}")
 """
 
 
@@ -36,15 +40,15 @@ def _collected(tmp_path, *args: str) -> list[str]:
 
 def test_the_parts_split_the_gpu_suite_exactly(tmp_path):
     """Every GPU test has one part and every part has tests; ``--gpu-part`` keeps exactly one part's tests (checked
-    for a part chosen by parameters; the rule by file is the unit test below's)."""
-    lines = _collected(tmp_path)
-    every = [line for line in lines if "::" in line and not line.startswith("PART ")]
-    part_of = {nodeid: part for _, part, nodeid in (line.split(" ", 2) for line in lines if line.startswith("PART "))}
-    assert sorted(part_of) == sorted(every) and every
+    for a part chosen by parameters; the rule by file is the unit test below's). One collection: the probe prints
+    every GPU test's part before ``--gpu-part`` filters, and ``--collect-only`` lists what it kept."""
+    part = "converge-4"
+    lines = _collected(tmp_path, "--gpu-part", part)
+    part_of = {nodeid: p for _, p, nodeid in (line.split(" ", 2) for line in lines if line.startswith("PART "))}
+    kept = [line for line in lines if "::" in line and not line.startswith("PART ")]
+    assert part_of and len(part_of) == sum(line.startswith("PART ") for line in lines)  # each test once
     assert set(part_of.values()) == set(GPU_PARTS), sorted(set(part_of.values()))  # none None, none empty
-    for part in ("converge-4",):
-        kept = [line for line in _collected(tmp_path, "--gpu-part", part) if "::" in line and not line.startswith("PART ")]
-        assert sorted(kept) == sorted(t for t, p in part_of.items() if p == part), part
+    assert sorted(kept) == sorted(t for t, p in part_of.items() if p == part), part
 
 
 def test_a_test_goes_to_its_part_by_file_and_parameters():
