@@ -479,10 +479,11 @@ def _measure_ep(rank, world, cfg):
 
 
 def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
-    """Every arm, twice (two runs, each calibrated afresh), eager, with the micro-batches padded to multiples of 16
-    tokens per rank. The compiled paths between CP collectives (``aot_eager`` segments and the chain) run in
+    """A static-CP and a dynamic-CP arm, twice (two runs, each calibrated afresh), eager, with the micro-batches
+    padded to multiples of 16 tokens per rank (the default's third arm, megatron-dev, runs in the CLI smoke test). The compiled paths between CP collectives (``aot_eager`` segments and the chain) run in
     ``test_chain_arms_train_to_the_same_weights_as_segment_arms`` (slow suite; compiling cost ~9 s of CPU a rank)."""
-    over = {**TINY, "token_bucket": 16, "runs": 2, "trace_dir": str(tmp_path / "traces")}
+    over = {**TINY, "token_bucket": 16, "runs": 2, "trace_dir": str(tmp_path / "traces"),
+            "arms": ("thd:dp-balanced", "dcp:balanced")}  # the default's third arm: the CLI smoke test's
     ranks = run_on_ranks(_measure, world_size=2, tmp_path=tmp_path, args=({**over, "device": "cpu"},), timeout_s=240)
     cfg = step.StepBenchConfig.from_dict(over)
     s = step.summarize({"world": 2, "ranks": ranks}, cfg)

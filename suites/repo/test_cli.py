@@ -82,31 +82,33 @@ def test_bench_schedule_quick_writes_json(tmp_path):
 def test_main_job_writes_a_complete_report(tmp_path, faults):
     """The main job with a short convergence run (the 50-step golden run is the slow suite's). The default suite
     skips its fault catalogue (``suites/faults`` runs every fault, and the faults command's report is tested
-    below) and its hybrid model's case (the same convergence path as the other two cases; the model's layouts are
-    ``suites/convergence``'s); the slow suite runs the whole job."""
-    lean = [] if faults else ["--no-faults", "--no-hybrid"]
+    below), its pipeline case (``suites/convergence``'s pipeline parity and goldens run it, ``suites/runtime``'s
+    pipeline report tests its section) and its hybrid model's case (the same convergence path as the other two
+    cases; the model's layouts are ``suites/convergence``'s); the slow suite runs the whole job."""
+    lean = [] if faults else ["--no-faults", "--no-hybrid", "--no-pipeline"]
     r = cli("run", "--batches", "1", "--steps", "2", "--out", str(tmp_path), *lean)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "verdict: PASS" in r.stdout and "[bshd] step    2/2" in r.stdout
+    assert "verdict: PASS" in r.stdout and "[bshd] step    2/2" in r.stdout and "[dcp ] step    2/2" in r.stdout
     (run,) = [p for p in tmp_path.iterdir() if p.name.startswith("run-")]
     html = (run / "index.html").read_text()
-    assert "Edge cases" in html and "Convergence" in html and "Pipeline: one step per layout" in html
-    assert "converge__tiny_gpt__w4_pp2__m512__fp32" in html and "[dcp ] step    2/2" in r.stdout
+    assert "Edge cases" in html and "Convergence" in html and "Scheduler comparison" in html
+    assert "vs reference (1 rank: no CP, PP or EP)" in html
+    assert (run / "convergence" / "metrics.jsonl").read_text().count("\n") == 6  # 3 layouts x 2 steps
+    assert json.loads((run / "convergence" / "results.json").read_text())["config"]["chunk_shares"] is None
     n = len(__import__("harness.faults", fromlist=["FAULTS"]).FAULTS)
     if faults:
         assert "Fault catalogue" in html and f"faults caught: {n}/{n}" in (run / "summary.md").read_text()
         assert (run / "hybrid" / "metrics.jsonl").read_text().count("\n") == 6
-    else:
-        assert "faults caught" not in (run / "summary.md").read_text()
-    assert "vs reference (1 rank: no CP, PP or EP)" in html and "dcp (pp 2) vs reference" in html
-    assert (run / "convergence" / "metrics.jsonl").read_text().count("\n") == 6  # 3 layouts x 2 steps
-    assert (run / "pipeline" / "metrics.jsonl").read_text().count("\n") == 6
-    # the pipeline case records the chunk prices it planned with, which its report's simulated bubble reads
-    from harness.runtime.model_config import pipeline_shares
+        assert "Pipeline: one step per layout" in html and "converge__tiny_gpt__w4_pp2__m512__fp32" in html
+        assert "dcp (pp 2) vs reference" in html
+        assert (run / "pipeline" / "metrics.jsonl").read_text().count("\n") == 6
+        # the pipeline case records the chunk prices it planned with, which its report's simulated bubble reads
+        from harness.runtime.model_config import pipeline_shares
 
-    piped = json.loads((run / "pipeline" / "results.json").read_text())["config"]
-    assert piped["chunk_shares"] == list(pipeline_shares("tiny-gpt", 2, 1, piped["max_seqlen_per_rank"]))
-    assert json.loads((run / "convergence" / "results.json").read_text())["config"]["chunk_shares"] is None
+        piped = json.loads((run / "pipeline" / "results.json").read_text())["config"]
+        assert piped["chunk_shares"] == list(pipeline_shares("tiny-gpt", 2, 1, piped["max_seqlen_per_rank"]))
+    else:
+        assert "faults caught" not in (run / "summary.md").read_text() and not (run / "pipeline").exists()
     assert json.loads((run / "results.json").read_text())["verdict"] == "PASS"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run-")]  # no half-written folder
 
