@@ -478,7 +478,7 @@ def _measure_ep(rank, world, cfg):
     return out
 
 
-def test_every_arm_runs_on_a_real_gloo_world(tmp_path):
+def test_static_and_dynamic_cp_arms_run_twice_on_a_real_gloo_world(tmp_path):
     """A static-CP and a dynamic-CP arm, twice (two runs, each calibrated afresh), eager, with the micro-batches
     padded to multiples of 16 tokens per rank (the default's third arm, megatron-dev, runs in the CLI smoke test). The compiled paths between CP collectives (``aot_eager`` segments and the chain) run in
     ``test_chain_arms_train_to_the_same_weights_as_segment_arms`` (slow suite; compiling cost ~9 s of CPU a rank)."""
