@@ -28,7 +28,7 @@ from harness.plan import CostModel
 
 pytestmark = pytest.mark.dist_cpu
 
-TINY = {**step.CPU_SMOKE, "warmup": 1, "iters": 2, "profile_iters": 1}
+TINY = {**step.CPU_SMOKE, "warmup": 1, "iters": 2, "profile_iters": 1, "microbatches": 4}
 
 
 def test_trimmed_mean_drops_the_tails():

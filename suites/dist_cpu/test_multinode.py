@@ -40,11 +40,12 @@ def _results(out: Path) -> dict:
 
 
 def test_two_agents_give_what_one_agent_gives_bit_for_bit(tmp_path):
-    """bshd and dcp (CP blocks across the two nodes) on 2 x 2 ranks equal the same run on 1 x 4, and so do the
-    report's checks (the reference lines too). Without thd (the same launcher and groups as dcp's static sizes):
-    the killed / stopped node tests and the two-node step benchmark (slow suite) run whole jobs."""
+    """dcp (CP blocks of 1, 2 and 4 ranks, across the two nodes, and the gradient reduction over all four) on 2 x 2
+    ranks equals the same run on 1 x 4, and so do the report's checks (the reference lines too). Without bshd and
+    thd (the same launcher, and groups dcp's blocks already span): the killed / stopped node tests and the two-node
+    step benchmark (slow suite) run whole jobs."""
     port = _free_port()
-    lean = ("--layouts", "bshd,dcp")
+    lean = ("--layouts", "dcp")
     nodes = [_node(1, port, tmp_path / "n1", *lean), _node(0, port, tmp_path / "n0", *lean)]
     outs = [p.communicate(timeout=300) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs
@@ -58,7 +59,7 @@ def test_two_agents_give_what_one_agent_gives_bit_for_bit(tmp_path):
     for layout in b["layouts"]:
         assert [(r["loss"], r["grad_norm"]) for r in a["layouts"][layout]] == \
             [(r["loss"], r["grad_norm"]) for r in b["layouts"][layout]], layout
-    assert set(b["layouts"]) == {"bshd", "dcp"} and a["checks"]
+    assert set(b["layouts"]) == {"dcp"} and a["checks"]
     assert [c["value"] for c in a["checks"]] == [c["value"] for c in b["checks"]]  # the reference lines too
 
 
@@ -174,8 +175,8 @@ def test_a_node_that_dies_or_stops_is_named_by_the_other(how, tmp_path):
 
 
 TWO = ["--world", "2", "--steps", "2", "--batch-size", "8", "--lengths", "lognormal:mean=200,sigma=0.8,min=16,max=500",
-       "--max-seqlen-per-rank", "256", "--layouts", "bshd,dcp"]
-"""The in-place launches' job: bshd and dcp (thd adds no launch path of its own)."""
+       "--max-seqlen-per-rank", "256", "--layouts", "dcp"]
+"""The in-place launches' job: dcp (bshd and thd add no launch path of their own)."""
 
 
 def _losses(out: Path) -> tuple[list, list]:
