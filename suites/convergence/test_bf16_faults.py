@@ -23,7 +23,7 @@ CFG = TrainConfig(steps=2, dtype="bfloat16", layouts=("thd", "dcp"))
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_bf16_run_fails_with_the_fault_planted(fault, tmp_path):
-    res = converge.run(CFG, world=4, out_root=str(tmp_path), progress=lambda s: None, golden="off", plant=fault)
+    res = converge.run(CFG, world=4, out_root=str(tmp_path), progress=lambda s: None, report=False, golden="off", plant=fault)
     failed = [c["target"] for c in res.checks if not c["pass"]]
     assert res.verdict == "FAIL", failed
     if fault in PROBE_ONLY:  # the reason for the probe step: bf16's own checks pass these
@@ -33,4 +33,4 @@ def test_a_bf16_run_fails_with_the_fault_planted(fault, tmp_path):
 @pytest.mark.parametrize("fault", AUDITED)
 def test_a_bf16_run_with_a_group_fault_stops_at_its_audit(fault, tmp_path):
     with pytest.raises(JobFailure, match="group audit"):
-        converge.run(CFG, world=4, out_root=str(tmp_path), progress=lambda s: None, golden="off", plant=fault)
+        converge.run(CFG, world=4, out_root=str(tmp_path), progress=lambda s: None, report=False, golden="off", plant=fault)

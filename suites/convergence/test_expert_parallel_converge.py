@@ -36,13 +36,13 @@ def test_case_id_reference_and_execution_model():
 ])
 def test_expert_parallel_configs_the_world_cannot_run(cfg, world, error, match, tmp_path):
     with pytest.raises(error, match=match):
-        converge.run(cfg, world=world, out_root=tmp_path, progress=lambda s: None)
+        converge.run(cfg, world=world, out_root=tmp_path, progress=lambda s: None, report=False)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_the_ep_case_writes_no_golden_of_its_own(tmp_path):
     with pytest.raises(LayoutError, match=r"non-expert-parallel case .* --model tiny-moe --world 4 --steps 50"):
-        converge.run(EP, world=4, out_root=tmp_path, golden="update", progress=lambda s: None)
+        converge.run(EP, world=4, out_root=tmp_path, golden="update", progress=lambda s: None, report=False)
 
 
 @pytest.mark.slow
@@ -62,7 +62,7 @@ def test_expert_parallel_layouts_equal_the_run_without(tmp_path):
 
 @pytest.mark.slow
 def test_expert_parallel_equals_the_committed_tiny_moe_golden(tmp_path):
-    res = converge.run(EP, world=4, golden="require", out_root=tmp_path, progress=lambda s: None)
+    res = converge.run(EP, world=4, golden="require", out_root=tmp_path, progress=lambda s: None, report=False)
     assert res.case_id == "converge__tiny_moe__w4_ep__fp32"
     assert res.config["golden"].endswith("converge__tiny_moe__w4__fp32.cpu.json")
     assert res.verdict == "PASS", [c for c in res.checks if not c["pass"]]

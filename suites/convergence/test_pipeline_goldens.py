@@ -21,7 +21,7 @@ CASES = [("tiny-gpt", 4, 1), ("tiny-gpt", 4, 2), ("tiny-gpt", 8, 1), ("tiny-gpt"
 @pytest.mark.parametrize("model, world, vpp", CASES, ids=[f"{m}-w{w}-vpp{v}" for m, w, v in CASES])
 def test_pipeline_equals_its_pp1_golden(model, world, vpp, tmp_path):
     cfg = TrainConfig(model=model, steps=50, pp=2, vpp=vpp, max_seqlen_per_rank=512 if world == 4 else 256)
-    res = converge.run(cfg, world=world, golden="require", out_root=tmp_path, progress=lambda s: None)
+    res = converge.run(cfg, world=world, golden="require", out_root=tmp_path, progress=lambda s: None, report=False)
     ref_cfg, ref_world = converge.reference_case(cfg, world)
     assert res.config["golden"].endswith(f"{converge.case_id(ref_cfg, ref_world)}.cpu.json")
     assert res.verdict == "PASS", [c for c in res.checks if not c["pass"]]

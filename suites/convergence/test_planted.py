@@ -28,6 +28,8 @@ def test_a_loss_that_turns_nan_after_step_one_fails_every_comparison(tmp_path):
             f"dcp vs {ref}: step 2: dcp grad norm is nan"} <= set(failed), failed
     assert all("step 2" in t or "step-1" not in t for t in failed), failed  # step 1 was still exact
     assert res.verdict == "FAIL" and res.config["planted"] == "adam-eps-underflow"
+    page = (res.run_dir / "index.html").read_text()  # the report draws the non-finite steps it names
+    assert "nan" in page.lower() and "data:image/png" in page
 
 
 def test_plant_refuses_unknown_faults_and_golden_updates(tmp_path):
@@ -45,7 +47,7 @@ def test_a_routing_bug_in_an_moe_model_fails_the_route_checks_naming_it(tmp_path
     """RoPE positions per rank change every CP layout's hidden states, so their routers route tokens far from any tie
     differently from bshd's and the reference's: each such comparison fails as a routing bug, not rounding."""
     cfg = TrainConfig(model="tiny-moe", steps=2)
-    res = converge.run(cfg, world=4, out_root=str(tmp_path), progress=lambda s: None, plant="rope-positions-per-rank")
+    res = converge.run(cfg, world=4, out_root=str(tmp_path), progress=lambda s: None, report=False, plant="rope-positions-per-rank")
     routing = [c for c in res.checks if "route_difference" in c]
     assert res.verdict == "FAIL" and routing and not any(c["pass"] for c in routing), routing
     assert all("routes differ at step 1 where no top-k choice was near a tie" in c["target"] for c in routing)
@@ -57,10 +59,10 @@ def test_a_bf16_run_catches_a_rope_offset_bug_by_its_fp32_step_one(tmp_path):
     gradients 6e-3 to 1.2e-2, token losses 1.8e-4 to 2.5e-4, losses within 1.5e-3 over 30 steps); the fp32 probe step
     sees it at ~2e4 times its clean deviation."""
     cfg = TrainConfig(steps=1, dtype="bfloat16", layouts=("dcp",))
-    clean = converge.run(cfg, world=4, out_root=str(tmp_path / "clean"), progress=lambda s: None, golden="off")
+    clean = converge.run(cfg, world=4, out_root=str(tmp_path / "clean"), progress=lambda s: None, report=False, golden="off")
     probes = [c for c in clean.checks if "in fp32" in c["target"]]
     assert clean.verdict == "PASS" and len(probes) == 2 and all(c["value"] < 1e-6 for c in probes), probes
-    bad = converge.run(cfg, world=4, out_root=str(tmp_path / "bad"), progress=lambda s: None, golden="off",
+    bad = converge.run(cfg, world=4, out_root=str(tmp_path / "bad"), progress=lambda s: None, report=False, golden="off",
                        plant="rope-positions-per-rank")
     failed = [c for c in bad.checks if not c["pass"]]
     assert bad.verdict == "FAIL" and failed and all("in fp32" in c["target"] for c in failed), failed
@@ -72,7 +74,7 @@ def test_a_dropped_sequence_is_named_by_the_token_accounting_not_a_key_error(tmp
     trained other than once in each layout and in the reference; the token-loss comparison reads a position the
     reference never trained as 0 (it had raised ``KeyError``)."""
     cfg = TrainConfig(steps=1, layouts=("dcp",))
-    res = converge.run(cfg, world=4, out_root=str(tmp_path), progress=lambda s: None, golden="off",
+    res = converge.run(cfg, world=4, out_root=str(tmp_path), progress=lambda s: None, report=False, golden="off",
                        plant="reroute-drops-sequence")
     failed = [c["target"] for c in res.checks if not c["pass"]]
     assert res.verdict == "FAIL", failed
