@@ -90,6 +90,8 @@ def checks(rows: dict[str, list[dict]], ranks: list[dict], ref_rows: list[dict],
     ref_loss = [r["loss"] for r in ref_rows]
     ref_norm = [r["grad_norm"] for r in ref_rows]
     out = [_accounting(ref_name, ref_ranks, REF_LAYOUT)] if ref_ranks else []
+    if ref_ranks and REF_LAYOUT + PROBE_SUFFIX in ref_ranks[0]["probes"]:
+        out += _own_fp32(ref_name, ref_ranks, REF_LAYOUT, tol)
     for layout, rs in rows.items():
         who = f"{layout}{t} vs {ref_name}"
         if ranks:
@@ -104,6 +106,7 @@ def checks(rows: dict[str, list[dict]], ranks: list[dict], ref_rows: list[dict],
         out += _step1(who, ranks, ref_ranks, layout, REF_LAYOUT, tol, "")
         probe = layout + PROBE_SUFFIX
         if ranks and probe in ranks[0]["probes"]:
+            out += _own_fp32(f"{layout}{t}", ranks, layout, tol)
             if ref_ranks and REF_LAYOUT + PROBE_SUFFIX in ref_ranks[0]["probes"]:
                 out += _step1(who, ranks, ref_ranks, probe, REF_LAYOUT + PROBE_SUFFIX, probe_tolerances(cfg.device),
                               " in fp32 (step 1 run again in fp32)")
@@ -120,6 +123,13 @@ def probe_tolerances(device: str) -> dict:
     if device != "cuda":
         return fp32
     return {**fp32, "step1_gradients": FP32_PROBE_CUDA, "token_loss": FP32_PROBE_CUDA}
+
+
+def _own_fp32(who: str, ranks, layout: str, tol: dict) -> list[dict]:
+    """A bf16 run's step 1 against its own fp32 step 1, within bf16's step-1 bands: the fp32 step ran the same model
+    and batch. A wrong fp32 step that the layouts and the reference share (another seed, another batch) passes their
+    comparison and fails here."""
+    return _step1(who, ranks, ranks, layout, layout + PROBE_SUFFIX, tol, " in bf16 against its own fp32 step 1")
 
 
 def _accounting(who: str, ranks, layout: str) -> dict:

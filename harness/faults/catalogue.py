@@ -28,7 +28,8 @@ from harness.plan.errors import PlanInputError
 LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "optimizer", "groups", "pipeline", "model", "replay",
           "step-wise")
 SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-hybrid", "train-reinit",
-             "train-ep", "train-fused", "train-dist-opt", "train-bucketed", "train-a2a", "replay", "plan", "stepwise")
+             "train-ep", "train-fused", "train-dist-opt", "train-bucketed", "train-a2a", "train-bf16", "replay", "plan",
+             "stepwise")
 
 
 class UnknownFaultError(PlanInputError):
@@ -361,6 +362,22 @@ FAULTS: tuple[Fault, ...] = (
           url="https://github.com/NVIDIA/TransformerEngine/pull/2936", layer="gradients",
           seam="harness.runtime.fused_linear:gemm_accumulate", make=tf.make_wgrad_gemm_overwrites,
           check="step1-gradients", expect=r"step-1 gradient of .* differs", scenario="train-fused"),
+    Fault(name="fp32-step-in-bf16", title="the fp32 step 1 of a bf16 run keeps bf16",
+          source="pytorch/pytorch #53635: on Ampere cards torch.matmul of fp32 matrices rounded like fp16 (TF32 on by "
+                 "default), so an 'fp32' result was computed at lower precision; re-created in the harness's fp32 step "
+                 "of bf16 runs (TrainConfig.fp32_probe): it keeps the run's dtype, and a step-1 bug hides in bf16's bands",
+          url="https://github.com/pytorch/pytorch/issues/53635", layer="model",
+          seam="harness.train.trainer:probe_config", make=tf.make_fp32_step_in_bf16,
+          check="fp32-step1-gradients", expect=r"fp32 step-1 gradient of .* differs from bshd@fp32",
+          scenario="train-bf16"),
+    Fault(name="fp32-step-of-another-model", title="the fp32 step 1 starts from another seed's model and batch",
+          source="ooples/AiDotNet PR #2038: the same seed initialised different weights on machines with other core "
+                 "counts, so runs meant to start alike did not; re-created in the fp32 step of bf16 runs: every run's "
+                 "fp32 step (the layouts' and the reference's alike) starts from seed + 1",
+          url="https://github.com/ooples/AiDotNet/pull/2038", layer="model",
+          seam="harness.train.trainer:probe_config", make=tf.make_fp32_step_of_another_model,
+          check="fp32-step-consistency", expect=r"bf16 step-1 gradient of .* differs from dcp@fp32",
+          scenario="train-bf16"),
     Fault(name="dist-opt-norm-of-local-shard", title="the distributed optimiser clips by its own shard's norm",
           source="Megatron-LM issue #580: with --use-distributed-optimizer the optimizer's param_groups are sharded "
                  "over data parallelism, so clip_grad_norm's gradients are no longer global",

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from harness.finite import badness, first_nonfinite, nonfinite_message, within
+from harness.train.config import PROBE_SUFFIX
 
 CHECKS: dict[str, str] = {
     "schedule-invariants": "every block the ranks run satisfies harness.plan.INVARIANTS (in the run, before the step)",
@@ -32,6 +33,10 @@ CHECKS: dict[str, str] = {
     "token-loss": "at step 1 each sequence's token losses equal the bshd run's (relative L2 over its tokens)",
     "grad-norm": "every step's reduced gradient norm equals the bshd run's (relative)",
     "loss-curve": "every step's loss equals the bshd run's (absolute)",
+    "fp32-step-consistency": "a bf16 run's step-1 gradients equal its own fp32 step 1's within bf16's step-1 band (the "
+                             "fp32 step ran the same model and batch)",
+    "fp32-step1-gradients": "at step 1 every parameter's gradient of a bf16 run's fp32 step equals the bshd run's "
+                            "fp32 step's (relative, fp32's band)",
     "replay-routes": "under replay every real token's experts equal the rollout's, per layer (exact)",
     "replay-gradients": "replayed loss and gradients equal a single-process replayed reference (relative)",
     "bound-soundness": "no schedule the scheduler makes runs faster than the lower bound of its batch (simulated, "
@@ -41,7 +46,9 @@ CHECKS: dict[str, str] = {
     "stepwise-advantages": "every response token gets its own trajectory's advantage, or the batch is refused",
 }
 TOLERANCES = {"token-loss": 1e-5, "step1-gradients": 1e-5, "clipped-gradients": 1e-5, "grad-norm": 1e-5, "loss-curve": 1e-5,
-              "replay-gradients": 1e-5}
+              "replay-gradients": 1e-5, "fp32-step1-gradients": 1e-5, "fp32-step-consistency": 5e-2}
+"""fp32's band on CPU; ``fp32-step-consistency`` compares bf16 with fp32, so it has bf16's step-1 gradient band
+(``harness.apps.reference``; clean tiny-GPT runs on 4 CPU ranks: ~2e-3 to 1.2e-2)."""
 
 
 @dataclass
@@ -196,6 +203,23 @@ def loss_curve(ref, got, layout) -> Alarm | None:
     return _per_step("loss-curve", [r["loss"] for r in ref[0]["rows"]["bshd"]],
                      [r["loss"] for r in got[0]["rows"][layout]], False)
 
+
+def fp32_step_consistency(ref, got, layout) -> Alarm | None:
+    """The run's own bf16 step 1 against its fp32 step 1 (no reference run: a wrong fp32 step that the layouts and
+    the reference share - another model, another batch - shows here, not in their comparison)."""
+    return step1_gradients(got, got, layout, check="fp32-step-consistency", what="bf16 step-1 gradient",
+                           ref_layout=layout + PROBE_SUFFIX)
+
+
+def fp32_step1_gradients(ref, got, layout) -> Alarm | None:
+    return step1_gradients(ref, got, layout + PROBE_SUFFIX, check="fp32-step1-gradients",
+                           what="fp32 step-1 gradient", ref_layout="bshd" + PROBE_SUFFIX)
+
+
+BF16_CHECKS = {"token-accounting": token_accounting, "replica-consistency": replica_consistency,
+               "fp32-step-consistency": fp32_step_consistency, "fp32-step1-gradients": fp32_step1_gradients}
+"""A bf16 run's checks: its bf16 numbers stay 2e-3 and more from the bshd run's, so the step-1 checks are its fp32
+step's (``TrainConfig.fp32_probe``)."""
 
 TRAIN_CHECKS = {"token-accounting": token_accounting, "replica-consistency": replica_consistency,
                 "token-loss": token_loss, "step1-gradients": step1_gradients,

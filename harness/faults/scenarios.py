@@ -7,6 +7,9 @@
 - ``train-ep``: the ``train`` run with the tiny MoE under expert parallelism (one expert per rank).
 - ``train-bucketed``: the ``train`` run with every thd / dcp micro-batch padded to a multiple of 16 tokens per rank
   (``bench step``'s token bucket, its default on CUDA): the padded step must still match the clean bshd run.
+- ``train-bf16``: the ``train`` run in bf16 for one step; each layout runs step 1 in fp32 first (the probe step of
+  ``TrainConfig.fp32_probe``). Judged by ``BF16_CHECKS``: the fp32 step against the clean bshd run's fp32 step, and
+  each run's bf16 step 1 against its own fp32 step 1.
 - ``replay``: router replay under PP 2 x CP 2 (``harness.train.replay.replay_check``).
 - ``plan``: PR #2000's scheduler on the input that triggers the vacuous room check (N = 10,
   [8000, 7000] at 2048 tokens per rank), run as upstream's driver runs it, and ``balanced`` under the
@@ -26,7 +29,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 
 from harness.faults.catalogue import get
-from harness.faults.checks import TOLERANCES, TRAIN_CHECKS, Alarm
+from harness.faults.checks import BF16_CHECKS, TOLERANCES, TRAIN_CHECKS, Alarm
 from harness.faults.seam import replaced
 from harness.jobs.launch import RankFailure, run_on_ranks
 from harness.parallel.audit import GroupAuditError
@@ -68,7 +71,11 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  # every rank's thd / dcp micro-batch padded to a multiple of 16 tokens (bench step's token bucket)
                  "train-bucketed": {**TRAIN, "token_bucket": 16},
                  # CP blocks exchange heads for tokens (all-to-all); the tiny GPT's 2 K/V heads copied for CP 4
-                 "train-a2a": {**TRAIN, "cp_exchange": "a2a"}}
+                 "train-a2a": {**TRAIN, "cp_exchange": "a2a"},
+                 # bf16, one step: each layout runs step 1 in fp32 first (the probe step), judged by BF16_CHECKS;
+                 # corpus seed 3, as seed 4 (fp32-step-of-another-model's) also draws a batch that fits 4 x 128 tokens
+                 "train-bf16": {**TRAIN, "dtype": "bfloat16", "steps": 1,
+                                "corpus": {"sequences_per_batch": 16, "seed": 3}}}
 FAULT_LAYOUTS = {"train-reinit": ["thd", "dcp"]}
 """The layouts a fault run trains (default: dcp only); the checks judge its dcp layout."""
 REPLAY = {"pp": 2, "cp": 2}
@@ -141,11 +148,11 @@ def _in_run(ranks: list[dict]) -> list[Alarm]:
     return [Alarm(a["check"], a["message"], a["where"])]
 
 
-def judge_train(ref: list[dict], ranks: list[dict], layout: str = "dcp") -> list[Alarm]:
+def judge_train(ref: list[dict], ranks: list[dict], layout: str = "dcp", checks: dict = TRAIN_CHECKS) -> list[Alarm]:
     alarms = _in_run(ranks)
     if alarms:
         return alarms
-    return [a for check in TRAIN_CHECKS.values() if (a := check(ref, ranks, layout))]
+    return [a for check in checks.values() if (a := check(ref, ranks, layout))]
 
 
 def judge_replay(ranks: list[dict]) -> list[Alarm]:
@@ -197,7 +204,8 @@ def run_batch(scenario: str, faults: list[str], workdir) -> dict:
         if ranks is None or (ref is None and scenario != "replay"):
             out[fault] = {"alarms": [], "seconds": 0.0, "error": err or "the clean run failed"}
             continue
-        alarms = judge_replay(ranks) if scenario == "replay" else judge_train(ref, ranks)
+        alarms = judge_replay(ranks) if scenario == "replay" else \
+            judge_train(ref, ranks, checks=BF16_CHECKS if TRAIN_CONFIGS[scenario].get("dtype") == "bfloat16" else TRAIN_CHECKS)
         out[fault] = {"alarms": alarms, "seconds": max(r["seconds"] for r in ranks), "error": None}
     return out
 

@@ -7,6 +7,8 @@ created fresh for every run and dropped with it. Shape legend: ``T`` a rank's lo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -321,3 +323,20 @@ def make_wgrad_gemm_overwrites(original):
         main_grad.zero_()
         original(main_grad, go_TO, x_TI)
     return gemm_accumulate
+
+
+# ----------------------------------------------------------------------------------- the fp32 step of bf16 runs
+def make_fp32_step_in_bf16(original):
+    """The probe step keeps the run's dtype: its "fp32" numbers are bf16's, and a step-1 bug hides in bf16's bands."""
+    def probe_config(cfg):
+        return replace(original(cfg), dtype=cfg.dtype)
+    return probe_config
+
+
+def make_fp32_step_of_another_model(original):
+    """The probe step starts from another seed: another initial model and batch, in every run alike (the layouts'
+    and the reference's fp32 lines agree with each other and judge nothing of the bf16 step)."""
+    def probe_config(cfg):
+        out = original(cfg)
+        return replace(out, corpus=replace(out.corpus, seed=out.corpus.seed + 1))
+    return probe_config

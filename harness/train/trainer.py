@@ -151,6 +151,12 @@ def _full_fp32():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+def probe_config(cfg: TrainConfig) -> TrainConfig:
+    """The run of a bf16 layout's fp32 step 1 (``TrainConfig.fp32_probe``): the same model, corpus, seed and batch,
+    in fp32, one step (a fault seam: ``harness.faults``)."""
+    return replace(cfg, dtype="float32", steps=1)
+
+
 def train(rank: int, world: int, cfg_dict: dict) -> dict:
     """Run every layout of ``cfg_dict`` (a ``TrainConfig`` as a dict, plus ``metrics_path``)."""
     cfg = TrainConfig.from_dict(cfg_dict)
@@ -190,7 +196,7 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
             run = step.Run(step.new_groups(groups), pipe, stage, p2p, shard)
             if probed:  # step 1 in fp32 from the same initial model, for the step-1 checks at fp32's tolerance
                 with _full_fp32():
-                    train_layout(layout, rank, world, replace(cfg, dtype="float32", steps=1), run, lcfg, device,
+                    train_layout(layout, rank, world, probe_config(cfg), run, lcfg, device,
                                  lambda row, steps: None, probes[layout + PROBE_SUFFIX], heartbeat)
                 dist.barrier()
             out[layout] = train_layout(layout, rank, world, cfg, run, lcfg, device, log, probes.get(layout), heartbeat,

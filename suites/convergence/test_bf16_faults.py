@@ -34,3 +34,18 @@ def test_a_bf16_run_fails_with_the_fault_planted(fault, tmp_path):
 def test_a_bf16_run_with_a_group_fault_stops_at_its_audit(fault, tmp_path):
     with pytest.raises(JobFailure, match="group audit"):
         converge.run(CFG, world=4, out_root=str(tmp_path), progress=lambda s: None, report=False, golden="off", plant=fault)
+
+
+@pytest.mark.parametrize("fault, line", [("fp32-step-in-bf16", "in fp32 (step 1 run again in fp32)"),
+                                         ("fp32-step-of-another-model", "in bf16 against its own fp32 step 1")])
+def test_the_fp32_steps_own_faults_fail_a_bf16_run(fault, line, tmp_path):
+    """The fp32 step is shared by the layouts and the reference: kept in bf16, its layout-vs-reference lines see bf16's
+    rounding (~2e-3 against 1e-5); started from another seed (1 -> 2: both batches fit), the layouts and the reference
+    agree, and only each run's bf16 step 1 against its own fp32 step 1 fails."""
+    from dataclasses import replace
+
+    cfg = replace(CFG, steps=1, layouts=("dcp",), corpus=replace(CFG.corpus, seed=1))
+    res = converge.run(cfg, world=4, out_root=str(tmp_path), progress=lambda s: None, report=False, golden="off",
+                       plant=fault)
+    failed = [c["target"] for c in res.checks if not c["pass"]]
+    assert res.verdict == "FAIL" and failed and all(line in t for t in failed), failed

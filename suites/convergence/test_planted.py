@@ -108,3 +108,24 @@ def test_an_fp32_step_without_the_references_fails_instead_of_going_unjudged():
     lines = reference.checks(rows, ranks, ref_rows, [{"probes": {"thd": probes([1.0, 2.0])}}], cfg, compare=lambda *a: [])
     missing = [c for c in lines if "recorded no fp32 step 1" in c["target"]]
     assert len(missing) == 1 and not missing[0]["pass"], lines
+
+
+def test_each_runs_bf16_step_one_is_held_to_its_own_fp32_step_one():
+    """An fp32 step 1 of another model or batch, shared by the layout and the reference: their fp32 lines agree, and
+    the lines of each run's bf16 step 1 against its own fp32 step 1 (bf16's bands) fail, the reference's and the
+    layout's."""
+    import numpy as np
+
+    from harness.apps import reference
+
+    def probes(ce, g):
+        return {"sequences": [{"step": 0, "lengths": {0: 2}, "seq": [0, 0], "pos": [0, 1], "ce": ce}],
+                "grads": {"w": np.asarray(g)}, "clipped": {"w": np.asarray(g)}, "grad_norms": [1.0], "digests": ["x"]}
+    bf16, same, other = probes([1.0, 2.0], [1.0, 1.0]), probes([1.0, 2.001], [1.0, 1.001]), probes([1.5, 2.5], [2.0, 0.5])
+    rows, ref_rows, cfg = {"dcp": [{"loss": 1.0, "grad_norm": 1.0}]}, [{"loss": 1.0, "grad_norm": 1.0}], TrainConfig(dtype="bfloat16")
+    for fp32, ok in ((same, True), (other, False)):
+        ranks, ref = [{"probes": {"dcp": bf16, "dcp@fp32": fp32}}], [{"probes": {"thd": bf16, "thd@fp32": fp32}}]
+        lines = reference.checks(rows, ranks, ref_rows, ref, cfg, compare=lambda *a: [])
+        own = [c for c in lines if "against its own fp32 step 1" in c["target"]]
+        assert len(own) == 4 and all(c["pass"] is ok for c in own), own  # gradients and token losses, both runs
+        assert all(c["pass"] for c in lines if "in fp32" in c["target"])  # the layout agrees with the reference

@@ -33,8 +33,8 @@ def _outcomes(scenario, tmp_path_factory) -> dict:
                          lambda: outcomes(scenario, names, tmp_path_factory.mktemp(f"faults-{scenario}")))
 
 
-@pytest.mark.parametrize("scenario", ["train", "train-small-batch", "train-dist-opt", "train-bucketed", "replay", "plan",
-                                      "stepwise"])
+@pytest.mark.parametrize("scenario", ["train", "train-small-batch", "train-dist-opt", "train-bucketed", "train-bf16",
+                                      "replay", "plan", "stepwise"])
 def test_clean_runs_raise_no_alarm(scenario, tmp_path_factory):
     clean = _outcomes(scenario, tmp_path_factory)[None]
     assert clean["alarms"] == [] and clean["error"] is None, clean
@@ -73,7 +73,7 @@ def test_every_seam_is_live_and_a_passthrough_changes_nothing(tmp_path):
 
 
 MODEL_SEAM_MODULES = ("harness.train.passes", "harness.runtime", "harness.train.pipeline", "harness.train.step",
-                      "harness.parallel.ssm_cp", "harness.parallel.dist_opt")
+                      "harness.parallel.ssm_cp", "harness.parallel.dist_opt", "harness.train.trainer")
 
 
 @pytest.mark.parametrize("cfg", [
@@ -81,12 +81,13 @@ MODEL_SEAM_MODULES = ("harness.train.passes", "harness.runtime", "harness.train.
     {**sc.TRAIN_CONFIGS["train-hybrid"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-fused"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-dist-opt"], "layouts": ["dcp"]},
-], ids=["mtp-pp2", "hybrid", "fused", "dist-opt"])
+    {**sc.TRAIN_CONFIGS["train-bf16"], "layouts": ["dcp"]},
+], ids=["mtp-pp2", "hybrid", "fused", "dist-opt", "bf16"])
 def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg, tmp_path):
     """The seams of the forward passes, the model's CP calls, the SSM scan, the pipeline stages and the weight paths:
     wrapped by call counters in a pipelined MTP run, a hybrid (SSM) run, a fused-weight run and a distributed-optimiser
-    run, each one is called, and the
-    run's parameters equal those of the same run without pass-throughs, bit for bit."""
+    run, and a bf16 run's fp32 step 1, each one is called, and the run's parameters equal those of the same run without
+    pass-throughs, bit for bit."""
     seams = [s for s in SEAMS if s.startswith(MODEL_SEAM_MODULES)]
     got = run_on_ranks(sc.passthrough_world, world_size=sc.WORLD, tmp_path=tmp_path,
                        args=({"kind": "train", "cfg": cfg, "seams": seams, "clean": True},), timeout_s=180)
@@ -98,7 +99,8 @@ def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg
               # the fused weight mode accumulates in its GEMM, the others in the step copy's backward
               and ("fused_linear" in s) == (cfg.get("weights") == "fused")
               and ("weight_cache:accumulate" in s) == (cfg.get("weights") != "fused")
-              and ("dist_opt" in s) == (cfg.get("optimizer") == "distributed")]
+              and ("dist_opt" in s) == (cfg.get("optimizer") == "distributed")
+              and ("probe_config" in s) == (cfg.get("dtype") == "bfloat16")]
     assert all(counts[s] > 0 for s in wanted), {s: counts[s] for s in wanted}
     for r in got:
         assert r["out"]["probes"]["dcp"]["digests"] == r["clean"]["probes"]["dcp"]["digests"]
