@@ -148,6 +148,11 @@ def _in_run(ranks: list[dict]) -> list[Alarm]:
     return [Alarm(a["check"], a["message"], a["where"])]
 
 
+def checks_of(scenario: str) -> dict:
+    """The checks that judge a train scenario's runs: a bf16 run's are its fp32 step's (``BF16_CHECKS``)."""
+    return BF16_CHECKS if TRAIN_CONFIGS[scenario].get("dtype") == "bfloat16" else TRAIN_CHECKS
+
+
 def judge_train(ref: list[dict], ranks: list[dict], layout: str = "dcp", checks: dict = TRAIN_CHECKS) -> list[Alarm]:
     alarms = _in_run(ranks)
     if alarms:
@@ -204,8 +209,7 @@ def run_batch(scenario: str, faults: list[str], workdir) -> dict:
         if ranks is None or (ref is None and scenario != "replay"):
             out[fault] = {"alarms": [], "seconds": 0.0, "error": err or "the clean run failed"}
             continue
-        alarms = judge_replay(ranks) if scenario == "replay" else \
-            judge_train(ref, ranks, checks=BF16_CHECKS if TRAIN_CONFIGS[scenario].get("dtype") == "bfloat16" else TRAIN_CHECKS)
+        alarms = judge_replay(ranks) if scenario == "replay" else judge_train(ref, ranks, checks=checks_of(scenario))
         out[fault] = {"alarms": alarms, "seconds": max(r["seconds"] for r in ranks), "error": None}
     return out
 
