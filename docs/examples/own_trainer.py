@@ -1,7 +1,8 @@
 """A trainer of your own, checked by the harness: plain PyTorch behind the stack protocol (``harness.stack``).
 
 This file is what a user writes to have ``dcp-harness verify`` check their trainer: a factory ``make(ctx)`` and
-a class with ``name``, ``build(seed)`` and ``step(request)``. Nothing here comes from the harness's runtime: the
+a class with ``name``, ``build(seed)`` and ``step(request)``; ``sharpen(scale)`` (optional) lets bf16 runs check a
+step 1 whose attention is sharp enough for position bugs to stand out of bf16's rounding. Nothing here comes from the harness's runtime: the
 model, the CP slicing (zig-zag), the K/V exchange (an autograd all-gather in the micro-batch's CP group), the
 loss and its token count, the gradient all-reduce, clipping and AdamW are the trainer's own.
 
@@ -105,6 +106,13 @@ class OwnTrainer:
         torch.manual_seed(seed)
         self.model = TinyCausalLM(self.ctx.vocab)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, betas=(0.9, 0.95))
+
+    def sharpen(self, scale: float) -> None:
+        """Scale the query and key projections (the first two thirds of ``qkv``'s rows) by ``scale``."""
+        rows = 2 * self.model.embed.embedding_dim
+        with torch.no_grad():
+            self.model.qkv.weight[:rows] *= scale
+            self.model.qkv.bias[:rows] *= scale
 
     def _sequence(self, tokens: torch.Tensor, group, cp: int, cp_rank: int, gid: int):
         """(cross-entropy of this rank's real tokens, their positions) of one sequence."""

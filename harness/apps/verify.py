@@ -4,7 +4,8 @@ Two torchrun jobs run the stack (``harness.stack.drive``): every layout on ``wor
 one rank without CP (``harness.stack.checks.REF_LAYOUT``), both on the same corpus batches from the same seed.
 The checks (``harness.stack.checks``) judge token accounting, rank agreement, token coverage and CP groups
 against the batch and the schedule, and loss, gradient norm, step-1 gradients and token losses against the
-reference. With a golden of the case on this hardware (``harness.apps.verify_golden``) the loss and gradient-norm
+reference; a bf16 run also holds a sharp step 1 (queries and keys scaled, ``harness.stack.checks.SHARP_SCALE``)
+to the reference's, where the stack offers ``sharpen``. With a golden of the case on this hardware (``harness.apps.verify_golden``) the loss and gradient-norm
 curves are also held to it. The verdict is PASS only when every check passes; ``verify.json`` keeps every line.
 """
 
@@ -44,6 +45,8 @@ class Verified:
     """The golden file compared with or written (None: none)."""
     curves: dict | None = None
     """Rank 0's ``{"loss": [...], "grad_norm": [...]}`` per layout and of the reference (``"reference"``)."""
+    notes: list[str] | None = None
+    """What the run could not check and why (e.g. a bf16 stack that offers no ``sharpen``)."""
 
 
 def default_max_seqlen(cfg, world: int) -> int:
@@ -109,9 +112,9 @@ def spawned_rank(rank: int, world: int, cfg: dict) -> str:
 
 
 def _run(stack: str, options: dict, cfg: TrainConfig, world: int, folder: Path, *, stall_s, stream,
-         spawn: bool, plant: str | None) -> list[dict] | None:
+         spawn: bool, plant: str | None, sharp: float) -> list[dict] | None:
     folder.mkdir(parents=True, exist_ok=True)
-    job_cfg = {**cfg.to_dict(), "stack": stack, "options": options, "report_dir": str(folder),
+    job_cfg = {**cfg.to_dict(), "stack": stack, "options": options, "report_dir": str(folder), "sharp_scale": sharp,
                # ranks a user's launcher started may share no folder: their reports travel with the results
                "inline": launched_world() is not None, **({"around": [PLANTED, plant]} if plant else {})}
     if spawn:  # forked CPU ranks (gloo): no torchrun start-up; the suites' way
@@ -123,20 +126,26 @@ def _run(stack: str, options: dict, cfg: TrainConfig, world: int, folder: Path, 
 
 def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path | str, options: dict | None = None, stall_s=None,
            stream=None, spawn: bool = False, plant: str | None = None, golden: str = "off",
-           golden_root: Path | str | None = None) -> Verified | None:
+           golden_root: Path | str | None = None, sharp="auto") -> Verified | None:
     """Run ``stack`` (``harness.stack.drive.load_factory``'s spec) under ``cfg`` (layouts, steps, corpus, dtype,
     device, scheduler, max_seqlen_per_rank) on ``world`` ranks and its one-rank reference; judge and write
     ``out/verify.json``. ``spawn``: run the ranks as forked CPU processes (``harness.jobs.launch.run_on_ranks``)
     instead of under torchrun. ``plant``: a fault of the catalogue (``harness.faults``) active on every rank of
     both runs - the harness's runtime only (the faults replace its functions); the verdict must be FAIL.
     ``golden``: ``auto`` (compare with the case's golden on this hardware when there is one), ``require`` (a
-    missing golden is a ``GoldenError``), ``update`` (write it from this run, which must PASS), ``off``."""
+    missing golden is a ``GoldenError``), ``update`` (write it from this run, which must PASS), ``off``.
+    ``sharp``: the sharp step 1's query / key scale (``harness.stack.checks.sharp_scale``: ``auto``, ``off``, or a
+    number >= 1)."""
     out, golden_root = Path(out), None if golden_root is None else Path(golden_root)
     if golden not in ("auto", "require", "update", "off"):
         raise StackError(f"golden must be auto, require, update or off, got {golden!r}")
     if plant is not None and golden == "update":
         raise StackError(f"--plant {plant} with --update-golden would write a golden of a planted bug: drop one")
     cfg.validate(world)
+    try:
+        scale = checks.sharp_scale(sharp, cfg.dtype)
+    except ValueError as e:
+        raise StackError(str(e)) from None
     if plant is not None:
         from harness.faults.catalogue import get  # lazy: the fault modules import torch
 
@@ -150,14 +159,22 @@ def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path | str, options
     here = launched_world()
     if here is None or here[0] == 0:  # under a user's launcher every rank runs this: rank 0 owns the folder
         shutil.rmtree(work, ignore_errors=True)
-    got = _run(stack, options, cfg, world, work / "layouts", stall_s=stall_s, stream=stream, spawn=spawn, plant=plant)
+    got = _run(stack, options, cfg, world, work / "layouts", stall_s=stall_s, stream=stream, spawn=spawn, plant=plant,
+               sharp=scale)
     if got is None:  # a rank other than 0 of a world the user's launcher started: rank 0 judges and writes
         return None
     ref_cfg = replace(cfg, layouts=(checks.REF_LAYOUT,),
                       max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest_sequence(cfg)))
-    ref = _run(stack, options, ref_cfg, 1, work / "reference", stall_s=stall_s, stream=stream, spawn=spawn, plant=plant)
+    ref = _run(stack, options, ref_cfg, 1, work / "reference", stall_s=stall_s, stream=stream, spawn=spawn, plant=plant,
+               sharp=scale)
     ref_steps = [[r] for r in ref[0]["layouts"][checks.REF_LAYOUT]["reports"]]
-    lines = []
+    ref_sharp = ref[0]["layouts"][checks.REF_LAYOUT].get("sharp")
+    lines, notes = [], []
+    if ref_sharp is not None:
+        lines.append(checks.sharp_took_effect(ref_steps[0][0], ref_sharp, scale))
+    if scale and ref_sharp is None:
+        notes.append(f"no sharp step 1: stack {got[0]['stack']!r} offers no sharpen(scale), so a step-1 position or "
+                     f"exchange bug under {cfg.dtype}'s step-1 bands can pass (harness.stack.protocol: sharpen)")
     for layout in cfg.layouts:
         per_rank = [g["layouts"][layout] for g in got]
         steps = [[pr["reports"][k] for pr in per_rank] for k in range(cfg.steps)]
@@ -167,6 +184,9 @@ def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path | str, options
             lines.append(checks.exercise(layout, schedules, per_rank[0]["lengths"], cfg.max_seqlen_per_rank,
                                          _exercise_hint(cfg, world)))
         lines += checks.against_reference(layout, steps, ref_steps, cfg.dtype, REF_NAME, cfg.model)
+        sharp_reps = [pr.get("sharp") for pr in per_rank]
+        if ref_sharp is not None and all(r is not None for r in sharp_reps):
+            lines += checks.sharp_against_reference(layout, sharp_reps, ref_sharp, cfg.dtype, REF_NAME, scale)
     runs = {**{layout: vg.series(got[0]["layouts"][layout]["reports"]) for layout in cfg.layouts},
             "reference": vg.series(ref[0]["layouts"][checks.REF_LAYOUT]["reports"])}
     hw, cid = hardware(cfg), vg.case_id(stack, options, cfg, world)
@@ -187,6 +207,6 @@ def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path | str, options
         used = str(path)
     atomic_write_json(out / "verify.json", {"stack": got[0]["stack"], "spec": stack, "world": world,
                                              "verdict": verdict, "checks": lines, "config": cfg.to_dict(),
-                                             "golden": used})
+                                             "golden": used, "sharp_scale": scale, "notes": notes})
     shutil.rmtree(work, ignore_errors=True)
-    return Verified(verdict, lines, got[0]["stack"], out, used, runs)
+    return Verified(verdict, lines, got[0]["stack"], out, used, runs, notes)

@@ -47,6 +47,10 @@ def add_arguments(c) -> None:
                         "(auto), always (require), never (off)")
     c.add_argument("--update-golden", action="store_true",
                    help="write this case's golden on this hardware from this run (its every check must pass)")
+    c.add_argument("--sharp-scale", default="auto", metavar="auto|off|S",
+                   help="bf16 runs check step 1 once more from a model whose query and key projections are scaled "
+                        "by S (the stack's sharpen(S)), where position bugs stand out of bf16's rounding; auto: 16 in "
+                        "bf16, off in fp32")
     c.add_argument("--out", type=Path, default=None, help="folder for verify.json (default reports/verify)")
     add_stall(c)
 
@@ -90,13 +94,15 @@ def run(a) -> int:
     else:
         cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank or verify.default_max_seqlen(cfg, a.world))
     res = verify.verify(a.stack, cfg, world=a.world, out=out, options=opts, stall_s=a.stall_timeout, plant=a.plant,
-                        golden="update" if a.update_golden else a.golden)
+                        golden="update" if a.update_golden else a.golden, sharp=a.sharp_scale)
     if res is None:  # a rank other than 0 of a world the user's launcher started
         return 0
     print(f"stack: {res.stack} ({a.stack}), {a.world} ranks, {a.steps} steps, {cfg.dtype}, corpus seed "
           f"{cfg.corpus.seed}, {cfg.max_seqlen_per_rank} tokens per rank")
     for c in res.checks:
         print(f"  [{checks.mark(c)}] {c['target']}: {c['value']:.3g}")
+    for note in res.notes or []:
+        print(f"  note: {note}")
     if res.golden:
         print(f"golden: {res.golden}")
     print(f"verdict: {res.verdict}  ({res.out / 'verify.json'})")

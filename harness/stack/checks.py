@@ -12,7 +12,9 @@ fails):
 - **against the reference**: the same stack on one rank, without CP (``REF_LAYOUT``), on the same batches from
   the same seed - every step's loss (absolute) and gradient norm (relative), the step-1 gradient of every
   parameter (relative L2, worst parameter over the ranks) and the step-1 token losses of every sequence
-  (relative L2, worst sequence), within ``TOLERANCES`` for the run's precision.
+  (relative L2, worst sequence), within ``TOLERANCES`` for the run's precision; in bf16, also a **sharp step 1**
+  (``sharp_against_reference``): step 1 from a model whose query and key projections are scaled by
+  ``SHARP_SCALE``, on every layout and the reference alike, held to the same step-1 bands.
 """
 
 from __future__ import annotations
@@ -49,6 +51,33 @@ gated norm falls back from the fused kernel): on 4 x H200, the nightly corpus, 3
 per-step |delta loss| was 1.75e-3 (1 stage) and 2.38e-3 (2 stages), its mean up to 5.3e-4, with layouts that share
 all maths (bshd on 2 stages against the one-rank run: 1.42e-3 / 3.8e-4); tiny GPT's and its MTP variant's were
 7.1e-4 - 9.7e-4. The step-1 gradients (2.6e-3 of 5e-2) and token losses are held to the table unscaled."""
+
+
+SHARP_SCALE = 16.0
+"""The query / key scale of bf16 runs' sharp step 1 (``harness.stack.protocol``: ``sharpen``); a power of two, so
+the scaled weights round as the plain ones. In one CPU process (``docs/repro/sharp_attention_rope.py``, tiny GPT, a
+RoPE offset per zig-zag rank of CP 4) the bug's step-1 gradient footprint is 2.6e-2 at scale 1 (under bf16's 5e-2
+band), 0.43 at 4 and 1.1 at 8. Through ``verify harness`` in bf16 on 2 CPU ranks (CP 2, one step, the catalogue's
+``rope-positions-per-rank``): 0.084 at 4 (dcp), 0.20-0.32 at 8, 0.73-1.02 at 16 (15-20x the band; the tiny-moe,
+tiny-hybrid and MTP models 0.35-1.05), while the clean layouts sit 2.3e-3 (4), 2.6e-3 (8) and 2.7e-3 to 4.6e-3 (16)
+from the reference (11x under the band)."""
+
+
+def sharp_scale(value, dtype: str) -> float:
+    """The sharp step's scale for ``value``: ``"auto"`` (``SHARP_SCALE`` in bf16, off in fp32, whose own bands see
+    step-1 position bugs), ``"off"`` / 0, or a number >= 1; anything else is a ``ValueError`` naming it."""
+    if value == "auto":
+        return SHARP_SCALE if dtype == "bfloat16" else 0.0
+    if value in ("off", 0, 0.0, "0"):
+        return 0.0
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if not v >= 1.0 or v == float("inf"):
+        raise ValueError(f"sharp scale {value!r}: give auto (x{SHARP_SCALE:g} in bf16, off in fp32), off, or a "
+                         "finite number >= 1 (the query / key projections' scale of the sharp step 1)")
+    return v
 
 
 def tolerances(dtype: str, model: str | None = None) -> dict:
@@ -200,3 +229,32 @@ def _token_losses(who: str, reps: list, want, tol: float) -> dict:
     g = max(rel, key=lambda k: badness(rel[k]))
     return target(f"{who}: step-1 token losses, worst sequence ({g}) relative L2 <= {tol:g}", rel[g], tol,
                   sequences=len(rel))
+
+
+SHARP_MOVE = 1e-2
+"""How far the reference's sharp step 1 must move its step-1 gradients from the plain step 1 (relative L2 over every
+parameter) for the sharp lines to count: a ``sharpen`` that scaled nothing (a copy of the weights, the wrong
+module) leaves them where they were, and its lines would pass vacuously."""
+
+
+def sharp_took_effect(plain, sharp, scale: float) -> dict:
+    """Whether the reference's sharp step 1 (``sharp``: its report) moved the step-1 gradients from its plain step 1
+    (``plain``) by at least ``SHARP_MOVE`` (an ``exercise`` line: failing it gives ``NOT_EXERCISED``)."""
+    names = sorted(set(plain.gradients) & set(sharp.gradients))
+    a = np.concatenate([np.asarray(plain.gradients[n], dtype=np.float64).ravel() for n in names]) if names else \
+        np.zeros(1)
+    b = np.concatenate([np.asarray(sharp.gradients[n], dtype=np.float64).ravel() for n in names]) if names else a
+    moved = float(np.linalg.norm(b - a) / max(np.linalg.norm(a), 1e-30))
+    why = "" if moved >= SHARP_MOVE else ": the stack's sharpen(scale) changed nothing the step computes - it must " \
+        "scale the model's own query and key projections in place"
+    return {"target": f"reference: queries and keys x{scale:g} move its step-1 gradients by >= {SHARP_MOVE:g} "
+                      f"(relative L2), so the sharp lines see sharper attention{why}",
+            "value": moved, "pass": bool(moved >= SHARP_MOVE), "exercise": True}
+
+
+def sharp_against_reference(layout: str, reps: list, ref, dtype: str, ref_name: str, scale: float) -> list[dict]:
+    """``layout``'s sharp step 1 (``reps[r]``: rank r's report) against the reference's (``ref``: its one rank's),
+    step-1 gradients and token losses within the run's step-1 bands."""
+    tol, who = TOLERANCES[dtype], f"{layout} vs {ref_name}, queries and keys x{scale:g}"
+    return [_gradients(who, reps, ref.gradients, tol["step1_gradients"]),
+            _token_losses(who, reps, ref.token_losses, tol["token_loss"])]

@@ -4,7 +4,10 @@ The stack is named by ``cfg["stack"]``: ``"harness"`` (``harness.stack.runtime``
 ``"path/to/file.py:make"`` (a factory ``make(ctx, **cfg["options"])``). For each layout in ``cfg["layouts"]``
 the stack builds its model from ``cfg["seed"]`` and trains ``cfg["steps"]`` global batches of the harness's corpus,
 each laid out by the harness's schedule for that layout (the same on every rank: planning is deterministic); the
-first step asks for gradients, token losses and CP groups, every later step for the CP groups. Each step is reported to the
+first step asks for gradients, token losses and CP groups, every later step for the CP groups. With
+``cfg["sharp_scale"]`` > 0 and a stack that offers ``sharpen`` (``harness.stack.protocol``), each layout then runs
+step 1 once more from a fresh model sharpened by that scale (the layout's ``"sharp"`` report; None when the stack
+offers no ``sharpen``). Each step is reported to the
 launcher's watchdog (``harness.heartbeat``): a slow stack is not taken for a stuck one. Each rank writes its reports to
 ``cfg["report_dir"]/rank{r}.pkl`` and returns the path (``cfg["inline"]``: returns them, pickled, in the result).
 """
@@ -31,6 +34,7 @@ from harness.stack.protocol import (
     checked_stack,
     declared_execution,
     sequence_passes,
+    sharpens,
 )
 from harness.train import layouts
 from harness.train.config import TrainConfig, model_cost
@@ -82,6 +86,16 @@ def _portable(report):
     return report
 
 
+def _sharp_step(stack, seed: int, scale: float, first: StepRequest, beat):
+    """Step 1 again (``first``: its request, same batch and schedule) from a fresh model sharpened by ``scale``."""
+    beat.beat(force=True, layout=first.layout, phase=f"step 1 with queries and keys x{scale:g}")
+    stack.build(seed)
+    stack.sharpen(scale)
+    req = StepRequest(step=0, layout=first.layout, batch=first.batch, schedule=first.schedule, padding=first.padding,
+                      fixed_length=first.fixed_length, want=frozenset(WANTS))
+    return _portable(checked_report(stack, stack.step(req), req))
+
+
 def job(rank: int, world: int, cfg: dict) -> str | dict:
     """Every layout's steps on this rank (see the module doc)."""
     tcfg = TrainConfig.from_dict({k: v for k, v in cfg.items() if k in TrainConfig.__dataclass_fields__})
@@ -92,12 +106,14 @@ def job(rank: int, world: int, cfg: dict) -> str | dict:
     stack = checked_stack(load_factory(cfg["stack"])(ctx, **cfg.get("options", {})), origin)
     passes = sequence_passes(stack)  # each sequence its own pass: balanced packs micro-batches by the batch
     execution = declared_execution(stack)  # its barriers, as the benchmark schedules it
+    scale = float(cfg.get("sharp_scale") or 0.0)
+    sharp = scale > 0 and sharpens(stack)
     out = {"stack": stack.name, "layouts": {}}
     beat = Heartbeat.from_cfg(cfg, rank)  # progress for the launcher's watchdog (no-op outside a launched job)
     for layout in tcfg.layouts:
         beat.beat(force=True, layout=layout, phase="building the model")
         stack.build(tcfg.corpus.seed)
-        reps, schedules, lengths = [], [], []
+        reps, schedules, lengths, first = [], [], [], None
         for k in range(tcfg.steps):
             beat.beat(force=True, layout=layout, step=k + 1, of=tcfg.steps)
             batch = global_batch(tcfg.corpus, k)
@@ -105,10 +121,13 @@ def job(rank: int, world: int, cfg: dict) -> str | dict:
             sched, padding, fixed = layouts.plan(layout, ls, layouts.for_stack(lcfg, ls, passes, execution), cost)
             req = StepRequest(step=k, layout=layout, batch=batch, schedule=sched, padding=padding,
                               fixed_length=fixed, want=frozenset(WANTS) if k == 0 else frozenset({"cp_groups"}))
+            first = first or req
             reps.append(_portable(checked_report(stack, stack.step(req), req)))
             schedules.append(sched.to_dict())
             lengths.append(ls)
-        out["layouts"][layout] = {"reports": reps, "schedules": schedules, "lengths": lengths}
+        out["layouts"][layout] = {"reports": reps, "schedules": schedules, "lengths": lengths,
+                                  "sharp": _sharp_step(stack, tcfg.corpus.seed, scale, first, beat)
+                                  if sharp and first is not None else None}
     close = getattr(stack, "close", None)
     if callable(close):
         close()

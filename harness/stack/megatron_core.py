@@ -218,6 +218,20 @@ class MegatronCoreStack:
         for m in self.attention:  # what megatron-core hands TE with each micro-batch's group (forward)
             m.cp_comm_type = self.cp_comm
 
+    def sharpen(self, scale: float) -> None:
+        """Scale the query and key rows of every layer's ``linear_qkv`` (weight and bias) by ``scale``
+        (``harness.stack.protocol``: the sharp step 1); ``StackError`` when the model has none to scale."""
+        s = self.shape
+        scaled = 0
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
+                    scale_grouped_qkv(p, s["kv_heads"], s["heads"] // s["kv_heads"], s["hidden"] // s["heads"], scale)
+                    scaled += name.endswith("weight")
+        if scaled != s["layers"]:
+            raise StackError(f"sharpen found {scaled} self_attention.linear_qkv weights in a {s['layers']}-layer "
+                             "GPTModel; megatron-core's parameter names changed: update harness.stack.megatron_core")
+
     # -- samples: one per sequence, megatron's hybrid-CP sub-samples ------------------------------------------
     @staticmethod
     def _sample(seq: np.ndarray, cp: int) -> dict:
@@ -336,6 +350,16 @@ class MegatronCoreStack:
     def close(self) -> None:
         if self.ps.model_parallel_is_initialized():
             self.ps.destroy_model_parallel()
+
+
+def scale_grouped_qkv(t: torch.Tensor, groups: int, per_group: int, head_dim: int, scale: float) -> None:
+    """Scale, in place, the query and key rows of megatron-core's fused QKV projection ``t`` (a weight of rows x
+    hidden, or a bias): its rows are ``groups`` query groups of ``per_group`` query heads, one key head and one value
+    head, ``head_dim`` rows each (``SelfAttention.get_query_key_value_tensors``: [ng, (np/ng + 2) * hn])."""
+    if t.shape[0] != groups * (per_group + 2) * head_dim:
+        raise StackError(f"linear_qkv has {t.shape[0]} rows, not {groups} groups x ({per_group} + 2) heads x "
+                         f"{head_dim}: megatron-core's QKV layout changed")
+    t.view(groups, per_group + 2, head_dim, *t.shape[1:])[:, :per_group + 1] *= scale
 
 
 def padded_length(n: int, cp: int) -> int:

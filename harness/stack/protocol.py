@@ -24,6 +24,13 @@ for_stack``). A stack whose steps end every micro-batch with a barrier over the 
 ``execution = "synchronous"`` (optional; default ``"independent"``): ``balanced`` then schedules for that model.
 With both, the schedule the stack's benchmark measures is the one ``verify`` checks.
 
+A stack may offer ``sharpen(scale)`` (optional): multiply the query and key projections of every attention layer of
+the model just built by ``scale`` (weights and biases of those rows; the attention logits grow by ``scale**2``).
+At initialisation the logits are near zero, so a wrong position or a mis-sliced key barely moves step 1, and under
+bf16's step-1 bands such a bug passes; ``verify`` therefore runs step 1 once more from a sharpened model in bf16
+runs (``sharp_scale``), on every layout and on the reference alike, and holds its gradients and token losses to the
+same bands, where the bug's footprint has grown ~16x (``docs/repro/sharp_attention_rope.py``).
+
 ``harness.stack.runtime.HarnessStack`` is the harness's own runtime behind this protocol;
 ``docs/examples/own_trainer.py`` is a plain-PyTorch trainer behind it; ``dcp-harness verify`` checks any of them
 (``harness.stack.checks``).
@@ -141,6 +148,16 @@ def sequence_passes(stack) -> bool:
     return v
 
 
+def sharpens(stack) -> bool:
+    """Whether ``stack`` offers ``sharpen(scale)`` (see the module doc); a ``sharpen`` that is not callable is a
+    ``StackError`` naming it."""
+    v = getattr(stack, "sharpen", None)
+    if v is not None and not callable(v):
+        raise StackError(f"stack {getattr(stack, 'name', type(stack).__name__)!r}: sharpen must be a method "
+                         f"sharpen(scale) scaling the query and key projections, got {type(v).__name__}")
+    return v is not None
+
+
 EXECUTIONS = ("independent", "synchronous")
 """What a stack may declare as its ``execution`` (``harness.plan.execution``'s models without a pipeline)."""
 
@@ -159,6 +176,7 @@ def checked_stack(stack, origin: str):
     """``stack`` if it has the protocol's methods; else ``StackError`` naming what is missing."""
     missing = [m for m in ("build", "step") if not callable(getattr(stack, m, None))]
     sequence_passes(stack)
+    sharpens(stack)
     declared_execution(stack)
     if missing or not isinstance(getattr(stack, "name", None), str):
         what = ", ".join([f"{m}()" for m in missing] + ([] if isinstance(getattr(stack, "name", None), str)

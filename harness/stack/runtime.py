@@ -81,6 +81,11 @@ class HarnessStack:
         self.opt = step.make_optimizer(self.params, lr=self.lr)
         self.run = step.Run(self.groups, self.pipe, self.stage)
 
+    def sharpen(self, scale: float) -> None:
+        """Multiply the query and key rows of every attention layer's ``qkv`` projection by ``scale``
+        (``harness.stack.protocol``: the sharp step 1)."""
+        sharpen_queries_and_keys(self.model, scale)
+
     def step(self, request: StepRequest) -> StepReport:
         sched, N = request.schedule, self.ctx.world
         me = self.playout.position(self.ctx.rank)
@@ -115,6 +120,23 @@ class HarnessStack:
         if self.groups is not None:
             self.groups.destroy()
             self.groups = None
+
+
+def sharpen_queries_and_keys(model: TinyLM, scale: float) -> int:
+    """Scale the query and key rows of every ``qkv`` projection of ``model`` (dense blocks, hybrid attention layers,
+    MTP blocks) by ``scale``, in place; returns how many projections it scaled."""
+    c = model.c
+    rows = (c.heads + c.kv_heads) * (c.hidden // c.heads)
+    n = 0
+    with torch.no_grad():
+        for m in model.modules():
+            qkv = getattr(m, "qkv", None)
+            if isinstance(qkv, torch.nn.Linear):
+                qkv.weight[:rows] *= scale
+                if qkv.bias is not None:
+                    qkv.bias[:rows] *= scale
+                n += 1
+    return n
 
 
 def _ranks(group, rank: int) -> list[int]:

@@ -79,3 +79,25 @@ def test_te_on_tail_padded_sequences_as_the_harness_and_as_megatron_core_call_it
     if padded.returncode != 0:
         pytest.xfail("TransformerEngine's THD p2p CP with cu_seqlens_padded: a padding-only chunk corrupts dK / dV "
                      "(upstream defect, docs/upstream-findings.md)")
+
+
+def test_megatron_cores_sharpen_scales_the_queries_and_keys_te_attends_with():
+    """``harness.stack.megatron_core``'s ``sharpen`` (the sharp step 1 of ``verify megatron-core``), on one GPU: TE's
+    attention of the first layer receives queries and keys x16 (after RoPE) and the values it received before."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("transformer_engine") is None or importlib.util.find_spec("megatron") is None:
+        pytest.skip("needs TransformerEngine and megatron-core")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+           str(root / "suites/gpu/megatron_sharpen_probe.py"), "16"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=root)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    print(got)
+    assert got["layers"] == 2 and got["query"] <= 1e-3 and got["key"] <= 1e-3 and got["value"] <= 1e-3, got

@@ -253,3 +253,23 @@ def test_a_stack_of_sequence_passes_gets_balanced_packed_by_the_batch_in_verify_
     with pytest.raises(StackError, match=r"stack 'wrong': execution must be one of independent, synchronous .* "
                                          r"got 'lockstep'"):
         declared_execution(Wrong())
+
+
+def test_sharpen_scales_the_query_and_key_rows_of_each_query_group_and_leaves_the_values():
+    """megatron-core's fused QKV rows are query groups of [its query heads, one key head, one value head]
+    (``SelfAttention.get_query_key_value_tensors``); the GPU suite checks the tensors TE's attention receives."""
+    import torch
+
+    from harness.stack.megatron_core import scale_grouped_qkv
+    from harness.stack.protocol import StackError
+
+    groups, per, hn, h = 2, 3, 4, 8
+    for shape in [(groups * (per + 2) * hn, h), (groups * (per + 2) * hn,)]:  # weight, bias
+        t = torch.randn(shape)
+        before = t.clone()
+        scale_grouped_qkv(t, groups, per, hn, 16.0)
+        split = lambda x: x.view(groups, (per + 2) * hn, -1).split([per * hn, hn, hn], dim=1)  # noqa: E731
+        (q, k, v), (q0, k0, v0) = split(t), split(before)
+        assert torch.equal(q, 16 * q0) and torch.equal(k, 16 * k0) and torch.equal(v, v0)
+    with pytest.raises(StackError, match="QKV layout changed"):
+        scale_grouped_qkv(torch.zeros(groups * (per + 2) * hn + 1, h), groups, per, hn, 2.0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,6 @@ def test_a_dcp_step_1_without_a_cp_group_is_not_exercised_and_writes_no_golden(t
     """Step 1's longest sequence (99 tokens) fits 100 tokens per rank: dcp runs it at CP 1, the step-1 gradient
     and token-loss checks never see a CP group, and the verdict says so (not PASS) with the seed that needs CP;
     such a run writes no golden."""
-    from dataclasses import replace
 
     roomy = replace(SMALL, steps=1, max_seqlen_per_rank=100)
     res = verify(EXAMPLE, roomy, world=2, out=tmp_path / "a", spawn=True)
@@ -62,7 +62,6 @@ def test_verify_defaults_to_the_first_seed_whose_step_1_needs_cp():
     """The default corpus at 2 ranks: seed 0's step 1 (longest 457) fits 484 tokens per rank, seed 1's does not;
     at 4 ranks seed 0 already needs CP. A capacity the user gives is kept, and a seed whose longest sequence the
     static layouts cannot fit there is passed over; without a dcp layout nothing changes."""
-    from dataclasses import replace
 
     from harness.apps.verify import default_max_seqlen, exercising, step1_needs_cp
     from harness.train.config import longest_sequence
@@ -176,7 +175,6 @@ def test_a_golden_holds_both_runs_and_catches_a_change_that_moves_them_together(
     bad = _failed(moved)
     assert bad and all("vs golden (cpu)" in t for t in bad), bad
     assert any(t.startswith("reference vs golden") for t in bad), bad
-    from dataclasses import replace
 
     from harness.golden import GoldenError
 
@@ -198,7 +196,6 @@ def test_megatron_cores_own_scheduler_drives_the_dcp_layout(tmp_path):
     """``--scheduler megatron-core``: the installed megatron-core's ``BalancedCPScheduler`` lays out every dcp step
     (as its data-iterator wrapper would) and the run still meets its one-rank reference; a scheduler name that is
     neither the harness's nor upstream's is refused in one line."""
-    from dataclasses import replace
 
     from harness.plan.errors import LayoutError
     from harness.upstream import megatron as upstream
@@ -308,3 +305,84 @@ def test_the_harness_stack_pads_to_the_token_bucket_and_a_padding_bug_fails_veri
     with pytest.raises(StackError, match=r"token_bucket must be 'auto', 0 \(off\) or an even int of tokens, got 7 "
                                          r"\(--option token_bucket=auto\|N\)"):
         make(ctx, token_bucket=7)
+
+
+BF16 = TrainConfig(steps=1, max_seqlen_per_rank=64, dtype="bfloat16", corpus=SMALL.corpus)
+"""SMALL's step 1 in bf16 (CPU autocast): the sharp step's case."""
+
+
+def _sharp(res) -> list[dict]:
+    return [c for c in res.checks if "queries and keys x16" in c["target"]]
+
+
+@pytest.mark.parametrize("stack", ["harness", EXAMPLE])
+def test_a_bf16_run_holds_a_sharp_step_one_to_the_reference(stack, tmp_path):
+    res = verify(stack, BF16, world=2, out=tmp_path, spawn=True)
+    assert res.verdict == "PASS", _failed(res)
+    lines = _sharp(res)
+    assert len(lines) == 3 * 2 + 1 and not res.notes, [c["target"] for c in lines]  # per layout 2, took effect 1
+    moved = next(c for c in lines if c["target"].startswith("reference:"))
+    assert moved["value"] > 0.1, moved  # the sharpened model trains a different step 1
+
+
+def test_a_rope_offset_bug_passes_bf16s_step_one_bands_and_only_the_sharp_step_sees_it(tmp_path):
+    """RoPE positions numbered per zig-zag rank: at initialisation attention is near uniform, so in bf16 the plain
+    step 1 stays within its bands (every plain line passes); from queries and keys x16 the step-1 gradients of every
+    layout (static CP 2 and dynamic CP alike) leave the band."""
+    res = verify("harness", BF16, world=2, out=tmp_path, spawn=True, plant="rope-positions-per-rank")
+    failed = _failed(res)
+    assert res.verdict == "FAIL"
+    assert failed and all("queries and keys x16: step-1 gradients" in t for t in failed), failed
+    assert {t.split(" vs ")[0] for t in failed} == {"bshd", "thd", "dcp"}, failed
+
+
+def test_a_stack_without_sharpen_gets_a_note_and_one_whose_sharpen_changes_nothing_is_not_exercised(tmp_path):
+    stacks = tmp_path / "stacks.py"
+    examples = str(ROOT / "docs/examples")
+    stacks.write_text(
+        f"import sys\nsys.path.insert(0, {examples!r})\nimport own_trainer\n\n"
+        "class Blunt(own_trainer.OwnTrainer):\n    sharpen = None\n\n"
+        "class Copying(own_trainer.OwnTrainer):\n"
+        "    def sharpen(self, scale):\n"
+        "        self.model.qkv.weight.detach().clone().mul_(scale)  # scales a copy: the model stays as built\n\n"
+        "def make(ctx, kind):\n    return {'blunt': Blunt, 'copying': Copying}[kind](ctx)\n")
+    blunt = verify(f"{stacks}:make", BF16, world=2, out=tmp_path / "a", spawn=True, options={"kind": "blunt"})
+    assert blunt.verdict == "PASS" and not _sharp(blunt), _failed(blunt)
+    assert len(blunt.notes) == 1 and "offers no sharpen(scale)" in blunt.notes[0], blunt.notes
+    copying = verify(f"{stacks}:make", BF16, world=2, out=tmp_path / "b", spawn=True, options={"kind": "copying"})
+    assert copying.verdict == "NOT EXERCISED" and _failed(copying) == [
+        c["target"] for c in _sharp(copying) if c["target"].startswith("reference:")], _failed(copying)
+    fp32 = verify(f"{stacks}:make", replace(BF16, dtype="float32"), world=2, out=tmp_path / "c", spawn=True,
+                  options={"kind": "blunt"})
+    assert fp32.verdict == "PASS" and not fp32.notes  # fp32's own bands see step-1 position bugs: no sharp step
+
+
+@pytest.mark.parametrize("value", ["sharp", 0.5, float("inf"), -4])
+def test_a_sharp_scale_that_is_not_auto_off_or_at_least_one_is_refused_naming_it(value, tmp_path):
+    with pytest.raises(StackError, match=r"sharp scale .*give auto \(x16 in bf16, off in fp32\), off, or a finite"):
+        verify("harness", BF16, world=2, out=tmp_path, spawn=True, sharp=value)
+    from harness.stack.checks import sharp_scale
+
+    assert [sharp_scale(v, d) for v, d in [("auto", "bfloat16"), ("auto", "float32"), ("off", "bfloat16"),
+                                           ("8", "float32"), (1, "bfloat16")]] == [16.0, 0.0, 0.0, 8.0, 1.0]
+
+
+@pytest.mark.parametrize("model", ["tiny-gpt", "tiny-moe", "tiny-hybrid", "tiny-gpt-mtp"])
+def test_the_harness_sharpens_every_attention_layers_queries_and_keys_and_no_values(model):
+    import torch
+
+    from harness.runtime.model import MODELS, TinyLM
+    from harness.stack.runtime import sharpen_queries_and_keys
+
+    c = MODELS[model]
+    m = TinyLM(c)
+    D = c.hidden // c.heads
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    assert sharpen_queries_and_keys(m, 4.0) == sum(k in "B*" for k in c.kinds) + c.mtp_depth
+    for n, p in m.named_parameters():
+        if n.endswith("qkv.weight"):
+            q, k, v = p.detach().split([c.heads * D, c.kv_heads * D, c.kv_heads * D])
+            q0, k0, v0 = before[n].split([c.heads * D, c.kv_heads * D, c.kv_heads * D])
+            assert torch.equal(q, 4 * q0) and torch.equal(k, 4 * k0) and torch.equal(v, v0), n
+        else:
+            assert torch.equal(p, before[n]), n
