@@ -35,3 +35,21 @@ def test_bench_step_runs_on_two_gpus(tmp_path):
             # each pass's time on the host and on the GPU (start to the next pass's start)
             assert lead["host_forward_ms"] > 0 and lead["device_forward_ms"] > 0 and lead["device_backward_ms"] > 0
     assert s["arms"]["thd:dp-balanced"]["breakdown"]["communication"] > 0  # static CP 2 exchanges K/V
+
+
+def test_each_arm_reports_the_peak_memory_of_its_own_steps(tmp_path):
+    """One GPU, two arms that differ only in how the step makes its bf16 weights: casting at each use keeps a copy
+    per use saved for the backward, the step's copies one per weight, so the per-call arm peaks higher (one H100, 12
+    layers of h2048, two micro-batches: 29.4 against 28.1 GiB). A peak read once for the whole interleaved run gives
+    both arms the same figure (29.4 and 29.4: this test fails)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from harness.bench import step
+    from harness.jobs.entry import launch
+
+    over = {"warmup": 1, "iters": 2, "profile_iters": 0, "microbatches": 2, "runs": 1,
+            "arms": ["dcp:balanced", "dcp:balanced%per-call"]}
+    res = launch(step.JOB, 1, tmp_path / "step.json", over)
+    peaks = {k: a["peak_memory_gb"] for k, a in step.summarize(res, step.StepBenchConfig.from_dict(over))["arms"].items()}
+    print(peaks)
+    assert peaks["dcp:balanced%per-call"] > peaks["dcp:balanced"] + 0.1, peaks

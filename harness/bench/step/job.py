@@ -185,8 +185,7 @@ def _run_arms(ctx: RankContext, arms: list[Arm], run: int = 0) -> dict:
     if ctx.rank == 0:
         print("bench step: " + ", ".join(f"{a.label} median {1e3 * statistics.median(rec[a.label]['times']):.1f} ms"
                                         for a in arms) + " (this rank)", flush=True)
-    peak = (torch.cuda.max_memory_allocated(dev) / 2**30) if dev.type == "cuda" else None
-    out = {arm.label: _arm_result(ctx, arm, rec[arm.label], weights[arm.label], opts[arm.label], run, peak)
+    out = {arm.label: _arm_result(ctx, arm, rec[arm.label], weights[arm.label], opts[arm.label], run)
            for arm in arms}
     opts.clear()
     weights.clear()
@@ -253,18 +252,19 @@ class _Ahead:
 
 def _timed_steps(ctx: RankContext, arms: list[Arm], weights: dict, opts: dict) -> dict:
     """Every arm's warm-up and measured steps in rotating order; returns, per arm, the measured
-    steps' host times, plan times, tokens, phase marks and rotation slots (and rank 0 the schedules' figures)."""
+    steps' host times, plan times, tokens, phase marks and rotation slots (and rank 0 the schedules' figures), and on
+    CUDA its peak memory: the most allocated during its own steps (warm-up included), read after each of them from a
+    peak reset before it - every arm's weights and optimizer state are resident throughout, so arms differ by what
+    their steps add."""
     import torch
     import torch.distributed as dist
 
     cfg, dev = ctx.cfg, ctx.device
     rec = {a.label: {"times": [], "plan_ms": [], "plan_wait_ms": [], "tokens": [], "figures": [], "marks": [],
-                     "slots": [], "leads": []} for a in arms}
+                     "slots": [], "leads": [], "peak_gb": None} for a in arms}
     # the timed steps in order: step i runs every arm once, the arm order rotating with i
     order = [(i, arms[(i + k) % len(arms)], k) for i in range(len(ctx.batches)) for k in range(len(arms))]
     ahead = _Ahead(ctx, order) if cfg.plan == "ahead" else None
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
     if ahead is not None:
         ahead.submit(0)
     try:
@@ -276,12 +276,17 @@ def _timed_steps(ctx: RankContext, arms: list[Arm], weights: dict, opts: dict) -
                 gc.collect(1)
             dist.barrier(group=ctx.everyone)
             sync(dev)
+            if dev.type == "cuda":  # this arm's step alone (host-only calls, outside the timed window)
+                torch.cuda.reset_peak_memory_stats(dev)
             marks = StepMarks(dev)  # before the timed window: its origin waits for the idle GPU
             t0 = time.perf_counter()
             planned = None if ahead is None else ahead.planned_for(j)
             r = train_step(ctx, arm, lengths, local, opts[arm.label], planned=planned, marks=marks)
             sync(dev)
             dt = time.perf_counter() - t0
+            if dev.type == "cuda":
+                gb = torch.cuda.max_memory_allocated(dev) / 2**30
+                rec[arm.label]["peak_gb"] = max(gb, rec[arm.label]["peak_gb"] or 0.0)
             _keep(ctx, weights[arm.label])
             if i >= cfg.warmup:
                 x = rec[arm.label]
@@ -302,7 +307,7 @@ def _timed_steps(ctx: RankContext, arms: list[Arm], weights: dict, opts: dict) -
     return rec
 
 
-def _arm_result(ctx: RankContext, arm: Arm, x: dict, ws: list, opt, run: int, peak: float | None) -> dict:
+def _arm_result(ctx: RankContext, arm: Arm, x: dict, ws: list, opt, run: int) -> dict:
     """One arm's figures over every rank (the slowest rank's step times and phase boundaries, the
     tokens processed), its weights' digest, then its profiled steps' breakdown."""
     import torch
@@ -324,7 +329,7 @@ def _arm_result(ctx: RankContext, arm: Arm, x: dict, ws: list, opt, run: int, pe
            "processed_tokens": tok.tolist(), "plan_ms": x["plan_ms"], "plan_wait_ms": x["plan_wait_ms"],
            "phase_marks_ms": last.tolist(), "own_phase_marks_ms": x["marks"],
            "breakdown": parts, "breakdown_device": device_parts,
-           "breakdown_error": error, "peak_memory_gb": peak, "weights_digest": digest,
+           "breakdown_error": error, "peak_memory_gb": x["peak_gb"], "weights_digest": digest,
            "slots": x["slots"], "host_lead": summarize_leads(x["leads"])}
     if ctx.rank == 0:
         out["schedules"] = x["figures"]
