@@ -33,8 +33,10 @@ BUGS = {
     "local-positions": "positions restart at 0 in each CP slice (a wrong RoPE / position offset)",
     "labels-after-split": "labels rolled inside each CP slice instead of before the split",
     "cp-grads-not-reduced": "gradients all-reduced over every other rank only (the ranks of one CP index)",
-    "separate-kv-gathers": "K and V exchanged by two autograd all-gathers: the ranks of a CP group may run their "
-                           "backward collectives in different orders, and K's gradient meets V's",
+    "separate-kv-gathers": "K and V exchanged by two autograd all-gathers (torch.distributed.nn): on gloo the key "
+                           "gathers' backward receives a non-contiguous gradient and returns it scrambled (torch's "
+                           "defect: docs/repro/gloo_all_gather_backward.py); the one gather of stacked K/V gets a "
+                           "contiguous one",
 }
 
 

@@ -5,6 +5,7 @@ one line."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -386,3 +387,24 @@ def test_the_harness_sharpens_every_attention_layers_queries_and_keys_and_no_val
             assert torch.equal(q, 4 * q0) and torch.equal(k, 4 * k0) and torch.equal(v, v0), n
         else:
             assert torch.equal(p, before[n]), n
+
+
+def test_the_separate_gathers_bug_is_torchs_gloo_all_gather_backward_scrambling_a_strided_gradient():
+    """``docs/repro/gloo_all_gather_backward.py``: on gloo, ``torch.distributed.nn.functional.all_gather``'s backward
+    scatters the incoming gradient into buffers with its strides, and gloo's scatter fills them in storage order, so
+    a non-contiguous gradient comes back scrambled (a contiguous one exact). The worked example's
+    ``separate-kv-gathers`` bug fails ``verify`` on CPU ranks through this defect: its key gathers receive
+    non-contiguous gradients, the stacked K/V gather a contiguous one. When torch fixes it, this test fails and the
+    bug needs another form."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    r = subprocess.run([sys.executable, str(ROOT / "docs/repro/gloo_all_gather_backward.py")], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "REPRO_PORT": port})
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = {m[0]: float(m[1]) for m in re.findall(r"rank 0: (.+?): max \|.*?\| = (\S+)", r.stdout)}
+    assert got["all_gather backward, contiguous gradient"] == 0, r.stdout
+    assert got["all_gather backward, transposed gradient"] > 1 and got["dist.scatter into a transposed output"] > 0, \
+        f"torch's gloo all_gather backward no longer scrambles a strided gradient:\n{r.stdout}"
