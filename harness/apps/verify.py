@@ -5,8 +5,8 @@ one rank without CP (``harness.stack.checks.REF_LAYOUT``), both on the same corp
 The checks (``harness.stack.checks``) judge token accounting, rank agreement, token coverage and CP groups
 against the batch and the schedule, and loss, gradient norm, step-1 gradients and token losses against the
 reference; a bf16 run also holds a sharp step 1 (queries and keys scaled, ``harness.stack.checks.SHARP_SCALE``)
-to the reference's, where the stack offers ``sharpen``. With a golden of the case on this hardware (``harness.apps.verify_golden``) the loss and gradient-norm
-curves are also held to it. The verdict is PASS only when every check passes; ``verify.json`` keeps every line.
+to the reference's, where the stack offers ``sharpen``. With a golden of the case on this hardware
+(``harness.apps.verify_golden``) the loss and gradient-norm curves are also held to it. The verdict is PASS only when every check passes; ``verify.json`` keeps every line.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ each laid out by the harness's schedule for that layout (the same on every rank:
 first step asks for gradients, token losses and CP groups, every later step for the CP groups. With
 ``cfg["sharp_scale"]`` > 0 and a stack that offers ``sharpen`` (``harness.stack.protocol``), each layout then runs
 step 1 once more from a fresh model sharpened by that scale (the layout's ``"sharp"`` report; None when the stack
-offers no ``sharpen``). Each step is reported to the
-launcher's watchdog (``harness.heartbeat``): a slow stack is not taken for a stuck one. Each rank writes its reports to
-``cfg["report_dir"]/rank{r}.pkl`` and returns the path (``cfg["inline"]``: returns them, pickled, in the result).
+offers no ``sharpen``). Each step is reported to the launcher's watchdog (``harness.heartbeat``): a slow stack is
+not taken for a stuck one. Each rank writes its reports to ``cfg["report_dir"]/rank{r}.pkl`` and returns the path
+(``cfg["inline"]``: returns them, pickled, in the result).
 """
 
 from __future__ import annotations
