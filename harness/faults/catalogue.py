@@ -20,6 +20,7 @@ from harness.faults import optim_faults as of
 from harness.faults import pipeline_faults as pf
 from harness.faults import rl_faults as rl
 from harness.faults import schedule_faults as sf
+from harness.faults import stack_faults as stf
 from harness.faults import train_faults as tf
 from harness.faults.checks import CHECKS
 from harness.faults.seam import SEAMS, replaced
@@ -28,8 +29,8 @@ from harness.plan.errors import PlanInputError
 LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "optimizer", "groups", "pipeline", "model", "replay",
           "step-wise")
 SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-hybrid", "train-reinit",
-             "train-ep", "train-fused", "train-dist-opt", "train-bucketed", "train-a2a", "train-bf16", "replay", "plan",
-             "stepwise")
+             "train-ep", "train-fused", "train-dist-opt", "train-bucketed", "train-a2a", "train-bf16", "verify-bf16",
+             "replay", "plan", "stepwise")
 
 
 class UnknownFaultError(PlanInputError):
@@ -378,6 +379,15 @@ FAULTS: tuple[Fault, ...] = (
           seam="harness.train.trainer:probe_config", make=tf.make_fp32_step_of_another_model,
           check="fp32-step-consistency", expect=r"bf16 step-1 gradient of .* differs from dcp@fp32",
           scenario="train-bf16"),
+    Fault(name="sharpen-a-copy", title="verify's sharp step scales a copy of the model: it trains the plain one",
+          source="huggingface/transformers PR #43847: under DeepSpeed ZeRO-3 the custom weight initialisation ran on "
+                 "partitioned placeholders, a silent no-op, so models trained from another initialisation than meant; "
+                 "re-created in verify's sharp step 1: the harness stack's sharpen scales a copy, so the sharp lines "
+                 "compare plain step 1s and pass a position bug that bf16's bands pass",
+          url="https://github.com/huggingface/transformers/pull/43847", layer="model",
+          seam="harness.stack.runtime:sharpen_queries_and_keys", make=stf.make_sharpen_a_copy,
+          check="sharp-took-effect", expect=r"queries and keys x16 move its step-1 gradients by >= 0\.01",
+          scenario="verify-bf16"),
     Fault(name="dist-opt-norm-of-local-shard", title="the distributed optimiser clips by its own shard's norm",
           source="Megatron-LM issue #580: with --use-distributed-optimizer the optimizer's param_groups are sharded "
                  "over data parallelism, so clip_grad_norm's gradients are no longer global",

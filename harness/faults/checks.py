@@ -37,6 +37,10 @@ CHECKS: dict[str, str] = {
                              "fp32 step ran the same model and batch)",
     "fp32-step1-gradients": "at step 1 every parameter's gradient of a bf16 run's fp32 step equals the bshd run's "
                             "fp32 step's (relative, fp32's band)",
+    "sharp-took-effect": "verify's sharp step 1 moved the reference's step-1 gradients by >= 1e-2 (sharpen scaled the "
+                         "model the step trains)",
+    "verify-checks": "every other line of verify (harness.stack.checks): accounting, CP groups, and the layouts "
+                     "against the one-rank reference, plain and sharp step 1",
     "replay-routes": "under replay every real token's experts equal the rollout's, per layer (exact)",
     "replay-gradients": "replayed loss and gradients equal a single-process replayed reference (relative)",
     "bound-soundness": "no schedule the scheduler makes runs faster than the lower bound of its batch (simulated, "

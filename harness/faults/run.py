@@ -26,12 +26,12 @@ def _outcomes(scenario: str, names: list[str], work: Path) -> dict:
     """``{None: clean, name: fault}`` outcomes (``alarms``, ``seconds``, ``error``) of one scenario."""
     if scenario.startswith("train") or scenario == "replay":
         return sc.run_batch(scenario, names, work)
-    runner = {"plan": sc.run_plan, "stepwise": sc.run_stepwise}[scenario]
+    runner = {"plan": sc.run_plan, "stepwise": sc.run_stepwise, "verify-bf16": sc.run_verify}[scenario]
     out = {}
     for name in [None, *names]:
         t = time.perf_counter()
         try:
-            out[name] = {"alarms": runner(name), "seconds": time.perf_counter() - t, "error": None}
+            out[name] = {"alarms": runner(name, work), "seconds": time.perf_counter() - t, "error": None}
         except Exception as e:  # noqa: BLE001 - a run that dies is reported, not caught
             out[name] = {"alarms": [], "seconds": time.perf_counter() - t,
                          "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}

@@ -10,6 +10,10 @@
 - ``train-bf16``: the ``train`` run in bf16 for one step; each layout runs step 1 in fp32 first (the probe step of
   ``TrainConfig.fp32_probe``). Judged by ``BF16_CHECKS``: the fp32 step against the clean bshd run's fp32 step, and
   each run's bf16 step 1 against its own fp32 step 1.
+- ``verify-bf16``: what ``dcp-harness verify harness`` runs (the stack driver, ``harness.stack.drive``) on 2 gloo ranks in
+  bf16, the dcp layout's step 1 (8 sequences, CP blocks of 1 and 2) and its sharp step 1
+  (``harness.stack.checks.SHARP_SCALE``), and the one-rank reference; judged by ``harness.stack.checks``: every failing
+  line is an alarm, ``sharp-took-effect`` for the sharp step's own line, ``verify-checks`` for the rest.
 - ``replay``: router replay under PP 2 x CP 2 (``harness.train.replay.replay_check``).
 - ``plan``: PR #2000's scheduler on the input that triggers the vacuous room check (N = 10,
   [8000, 7000] at 2048 tokens per rank), run as upstream's driver runs it, and ``balanced`` under the
@@ -246,6 +250,62 @@ shorter block's slack but not its room (1996 tokens a block): the shelves' top-u
 TALLEST_TRIGGER = {"lengths": [40, 6, 6, 6, 6], "n_ranks": 2, "max_seqlen_per_rank": 64}
 """One long sequence beside short ones (L**2 plus a K/V exchange of 10 per token): the best schedule runs it on
 both ranks (step 1072); a bound that keeps it on one rank says 1600."""
+
+
+VERIFY = {"steps": 1, "dtype": "bfloat16", "max_seqlen_per_rank": 64, "layouts": ["dcp"],
+          "corpus": {"lengths": "lognormal:mean=48,sigma=0.8,min=8,max=200", "sequences_per_batch": 8, "vocab": 64}}
+"""The ``verify-bf16`` run (``suites/stack``'s bf16 case): 8 sequences up to 99 tokens on 2 ranks of 64 tokens."""
+
+
+def _stack_rank(rank: int, world: int, spec: dict):
+    """One rank of the stack driver (``harness.stack.drive.job``, what ``verify`` runs) with ``spec["fault"]``."""
+    from harness.stack.drive import job  # lazy: the stack protocol's driver
+
+    with _fault(spec["fault"]):
+        return job(rank, world, spec["cfg"])
+
+
+def _stack_reports(cfg, world: int, fault: str | None, folder) -> list[dict]:
+    import base64
+    import pickle
+
+    from harness.stack.checks import SHARP_SCALE
+
+    job_cfg = {**cfg.to_dict(), "stack": "harness", "options": {}, "inline": True, "sharp_scale": SHARP_SCALE}
+    got = run_on_ranks(_stack_rank, world_size=world, tmp_path=folder, args=({"fault": fault, "cfg": job_cfg},),
+                       timeout_s=WORLD_TIMEOUT_S)
+    return [pickle.loads(base64.b64decode(g["inline"])) for g in got]  # noqa: S301 - this world's own ranks
+
+
+def run_verify(fault: str | None, workdir=None) -> list[Alarm]:
+    """What ``verify harness`` runs and judges, in bf16 on 2 forked gloo ranks and its one-rank reference, with
+    ``fault`` active on every rank of both: each failing line of ``harness.stack.checks`` is an alarm
+    (``sharp-took-effect`` for the sharp step's own line, ``verify-checks`` for the others)."""
+    from pathlib import Path
+
+    from harness.stack import checks
+    from harness.train.config import TrainConfig, longest_sequence
+
+    cfg = TrainConfig.from_dict(VERIFY)
+    folder = Path(workdir or tempfile.mkdtemp(prefix="dcp-faults-")) / f"verify-{fault or 'clean'}"
+    got = _stack_reports(cfg, 2, fault, folder / "layouts")
+    ref_cfg = replace(cfg, layouts=(checks.REF_LAYOUT,), max_seqlen_per_rank=max(cfg.max_seqlen_per_rank,
+                                                                                   longest_sequence(cfg)))
+    ref = _stack_reports(ref_cfg, 1, fault, folder / "reference")[0]["layouts"][checks.REF_LAYOUT]
+    per_rank = [g["layouts"]["dcp"] for g in got]
+    steps = [[pr["reports"][k] for pr in per_rank] for k in range(cfg.steps)]
+    who = "reference (1 rank, no CP)"
+    lines = [checks.sharp_took_effect(ref["reports"][0], ref["sharp"], checks.SHARP_SCALE),
+             *checks.against_reference("dcp", steps, [[r] for r in ref["reports"]], cfg.dtype, who, cfg.model),
+             *checks.sharp_against_reference("dcp", [pr["sharp"] for pr in per_rank], ref["sharp"], cfg.dtype, who,
+                                             checks.SHARP_SCALE)]
+    alarms = []
+    for c in lines:
+        if not c["pass"]:
+            sharp = c.get("exercise", False)
+            alarms.append(Alarm("sharp-took-effect" if sharp else "verify-checks", f"{c['target']}: {c['value']:.3g}",
+                                {}, observed=None if sharp else c["value"], tolerance=None if sharp else c.get("limit")))
+    return alarms
 
 
 def run_plan(fault: str | None, workdir=None) -> list[Alarm]:

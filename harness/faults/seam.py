@@ -33,6 +33,8 @@ SEAMS: dict[str, str] = {
     "harness.runtime.weight_cache:accumulate": "one use's weight gradient added into the weight's fp32 .grad",
     "harness.runtime.fused_linear:gemm_accumulate": "the fused weight-gradient GEMM's go^T @ x added into the fp32 .grad",
     "harness.train.trainer:probe_config": "the configuration a bf16 layout's fp32 step 1 runs (dtype, seed, steps)",
+    "harness.stack.runtime:sharpen_queries_and_keys": "the query / key scaling of the harness stack's sharpen (verify's "
+                                                       "sharp step 1 in bf16)",
     "harness.train.step:new_groups": "the dynamic groups a layout's run uses after (re-)initialisation",
     "harness.train.step:cp_group_for": "the process group a micro-batch's CP-aware calls get",
     "harness.train.step:loss_denominator": "the token count the summed loss is divided by",

@@ -33,7 +33,7 @@ def _outcomes(scenario, tmp_path_factory) -> dict:
                          lambda: outcomes(scenario, names, tmp_path_factory.mktemp(f"faults-{scenario}")))
 
 
-@pytest.mark.parametrize("scenario", ["train", "train-small-batch", "train-dist-opt", "train-bucketed", "train-bf16",
+@pytest.mark.parametrize("scenario", ["train", "train-small-batch", "train-dist-opt", "train-bucketed", "train-bf16", "verify-bf16",
                                       "replay", "plan", "stepwise"])
 def test_clean_runs_raise_no_alarm(scenario, tmp_path_factory):
     clean = _outcomes(scenario, tmp_path_factory)[None]
