@@ -57,10 +57,12 @@ SHARP_SCALE = 16.0
 """The query / key scale of bf16 runs' sharp step 1 (``harness.stack.protocol``: ``sharpen``); a power of two, so
 the scaled weights round as the plain ones. In one CPU process (``docs/repro/sharp_attention_rope.py``, tiny GPT, a
 RoPE offset per zig-zag rank of CP 4) the bug's step-1 gradient footprint is 2.6e-2 at scale 1 (under bf16's 5e-2
-band), 0.43 at 4 and 1.1 at 8. Through ``verify harness`` in bf16 on 2 CPU ranks (CP 2, one step, the catalogue's
-``rope-positions-per-rank``): 0.084 at 4 (dcp), 0.20-0.32 at 8, 0.73-1.02 at 16 (15-20x the band; the tiny-moe,
-tiny-hybrid and MTP models 0.35-1.05), while the clean layouts sit 2.3e-3 (4), 2.6e-3 (8) and 2.7e-3 to 4.6e-3 (16)
-from the reference (11x under the band)."""
+band), 0.43 at 4 and 1.1 at 8. Through ``verify harness --steps 1 --dtype bfloat16`` on 2 and 4 CPU ranks with
+the catalogue's ``rope-positions-per-rank`` planted (``reports/recorded/sharp_step.cpu2.log``): the plain lines
+5.7e-3 to 7.2e-3 (they pass), the sharp ones 0.082-0.111 at 4 and 0.71-0.93 at 16 (14-19x the band); with
+``zigzag-r-plus-cp`` the dcp layout's sharp line 0.027 at 4 (passes) and 0.39 at 16. Clean layouts sit 2.2e-3 to
+3.3e-3 from the reference at 16 on CPU ranks, 2.2e-3 to 2.35e-3 for every model on one H100
+(``reports/recorded/sharp_step.h100.log``): ~15x under the band."""
 
 
 def sharp_scale(value, dtype: str) -> float:
