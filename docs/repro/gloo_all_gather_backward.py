@@ -13,7 +13,8 @@ case: the largest deviation of ``x.grad`` from it, and ``dist.scatter`` into a t
 the collective the gather's gloo backward is built on.
 
 What it shows (torch 2.13.0+cpu, 2026-12-07): the contiguous case is exact, the transposed one is wrong (no error,
-no warning), and ``dist.scatter`` writes a non-contiguous output in storage order, ignoring its strides. The
+no warning), and ``dist.scatter`` writes a non-contiguous output in storage order, ignoring its strides; so does
+``dist.all_to_all_single`` (which refuses a non-contiguous input but not a non-contiguous output). The
 backward (``_AllGather.backward``, gloo branch) emulates a reduce-scatter with ``_AlltoAll``, whose gloo path scatters
 into outputs made by ``torch.empty_like`` of the incoming gradients - which keep their strides. NCCL's branch goes
 through ``_Reduce_Scatter``, which makes its buffers contiguous. Gloo's scatter ignoring strides is pytorch#24836 /
@@ -52,6 +53,15 @@ def _scatter_into_transposed(rank: int, world: int) -> float:
     return float((out - parts[rank]).abs().max())
 
 
+def _all_to_all_into_transposed(rank: int, world: int) -> float:
+    rows = [torch.arange(6, dtype=torch.float64).reshape(2, 3) + 10 * rank + 100 * dst for dst in range(world)]
+    out = torch.empty(3, 2 * world, dtype=torch.float64).t()  # [2 * world, 3], non-contiguous
+    dist.all_to_all_single(out, torch.cat(rows))
+    want = torch.cat([torch.arange(6, dtype=torch.float64).reshape(2, 3) + 10 * src + 100 * rank
+                      for src in range(world)])
+    return float((out - want).abs().max())
+
+
 def _rank(rank: int, world: int, port: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     warnings.filterwarnings("ignore", message=".*all_gather is deprecated.*")
@@ -60,7 +70,9 @@ def _rank(rank: int, world: int, port: str) -> None:
              f"{_gathered_gradient(rank, world, False):g}",
              f"all_gather backward, transposed gradient: max |x.grad - expected| = "
              f"{_gathered_gradient(rank, world, True):g}",
-             f"dist.scatter into a transposed output: max |out - sent| = {_scatter_into_transposed(rank, world):g}"]
+             f"dist.scatter into a transposed output: max |out - sent| = {_scatter_into_transposed(rank, world):g}",
+             f"dist.all_to_all_single into a transposed output: max |out - sent| = "
+             f"{_all_to_all_into_transposed(rank, world):g}"]
     every = [None] * world
     dist.all_gather_object(every, lines)  # one printer: the ranks' lines in order
     if rank == 0:
