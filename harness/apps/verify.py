@@ -11,8 +11,6 @@ to the reference's, where the stack offers ``sharpen``. With a golden of the cas
 
 from __future__ import annotations
 
-import base64
-import pickle
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,7 +24,7 @@ from harness.jobs.entry import launch, launched_world, register
 from harness.jobs.launch import run_on_ranks
 from harness.plan import Schedule
 from harness.stack import checks
-from harness.stack.drive import BUILTIN, job
+from harness.stack.drive import BUILTIN, job, load_reports, reference_config
 from harness.stack.protocol import StackError
 from harness.train.config import TrainConfig, longest_sequence
 
@@ -89,18 +87,6 @@ def _exercise_hint(cfg, world: int) -> str:
     return "a lower --max-seqlen-per-rank (the static layouts need the longest sequence / world) or longer --lengths"
 
 
-def _load(items: list) -> list[dict]:
-    """Each rank's reports: from the file it wrote, or carried in the result (``inline``)."""
-    out = []
-    for item in items:
-        if isinstance(item, dict):
-            out.append(pickle.loads(base64.b64decode(item["inline"])))  # noqa: S301 - this job's own ranks
-            continue
-        with open(item, "rb") as f:
-            out.append(pickle.load(f))  # noqa: S301 - written by this job's own ranks just now
-    return out
-
-
 def spawned_rank(rank: int, world: int, cfg: dict) -> str:
     """``harness.stack.drive.job`` in a forked rank, inside ``cfg["around"]`` as torchrun's entry runs it."""
     if not cfg.get("around"):
@@ -118,10 +104,10 @@ def _run(stack: str, options: dict, cfg: TrainConfig, world: int, folder: Path, 
                # ranks a user's launcher started may share no folder: their reports travel with the results
                "inline": launched_world() is not None, **({"around": [PLANTED, plant]} if plant else {})}
     if spawn:  # forked CPU ranks (gloo): no torchrun start-up; the suites' way
-        return _load(run_on_ranks(spawned_rank, world_size=world, tmp_path=folder, args=(job_cfg,),
+        return load_reports(run_on_ranks(spawned_rank, world_size=world, tmp_path=folder, args=(job_cfg,),
                                   timeout_s=float(stall_s or 120)))
     res = launch(JOB, world, folder / "job.json", job_cfg, stall_s=stall_s, stream=stream)
-    return None if res is None else _load(res["ranks"])  # None: a rank other than 0 of a user-launched world
+    return None if res is None else load_reports(res["ranks"])  # None: a rank other than 0 of a user-launched world
 
 
 def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path | str, options: dict | None = None, stall_s=None,
@@ -163,8 +149,7 @@ def verify(stack: str, cfg: TrainConfig, *, world: int, out: Path | str, options
                sharp=scale)
     if got is None:  # a rank other than 0 of a world the user's launcher started: rank 0 judges and writes
         return None
-    ref_cfg = replace(cfg, layouts=(checks.REF_LAYOUT,),
-                      max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest_sequence(cfg)))
+    ref_cfg = reference_config(cfg, checks.REF_LAYOUT)
     ref = _run(stack, options, ref_cfg, 1, work / "reference", stall_s=stall_s, stream=stream, spawn=spawn, plant=plant,
                sharp=scale)
     ref_steps = [[r] for r in ref[0]["layouts"][checks.REF_LAYOUT]["reports"]]

@@ -31,6 +31,7 @@ import math
 import tempfile
 from contextlib import nullcontext
 from dataclasses import replace
+from pathlib import Path
 
 from harness.faults.catalogue import get
 from harness.faults.checks import BF16_CHECKS, TOLERANCES, TRAIN_CHECKS, Alarm
@@ -266,32 +267,26 @@ def _stack_rank(rank: int, world: int, spec: dict):
 
 
 def _stack_reports(cfg, world: int, fault: str | None, folder) -> list[dict]:
-    import base64
-    import pickle
-
     from harness.stack.checks import SHARP_SCALE
+    from harness.stack.drive import load_reports  # lazy: as above
 
     job_cfg = {**cfg.to_dict(), "stack": "harness", "options": {}, "inline": True, "sharp_scale": SHARP_SCALE}
-    got = run_on_ranks(_stack_rank, world_size=world, tmp_path=folder, args=({"fault": fault, "cfg": job_cfg},),
-                       timeout_s=WORLD_TIMEOUT_S)
-    return [pickle.loads(base64.b64decode(g["inline"])) for g in got]  # noqa: S301 - this world's own ranks
+    return load_reports(run_on_ranks(_stack_rank, world_size=world, tmp_path=folder,
+                                     args=({"fault": fault, "cfg": job_cfg},), timeout_s=WORLD_TIMEOUT_S))
 
 
 def run_verify(fault: str | None, workdir=None) -> list[Alarm]:
     """What ``verify harness`` runs and judges, in bf16 on 2 forked gloo ranks and its one-rank reference, with
     ``fault`` active on every rank of both: each failing line of ``harness.stack.checks`` is an alarm
     (``sharp-took-effect`` for the sharp step's own line, ``verify-checks`` for the others)."""
-    from pathlib import Path
-
     from harness.stack import checks
-    from harness.train.config import TrainConfig, longest_sequence
+    from harness.stack.drive import reference_config  # lazy: the stack protocol's driver
+    from harness.train.config import TrainConfig
 
     cfg = TrainConfig.from_dict(VERIFY)
     folder = Path(workdir or tempfile.mkdtemp(prefix="dcp-faults-")) / f"verify-{fault or 'clean'}"
     got = _stack_reports(cfg, 2, fault, folder / "layouts")
-    ref_cfg = replace(cfg, layouts=(checks.REF_LAYOUT,), max_seqlen_per_rank=max(cfg.max_seqlen_per_rank,
-                                                                                   longest_sequence(cfg)))
-    ref = _stack_reports(ref_cfg, 1, fault, folder / "reference")[0]["layouts"][checks.REF_LAYOUT]
+    ref = _stack_reports(reference_config(cfg, checks.REF_LAYOUT), 1, fault, folder / "reference")[0]["layouts"][checks.REF_LAYOUT]
     per_rank = [g["layouts"]["dcp"] for g in got]
     steps = [[pr["reports"][k] for pr in per_rank] for k in range(cfg.steps)]
     who = "reference (1 rank, no CP)"

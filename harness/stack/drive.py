@@ -19,6 +19,7 @@ import importlib
 import importlib.util
 import pickle
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +38,7 @@ from harness.stack.protocol import (
     sharpens,
 )
 from harness.train import layouts
-from harness.train.config import TrainConfig, model_cost
+from harness.train.config import TrainConfig, longest_sequence, model_cost
 
 BUILTIN = {"harness": "harness.stack.runtime:make", "megatron-core": "harness.stack.megatron_core:make"}
 """Stacks known by name (``dcp-harness verify harness``)."""
@@ -70,6 +71,23 @@ def load_factory(spec: str):
     if not callable(fn):
         raise StackError(f"{where} has no function {name!r}; define {name}(ctx) returning a harness.stack.Stack")
     return fn
+
+
+def reference_config(cfg: TrainConfig, layout: str) -> TrainConfig:
+    """``cfg`` for the one-rank reference run: ``layout`` only, with room for the run's longest sequence at CP 1."""
+    return replace(cfg, layouts=(layout,), max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest_sequence(cfg)))
+
+
+def load_reports(items: list) -> list[dict]:
+    """Each rank's reports from ``job``'s results: the file it wrote, or carried in the result (``inline``)."""
+    out = []
+    for item in items:
+        if isinstance(item, dict):
+            out.append(pickle.loads(base64.b64decode(item["inline"])))  # noqa: S301 - this job's own ranks
+            continue
+        with open(item, "rb") as f:
+            out.append(pickle.load(f))  # noqa: S301 - written by this job's own ranks just now
+    return out
 
 
 def _portable(report):
