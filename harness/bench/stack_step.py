@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from harness.bench import host
+from harness.bench.compiles import compile_events, compiled_line
 from harness.bench.host import describe as describe_hosts
 from harness.bench.stack_calibrate import (
     calibration_batches,
@@ -38,6 +39,7 @@ from harness.bench.stack_calibrate import (
     stack_cost,
 )
 from harness.bench.step.config import StepBenchConfig, cost_model_from
+from harness.bench.step.summarise import compiled_steps, steady_check
 from harness.bench.step.workload import global_batch_lengths, model_cost, model_flops, peak_tflops
 from harness.jobs.entry import register
 from harness.runtime.model_config import MODELS
@@ -94,7 +96,7 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
     for run in range(cfg.runs):
         per_arm = {}
         for arm in cfg_dict["stack_arms"]:
-            times, flops, sizes = [], [], {}
+            times, flops, sizes, compiles = [], [], {}, []
             for i in range(steps):
                 beat.beat(run=run + 1, arm=arm, step=i + 1, of=steps)
                 lengths, _ = global_batch_lengths(cfg, world, run * steps + i)
@@ -105,18 +107,22 @@ def measure(rank: int, world: int, cfg_dict: dict) -> dict:
                                   fixed_length=fixed, want=frozenset())
                 torch.cuda.synchronize()
                 dist.barrier()
+                compiled = compile_events()
                 t0 = time.perf_counter()
                 stack.step(req)
                 torch.cuda.synchronize()
-                took = torch.tensor([time.perf_counter() - t0], device=dev)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                took = torch.tensor([time.perf_counter() - t0, compile_events() - compiled], device=dev,
+                                    dtype=torch.float64)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank's time, the most any rank compiled
                 if i >= cfg.warmup:
-                    times.append(float(took))
+                    times.append(float(took[0]))
+                    compiles.append(int(took[1]))
                     flops.append(model_flops(lengths, model_cost(cfg, comm=False)))
                     for mb in sched.layout:
                         for b in mb:
                             sizes[b.size] = sizes.get(b.size, 0) + len(b.gids)
-            per_arm[arm] = {"ms": [t * 1e3 for t in times], "flops": flops, "sequences_by_cp": sizes}
+            per_arm[arm] = {"ms": [t * 1e3 for t in times], "flops": flops, "sequences_by_cp": sizes,
+                            "compiles": compiles}
             if run == cfg.runs - 1 and cfg.profile_iters:  # the last run profiles one more step of the arm
                 beat.beat(run=run + 1, arm=arm, phase="profiled step")
                 keep = (f"{cfg.trace_dir}/trace_{arm}_rank0.json.gz" if cfg.trace_dir and rank == 0 else None)
@@ -184,7 +190,7 @@ def summarize(res: dict, cfg: StepBenchConfig, world: int, arms: list[str]) -> d
             med = statistics.median(v["ms"])
             tflops = statistics.median(f / (t / 1e3) / 1e12 for f, t in zip(v["flops"], v["ms"])) / world
             row[arm] = {"median_ms": med, "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
-                        "sequences_by_cp": v["sequences_by_cp"]}
+                        "sequences_by_cp": v["sequences_by_cp"], "compiles": v.get("compiles")}
         per_run.append(row)
     hosts = [r.get("host") for r in res["ranks"]]
     out = {"device": r0["device"], "gpus": world, "arms": {}, "ratios": {}, "per_run": per_run,
@@ -202,6 +208,7 @@ def summarize(res: dict, cfg: StepBenchConfig, world: int, arms: list[str]) -> d
         if slow in arms and fast in arms:
             each = [r[slow]["median_ms"] / r[fast]["median_ms"] for r in per_run]
             out["ratios"][name] = {"median": statistics.median(each), "per_run": each}
+    out["checks"] = [c for c in [steady_check({"runs": [{"arms": row} for row in per_run]})] if c]
     return out
 
 
@@ -262,9 +269,15 @@ def main(*, nproc: int | None, out, overrides: dict, stall_s: float | None, arms
                             ("host_syncs", "host syncs", ".0f"), ("host_sync_ms", "sync ms", ".1f")]))
         for line in kernel_lines({a: v.get("breakdown") for a, v in summary["arms"].items()}):
             print(line)
+    for arm, compiled in compiled_steps({"runs": [{"arms": row} for row in summary["per_run"]]}).items():
+        line = compiled_line(arm, compiled, cfg.warmup)
+        if line:
+            print(line)
+    for c in summary["checks"]:
+        print(f"  [{'PASS' if c['pass'] else 'FAIL'}] {c['target']}: {c['shown']}")
     path = write_report("step_megatron_core", {**cfg.to_dict(), "gpus": n, "stack_arms": arms,
                                                "workarounds": workarounds, "stack_options": stack_options or {}},
-                        summary, out=out)
+                        summary, out=out, checks=summary["checks"])
     print(f"wrote {path}" + (f"\nrank 0's profiled steps (Chrome traces, for Perfetto): {cfg.trace_dir}"
                              if cfg.profile_iters else ""))
-    return 0
+    return 0 if all(c["pass"] for c in summary["checks"]) else 1

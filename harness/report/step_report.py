@@ -273,16 +273,16 @@ def render(summary: dict, cfg, checks: list[dict], gpus: int) -> str:
     missing = [f"{k}: {v['breakdown_error']}" for k, v in arms.items() if v["breakdown_error"]]
     profiled = summary.get("breakdown_run")
     bnote = f" (run {profiled + 1}, the last)" if len(summary.get("runs", [])) > 1 and profiled is not None else ""
-    verdicts = [[c["target"], f"{c['value']:.3f}", ", ".join(f"{x:.3f}" for x in c["per_run"]),
+    verdicts = [[c["target"], c.get("shown") or f"{c['value']:.3f}", ", ".join(f"{x:.3f}" for x in c["per_run"]),
                  "n/a (targets apply to 4 GPUs)" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")]
                 for c in checks]
     ok = all(c["pass"] is not False for c in checks)
-    applicable = any(c["pass"] is not None for c in checks)
-    verdict = ("PASS" if ok else "FAIL") if applicable else "NO TARGETS APPLY"
+    applicable = any(c["pass"] is not None for c in checks if not c.get("validity"))
+    verdict = "FAIL" if not ok else ("PASS" if applicable else "NO TARGETS APPLY")  # a failed validity check fails
     gb = summary["global_batch"]
     body = "".join([
         "<h1>dcp-harness bench step: dynamic CP vs static CP</h1>",
-        f'<p><span class="verdict {("pass" if ok else "fail") if applicable else "na"}">{verdict}</span></p>',
+        f'<p><span class="verdict {"fail" if not ok else ("pass" if applicable else "na")}">{verdict}</span></p>',
         f'<p class="meta">{gpus} x {esc(summary["device_name"])}'
         f'{"; " + esc(summary["host_line"]) if summary.get("host_line") else ""}; torch {esc(summary["torch"])}; model '
         f'{esc(cfg.model)} ({summary["parameters"] / 1e6:.3g}M parameters), {esc(cfg.dtype)}, blocks '

@@ -53,3 +53,22 @@ def test_each_arm_reports_the_peak_memory_of_its_own_steps(tmp_path):
     peaks = {k: a["peak_memory_gb"] for k, a in step.summarize(res, step.StepBenchConfig.from_dict(over))["arms"].items()}
     print(peaks)
     assert peaks["dcp:balanced%per-call"] > peaks["dcp:balanced"] + 0.1, peaks
+
+
+def test_two_warm_up_steps_leave_the_compiles_out_of_the_measured_steps(tmp_path):
+    """One GPU, the CUDA default (the model compiled as one chain per micro-batch), two arms whose steps compile
+    different graphs: with two warm-up steps no measured step compiles (``harness.bench.compiles``; with one, a
+    compiled arm recompiles at its first new shape inside the measured steps, which the check names)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from harness.bench import step
+    from harness.jobs.entry import launch
+
+    over = {"warmup": 2, "iters": 3, "profile_iters": 0, "microbatches": 2, "runs": 1,
+            "arms": ["dcp:balanced", "dcp:balanced%per-call"]}
+    res = launch(step.JOB, 1, tmp_path / "step.json", over)
+    s = step.summarize(res, step.StepBenchConfig.from_dict(over))
+    print({k: (a["compiles"], [round(x, 1) for x in a["step_ms"]]) for k, a in s["arms"].items()})
+    assert s["compile"] == "inductor/chain"
+    (c,) = [c for c in step.checks(s, "cuda") if c.get("validity")]
+    assert c["pass"] is True and c["shown"] == "0 of 6 steps compiled", c

@@ -249,6 +249,12 @@ def test_the_megatron_core_step_benchmark_summary_takes_medians_of_runs_and_per_
     assert s["ratios"]["megatron-core dynamic CP vs static CP"]["median"] == 2.0
     assert s["ratios"]["balanced vs megatron-core's scheduler"]["per_run"] == [1.0, 2.0, 0.8]
     assert abs(s["arms"]["balanced"]["mfu"] - 0.5) < 1e-12  # half the H200's dense bf16 peak on every step
+    assert s["checks"] == []  # a job from before the compile count: nothing to judge
+    res["ranks"][0]["runs"][2]["balanced"]["compiles"] = [0, 3, 0]  # megatron-core's fusions compile (torch.compile)
+    for arm in ("static", "megatron-core"):
+        res["ranks"][0]["runs"][2][arm]["compiles"] = [0, 0, 0]
+    (c,) = summarize(res, StepBenchConfig(), 4, ["static", "megatron-core", "balanced"])["checks"]
+    assert c["pass"] is False and c["target"].endswith(": balanced 1 of 3") and c["shown"] == "1 of 9 steps compiled"
     assert s["hosts"] == [None] and s["host_line"] == ""  # a rank that did not probe (a job from before the probe)
     probed = {"cpu": "x", "logical_cpus": 8, "usable_cpus": 8, "launch_us": 5.0, "python_mops": 30.0}
     res["ranks"].append({**res["ranks"][0], "host": probed})

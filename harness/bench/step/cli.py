@@ -15,9 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.bench.common import REPORTS, table, write_report
+from harness.bench.compiles import compiled_line
 from harness.bench.host_lead import lead_line, pass_line
 from harness.bench.step.config import BenchConfigError, StepBenchConfig
-from harness.bench.step.summarise import TARGETS, checks, summarize
+from harness.bench.step.summarise import TARGETS, checks, compiled_steps, summarize
 from harness.bench.trace import device_only_line, kernel_lines, rank_line
 from harness.io import atomic_write_text
 from harness.jobs.entry import launch, register
@@ -41,6 +42,20 @@ CPU_SMOKE = {"model": "tiny-gpt", "lengths": "lognormal:mean=96,sigma=1.2,min=8,
              "warmup": 1, "iters": 3, "profile_iters": 1, "dtype": "float32", "calibration_reps": 1,
              "calibration_burst": 2, "runs": 1}
 """``--cpu``: a smoke configuration on gloo (checks the pipeline end to end; no targets)."""
+COMPILED_SMOKE_WARMUP = 2
+"""The smoke's warm-up steps when it compiles (``--cpu --compile ...`` without ``--warmup``): a compiled model compiles
+again at its first new shape, so one warm-up step leaves that compile in the first measured step
+(``harness.bench.compiles``)."""
+
+def resolve_config(overrides: dict | None, *, cpu: bool, cuda: bool) -> StepBenchConfig:
+    """The run's configuration: the defaults (``CPU_SMOKE`` with ``cpu``), then the options the user gave; a compiling
+    smoke warms up ``COMPILED_SMOKE_WARMUP`` steps unless ``--warmup`` was given."""
+    cfg = StepBenchConfig.from_dict({**(CPU_SMOKE if cpu else {}), **(overrides or {}),
+                                     "device": "cuda" if cuda else "cpu"})
+    if cpu and cfg.compile_backend() and "warmup" not in (overrides or {}):
+        cfg = replace(cfg, warmup=COMPILED_SMOKE_WARMUP)
+    return cfg
+
 
 JOB = register("bench-step", "harness.bench.step.job:measure")
 """The torchrun job of ``bench step``: every rank runs ``harness.bench.step.job.measure``."""
@@ -64,8 +79,7 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
         print("dcp-harness bench step: needs CUDA GPUs; --cpu runs a smoke configuration on gloo", file=sys.stderr,
               flush=True)
         return 2
-    cfg = StepBenchConfig.from_dict({**(CPU_SMOKE if cpu else {}), **(overrides or {}),
-                                     "device": "cuda" if cuda else "cpu"})
+    cfg = resolve_config(overrides, cpu=cpu, cuda=cuda)
     n = nproc or (min(4, torch.cuda.device_count()) if cuda else 2)
     if cuda and n > torch.cuda.device_count():
         raise BenchConfigError(f"--nproc {n} needs {n} GPUs but {torch.cuda.device_count()} are visible; "
@@ -95,7 +109,7 @@ def main(*, nproc: int | None = None, out: Path | None = None, html: Path | None
         print(f"bench step: {summary['host_line']}", flush=True)
     _print_tables(summary, cfg)
     cks = checks(summary, "cuda" if cuda else "cpu")
-    _print_verdicts(summary, cks)
+    _print_verdicts(summary, cks, cfg.warmup)
     path = write_report("step", {**cfg.to_dict(), "gpus": world, "nodes": nodes.nnodes,
                                   "numa_binding": nodes.numa_binding}, summary, out=out, checks=cks)
     atomic_write_text(html, render(summary, cfg, cks, world))
@@ -147,7 +161,7 @@ def _print_tables(summary: dict, cfg: StepBenchConfig) -> None:
                 print(line)
 
 
-def _print_verdicts(summary: dict, cks: list[dict]) -> None:
+def _print_verdicts(summary: dict, cks: list[dict], warmup: int) -> None:
     """The modelled speedup bound (context) and each target's verdict."""
     bound = summary["ratios"]["speedup_bound"]
     if bound["median"] is not None:
@@ -169,8 +183,12 @@ def _print_verdicts(summary: dict, cks: list[dict]) -> None:
         each = ", ".join("-" if x is None else f"{x:.3f}" for x in r["per_run"])
         print(f"  token buckets side by side: {r['base']} / {label} time ratio (> 1: {label} faster, padding "
               f"included), median over runs: {r['median']:.3f} (runs: {each})")
+    for label, compiled in compiled_steps(summary).items():
+        line = compiled_line(label, compiled, warmup)
+        if line:
+            print(line)
     for c in cks:
         verdict = "n/a (targets apply to 4 GPUs)" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")
-        each = f" (runs: {', '.join(f'{x:.3f}' for x in c['per_run'])})" if c["runs"] > 1 else ""
-        print(f"  [{verdict}] {c['target']}: {c['value']:.3f}{each}")
+        each = f" (runs: {', '.join(f'{x:.3f}' for x in c['per_run'])})" if c["runs"] > 1 and c["per_run"] else ""
+        print(f"  [{verdict}] {c['target']}: {c.get('shown') or format(c['value'], '.3f')}{each}")
 

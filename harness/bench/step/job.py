@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.bench import host
+from harness.bench.compiles import compile_events
 from harness.bench.host_lead import summarize_rank as summarize_leads
 from harness.bench.step.calibrate import calibrate_cost
 from harness.bench.step.config import PHASES, Arm, StepBenchConfig, arm_cost, cost_model_from
@@ -261,7 +262,7 @@ def _timed_steps(ctx: RankContext, arms: list[Arm], weights: dict, opts: dict) -
 
     cfg, dev = ctx.cfg, ctx.device
     rec = {a.label: {"times": [], "plan_ms": [], "plan_wait_ms": [], "tokens": [], "figures": [], "marks": [],
-                     "slots": [], "leads": [], "peak_gb": None} for a in arms}
+                     "slots": [], "leads": [], "compiles": [], "peak_gb": None} for a in arms}
     # the timed steps in order: step i runs every arm once, the arm order rotating with i
     order = [(i, arms[(i + k) % len(arms)], k) for i in range(len(ctx.batches)) for k in range(len(arms))]
     ahead = _Ahead(ctx, order) if cfg.plan == "ahead" else None
@@ -279,11 +280,13 @@ def _timed_steps(ctx: RankContext, arms: list[Arm], weights: dict, opts: dict) -
             if dev.type == "cuda":  # this arm's step alone (host-only calls, outside the timed window)
                 torch.cuda.reset_peak_memory_stats(dev)
             marks = StepMarks(dev)  # before the timed window: its origin waits for the idle GPU
+            compiled = compile_events()
             t0 = time.perf_counter()
             planned = None if ahead is None else ahead.planned_for(j)
             r = train_step(ctx, arm, lengths, local, opts[arm.label], planned=planned, marks=marks)
             sync(dev)
             dt = time.perf_counter() - t0
+            compiled = compile_events() - compiled
             if dev.type == "cuda":
                 gb = torch.cuda.max_memory_allocated(dev) / 2**30
                 rec[arm.label]["peak_gb"] = max(gb, rec[arm.label]["peak_gb"] or 0.0)
@@ -299,6 +302,7 @@ def _timed_steps(ctx: RankContext, arms: list[Arm], weights: dict, opts: dict) -
                 if leads is not None:
                     x["leads"].append(leads)
                 x["slots"].append(k)  # its place in this step's rotation
+                x["compiles"].append(compiled)  # a compiling step times the compiler (``harness.bench.compiles``)
                 if ctx.rank == 0:
                     x["figures"].append(_schedule_figures(r["schedule"], arm_cost(ctx.cfg, arm, ctx.cost)))
     finally:
@@ -322,6 +326,8 @@ def _arm_result(ctx: RankContext, arm: Arm, x: dict, ws: list, opt, run: int) ->
     # when the last rank passed each phase boundary (ms from the step's start), step by step
     last = torch.tensor(x["marks"], dtype=torch.float64, device=dev).reshape(len(x["marks"]), len(PHASES))
     dist.all_reduce(last, op=dist.ReduceOp.MAX, group=ctx.everyone)
+    compiles = torch.tensor(x["compiles"], dtype=torch.float64, device=dev)  # any rank's compiling makes a step's time
+    dist.all_reduce(compiles, op=dist.ReduceOp.MAX, group=ctx.everyone)
     digest = weights_digest(ws)  # after the timed steps, before the profiled ones
     _load(ctx, ws)
     parts, device_parts, error = _profile(ctx, arm, opt, run)
@@ -330,7 +336,8 @@ def _arm_result(ctx: RankContext, arm: Arm, x: dict, ws: list, opt, run: int) ->
            "phase_marks_ms": last.tolist(), "own_phase_marks_ms": x["marks"],
            "breakdown": parts, "breakdown_device": device_parts,
            "breakdown_error": error, "peak_memory_gb": x["peak_gb"], "weights_digest": digest,
-           "slots": x["slots"], "host_lead": summarize_leads(x["leads"])}
+           "slots": x["slots"], "host_lead": summarize_leads(x["leads"]),
+           "compiles": [int(c) for c in compiles.tolist()]}
     if ctx.rank == 0:
         out["schedules"] = x["figures"]
     return out

@@ -236,6 +236,8 @@ def _arm_summary(a: dict, mine: list[dict], batches: dict, *, world: int, peak: 
         "trimmed_mean_ms": 1e3 * tm, "median_ms": 1e3 * statistics.median(s), "mean_ms": 1e3 * statistics.fmean(s),
         "min_ms": 1e3 * min(s), "max_ms": 1e3 * max(s), "stdev_ms": 1e3 * (statistics.stdev(s) if len(s) > 1 else 0.0),
         "step_ms": [1e3 * x for x in s],
+        # compile events of each measured step, the most on any rank (None: a result from before they were counted)
+        "compiles": a.get("compiles"),
         "tokens_per_s_per_gpu": statistics.fmean(tokens) / tm / world,
         "tflops_per_gpu": statistics.fmean(flops) / tm / world / 1e12,
         "mfu": (statistics.fmean(flops) / tm / world / (peak * 1e12)) if peak else None,
@@ -377,4 +379,33 @@ def checks(summary: dict, device_type: str) -> list[dict]:
             continue
         out.append({"target": target, "value": v, "per_run": ratios[name]["per_run"], "runs": runs,
                     "pass": within(v, threshold, ">=") if applies else None})
+    steady = steady_check(summary)
+    return out + ([steady] if steady else [])
+
+
+def compiled_steps(summary: dict) -> dict[str, list[int]]:
+    """Per arm, its measured steps' compile events over every run, in order (arms from results that predate the
+    count are left out)."""
+    out: dict[str, list[int]] = {}
+    for run in summary["runs"]:
+        for label, a in run["arms"].items():
+            if a.get("compiles") is not None:
+                out.setdefault(label, []).extend(a["compiles"])
     return out
+
+
+def steady_check(summary: dict) -> dict | None:
+    """"No measured step compiled": a step that compiles times the compiler (``harness.bench.compiles``), so every
+    figure of its arm - means, ratios, MFU - is off. It applies everywhere (a smoke's too); None for a result without
+    the count. ``value``: how many measured steps compiled, over every arm and run; ``validity``: it judges the
+    measurement, not a target (a page with no target that applies still fails on it)."""
+    per_arm = compiled_steps(summary)
+    if not per_arm:
+        return None
+    bad = {label: sum(c > 0 for c in cs) for label, cs in per_arm.items()}
+    n = sum(bad.values())
+    where = ", ".join(f"{label} {k} of {len(per_arm[label])}" for label, k in bad.items() if k)
+    return {"target": "no measured step compiled (the times are the step's, not the compiler's)"
+                      + (f": {where}" if where else ""),
+            "value": n, "shown": f"{n} of {sum(len(cs) for cs in per_arm.values())} steps compiled",
+            "per_run": [], "runs": len(summary["runs"]), "pass": n == 0, "validity": True}

@@ -58,8 +58,10 @@ def add_arguments(p) -> None:
                         "or sequences:K")
     p.add_argument("--arms", default=None, help="comma list of layout:scheduler[:padding][@exchange][+scope] "
                                                 "(scope: segments or chain; default thd:dp-balanced,dcp:balanced,dcp:megatron-dev)")
-    p.add_argument("--warmup", type=T.REPEATS0, default=None)
-    p.add_argument("--iters", type=T.REPEATS, default=None)
+    p.add_argument("--warmup", type=T.REPEATS0, default=None,
+                   help="unmeasured steps per arm first (10; with --cpu 1, or 2 when it compiles): a measured step "
+                        "that compiles fails the check 'no measured step compiled'")
+    p.add_argument("--iters", type=T.REPEATS, default=None, help="measured steps per arm and run (30; 3 with --cpu)")
     p.add_argument("--profile-iters", type=T.REPEATS0, default=None, help="profiled steps per arm for the breakdown (2)")
     p.add_argument("--runs", type=T.REPEATS, default=None,
                    help="independent repetitions (each re-calibrates and reruns every arm); targets are judged on "
