@@ -53,7 +53,6 @@ from harness.stack.checks import TOLERANCES as STACK_TOLERANCES
 from harness.stack.checks import tolerances
 from harness.train.config import TrainConfig, execution_line, longest_sequence, model_cost
 from harness.train.layouts import LayoutConfig, LayoutError, plan, static_cp_for
-from harness.train.records import load
 
 TOLERANCES = {dtype: t["loss"] for dtype, t in STACK_TOLERANCES.items()}
 """Loss bands per precision (``harness.stack.checks.TOLERANCES``): fp32 1e-5 per step and on average; bf16 2e-3 per
@@ -241,11 +240,6 @@ def evaluate(rows: dict[str, list[dict]], cfg: TrainConfig, world: int, hw: str,
     return checks
 
 
-def _probes(res: dict) -> list[dict]:
-    """Every rank's probes of a job's result, their large records read back from the files the ranks wrote."""
-    return [{"probes": {layout: load(p) for layout, p in r["probes"].items()}} for r in res["ranks"]]
-
-
 def _mtp_key(layout: str, k: int) -> str:
     """A golden's key for the loss curve of MTP depth ``k + 1`` of ``layout``."""
     return f"{layout}:mtp{k + 1}"
@@ -309,7 +303,8 @@ def _plan_every_step(cfg: TrainConfig, n: int, static_cp: int, execution=None) -
 
 def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden: str = "auto", progress=print,
         report: bool = True, run_dir: Path | None = None, stall_s: float | None = None,
-        plant: str | None = None, reference_mode: str = "run", nodes: Nodes | None = None) -> ConvergeResult | None:
+        plant: str | None = None, reference_mode: str = "run", nodes: Nodes | None = None,
+        references: dict | None = None) -> ConvergeResult | None:
     """Train, check, report. ``golden``: ``auto`` (compare if a golden exists for this case),
     ``require`` (missing golden is an error), ``update`` (write it), ``off``. ``run_dir``: write into
     this (existing, caller-owned) folder instead of a new ``out_root/converge-<time>``. ``stall_s``: fail
@@ -320,7 +315,9 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
     PP or EP) and judges every layout against it; ``off`` skips it - without a golden the verdict is then
     ``NO REFERENCE``. ``nodes``: this machine of a multi-node job (``harness.jobs.nodes``; every node calls ``run``
     with the same arguments and ``world``, the job's whole world): every node trains its share of the ranks, node 0
-    also trains the reference and writes the report; the other nodes return None."""
+    also trains the reference and writes the report; the other nodes return None. ``references``: a dict the caller
+    keeps across runs (``TrainedReferences``): a reference it holds for the same configuration is reused instead of
+    trained again (a pipeline case and its PP = 1 case share theirs: the reference runs neither pipeline nor CP)."""
     # lazy: looked up at each call; tests replace harness.jobs.entry.launch
     from harness.jobs.entry import launch
 
@@ -385,25 +382,20 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
         ref_rows, ref_checks, ref_routes = None, [], None
         if with_probes:
             progress(f"  {reference.name()}: the same model, corpus, seed and batches, whole sequences packed (thd)")
-            ref_cfg = reference.config(cfg)
-            ref = launch("converge", 1, tmp / "reference_raw.json",
-                         {**ref_cfg.to_dict(), "metrics_path": str(tmp / "reference.jsonl"), "probe_dir": str(probe_dir / "ref"),
-                          **around},
-                         stream=lambda line: progress("  " + line.replace(f"[{reference.REF_LAYOUT:4s}]", "[ref ]", 1))
-                         if line.startswith("[") else None, stall_s=stall_s,
-                         log=out_root / "logs" / f"{cid}-reference-{stamp}.log")
-            ref_rows = ref["ranks"][0]["layouts"][reference.REF_LAYOUT]
-            ref_routes = route_rule.load((ref["ranks"][0].get("routes") or {}).get(reference.REF_LAYOUT))
+            trained = reference.trained({**reference.config(cfg).to_dict(), **around}, tmp, probe_dir / "ref", cid,
+                                        progress=progress, stall_s=stall_s,
+                                        log=out_root / "logs" / f"{cid}-reference-{stamp}.log", references=references)
+            ref_rows = trained["rows"]
+            ref_routes = route_rule.load(trained["routes"])
             spans, route_checks = {}, []
             for layout in rows:
                 spans[layout], more = route_span(f"{layout}{reference.tag(cfg)} vs {reference.name()}", cfg,
                                                  routes.get(layout), ref_routes)
                 route_checks += more
-            ref_checks = reference.checks(rows, _probes(res), ref_rows, _probes(ref), cfg, compare=_compare,
+            ref_checks = reference.checks(rows, reference.probes_of(res), ref_rows, trained["probes"], cfg, compare=_compare,
                                           span=spans) + route_checks
             for c in ref_checks:
                 c["reference"] = True
-            (tmp / "reference_raw.json").unlink()
         shutil.rmtree(probe_dir, ignore_errors=True)
         exercise = dcp_exercise(rows, cfg.domain(world))
         checks = evaluate(rows, cfg, world, hw, golden=gold, routes=routes) + ref_checks + exercise_checks(exercise)

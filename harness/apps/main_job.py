@@ -68,14 +68,15 @@ CASES = (("convergence", "convergence", ""), ("pipeline", "convergence under pip
 """(result key, progress title, check label) of the main job's convergence cases, in run order."""
 
 
-def _converge(spec: dict, default: dict, run_dir: Path, out_root: Path, stall_s, what: str):
+def _converge(spec: dict, default: dict, run_dir: Path, out_root: Path, stall_s, what: str, references: dict):
     c = dict(spec)
     world = c.pop("world")
     pipe = f", {c['pp']} pipeline stages" if c.get("pp", 1) > 1 else ""
     print(f"{what}: {c['model']}, {world} gloo ranks{pipe}, {c['steps']} steps, layouts bshd / thd / dcp")
     golden = "require" if spec == default else "auto"  # the defaults have committed goldens
     return converge.run(TrainConfig(**c), world=world, golden=golden, run_dir=run_dir,
-                        progress=lambda s: print(s, flush=True), out_root=out_root, stall_s=stall_s)
+                        progress=lambda s: print(s, flush=True), out_root=out_root, stall_s=stall_s,
+                        references=references)
 
 
 def run(*, quick_batches: int = 3, out_root: Path | str = REPORTS, convergence: dict | None = DEFAULT_CONVERGENCE,
@@ -90,10 +91,11 @@ def run(*, quick_batches: int = 3, out_root: Path | str = REPORTS, convergence: 
     try:
         specs = {"convergence": (convergence, DEFAULT_CONVERGENCE), "pipeline": (pipeline, DEFAULT_PIPELINE),
                  "hybrid": (hybrid, DEFAULT_HYBRID)}
-        runs = {}
+        runs, references = {}, {}  # the one-stage and pipeline cases share their reference (one rank, no PP)
         for i, (key, title, _) in enumerate(CASES, 1):
             spec, default = specs[key]
-            runs[key] = _converge(spec, default, tmp / key, out_root, stall_s, f"[{i}/{STEPS}] {title}") if spec else None
+            runs[key] = _converge(spec, default, tmp / key, out_root, stall_s, f"[{i}/{STEPS}] {title}",
+                                  references) if spec else None
         return _rest(t0, quick_batches, tmp, out_root, runs, faults)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

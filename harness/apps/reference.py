@@ -24,12 +24,16 @@ layout rule), gradient norms to 2e-2 relative, step-1 gradients to 5e-2 and toke
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 from harness.faults.checks import gradient_deviations, token_accounting, token_loss_deviations
 from harness.finite import nonfinite_message, within, worst
+from harness.io import atomic_write_bytes
 from harness.stack.checks import REF_LAYOUT, tolerances
 from harness.train.config import PROBE_SUFFIX, TrainConfig, longest_sequence
+from harness.train.records import load
 
 FP32_PROBE_CUDA = 1e-4
 """The step-1 bands of the fp32 probe step on GPUs: fp32 without TF32 (``harness.train.trainer``), attention by the
@@ -52,6 +56,48 @@ def config(cfg: TrainConfig) -> TrainConfig:
     return replace(cfg, layouts=(REF_LAYOUT,), pp=1, vpp=1, pipeline="1f1b", schedule_delivery="broadcast",
                    expert_parallel=False, probes=True, weights="per-call", optimizer="replicated", token_bucket=0,
                    max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest_sequence(cfg)))
+
+
+def key(job: dict) -> str:
+    """What identifies a trained reference (``trained``'s ``references``): its whole job configuration - the
+    reference's ``TrainConfig`` (model, corpus, seed, steps, dtype, device...) and any planted fault."""
+    return json.dumps(job, sort_keys=True, default=str)
+
+
+def probes_of(res: dict) -> list[dict]:
+    """Every rank's probes of a ``converge`` job's result, their large records read back from the files the ranks
+    wrote."""
+    return [{"probes": {layout: load(p) for layout, p in r["probes"].items()}} for r in res["ranks"]]
+
+
+def trained(job: dict, run_dir: Path, probe_dir: Path, case: str, *, progress, stall_s, log: Path,
+            references: dict | None = None) -> dict:
+    """The reference of a ``converge`` run: ``job`` (``config(cfg)``'s dict and any planted fault) trained on one rank
+    now, or the run ``references`` already holds for the same ``key`` - a dict a caller keeps across the runs of one
+    job (the main job's one-stage and pipeline cases share their reference: it runs neither pipeline nor CP).
+    Returns its ``rows``, ``routes`` (the recorded routes' entry, or None), ``probes`` (``probes_of``, in memory),
+    ``metrics`` (its metrics JSONL, written to ``run_dir/reference.jsonl`` either way) and the ``case`` that trained
+    it."""
+    from harness.jobs.entry import launch  # lazy: looked up at each call; tests replace it
+
+    metrics = run_dir / "reference.jsonl"
+    got = (references or {}).get(key(job))
+    if got is not None:
+        progress(f"  the same reference as case {got['case']} of this job: its run is reused")
+        if got["metrics"] is not None:
+            atomic_write_bytes(metrics, got["metrics"])
+        return got
+    raw = run_dir / "reference_raw.json"
+    res = launch("converge", 1, raw, {**job, "metrics_path": str(metrics), "probe_dir": str(probe_dir)},
+                 stream=lambda line: progress("  " + line.replace(f"[{REF_LAYOUT:4s}]", "[ref ]", 1))
+                 if line.startswith("[") else None, stall_s=stall_s, log=log)
+    rank0 = res["ranks"][0]
+    got = {"rows": rank0["layouts"][REF_LAYOUT], "routes": (rank0.get("routes") or {}).get(REF_LAYOUT),
+           "probes": probes_of(res), "metrics": metrics.read_bytes() if metrics.exists() else None, "case": case}
+    raw.unlink()
+    if references is not None:
+        references[key(job)] = got
+    return got
 
 
 def name() -> str:

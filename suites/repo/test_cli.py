@@ -102,6 +102,9 @@ def test_main_job_writes_a_complete_report(tmp_path, faults):
         assert "Pipeline: one step per layout" in html and "converge__tiny_gpt__w4_pp2__m512__fp32" in html
         assert "dcp (pp 2) vs reference" in html
         assert (run / "pipeline" / "metrics.jsonl").read_text().count("\n") == 6
+        # the pipeline case's reference is the one-stage case's run (one rank, no PP): trained once
+        assert r.stdout.count("the same reference as case converge__tiny_gpt__w4") == 1
+        assert (run / "pipeline" / "reference.jsonl").read_bytes() == (run / "convergence" / "reference.jsonl").read_bytes()
         # the pipeline case records the chunk prices it planned with, which its report's simulated bubble reads
         from harness.runtime.model_config import pipeline_shares
 

@@ -109,7 +109,7 @@ def _stack(case: NightlyCase, root: Path, prod: dict, stall_s) -> dict:
     return history.stack_entry(res, case, root=root, producer=prod)
 
 
-def _one(case: NightlyCase, root: Path, prod: dict, stall_s) -> dict:
+def _one(case: NightlyCase, root: Path, prod: dict, stall_s, references: dict | None = None) -> dict:
     # lazy: imports torch; the CLI imports this module without it
     from harness.apps import converge
 
@@ -117,7 +117,7 @@ def _one(case: NightlyCase, root: Path, prod: dict, stall_s) -> dict:
         return _stack(case, root, prod, stall_s)
     try:
         res = converge.run(case.cfg, world=case.world, out_root=root / "runs", golden="auto", stall_s=stall_s,
-                           progress=lambda s: print(s, flush=True))
+                           progress=lambda s: print(s, flush=True), references=references)
     except JobFailure as e:
         print(f"nightly {case.case_id}: the job failed: {e}", flush=True)
         return history.failure(case, str(e), prod)
@@ -132,11 +132,11 @@ def run_cases(cases: list[NightlyCase], *, root: Path | str, stall_s: float | No
     root, json_path = Path(root), None if json_path is None else Path(json_path)
     root.mkdir(parents=True, exist_ok=True)
     prod, started = producer("dcp-harness nightly"), dt.datetime.now().isoformat(timespec="seconds")
-    entries = []
+    entries, references = [], {}  # a model's cases on one stage and on two share their reference (one rank, no PP)
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.case_id} ({case.role})", flush=True)
         try:
-            e = _one(case, root, prod, stall_s)
+            e = _one(case, root, prod, stall_s, references)
         except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM / SIGHUP (``Terminated``) while the case's job ran
             _interrupted(case, stop, root, prod)
             raise
