@@ -34,7 +34,8 @@ def job(rank: int, world: int, cfg: dict) -> dict:
         dist.all_reduce(t)
         total += t
         time.sleep(float(cfg.get("step_s", 0.05)))
-    return {"rank": rank, "total": float(total), "comm": _process_name()}
+    # the string hash: one seed for every rank the zygote forked, a seed of its own for a fresh process
+    return {"rank": rank, "total": float(total), "comm": _process_name(), "hash": hash("dcp-harness")}
 
 
 def _process_name() -> str | None:

@@ -127,12 +127,16 @@ def test_a_cpu_job_forks_its_ranks_and_gives_what_fresh_ranks_give(tmp_path, mon
     cfg = {"device": "cpu", "steps": 3}
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # each fresh process draws its own string hash seed
     forked = launch("selftest", 4, tmp_path / "a" / "out.json", cfg, stall_s=60)
     monkeypatch.setenv(zygote.ENV, "0")
     fresh = launch("selftest", 4, tmp_path / "b" / "out.json", cfg, stall_s=60)
     assert [r["total"] for r in forked["ranks"]] == [r["total"] for r in fresh["ranks"]] == [12.0] * 4
     assert {r["comm"] for r in forked["ranks"]} == {f"dcp-rank{r}" for r in range(4)}
     assert not any(r["comm"].startswith("dcp-") for r in fresh["ranks"])
+    # forked ranks share the zygote's hash seed, so a rank-to-rank difference from iterating a set of strings shows
+    # only on fresh ranks (test_fresh_ranks.py trains on them)
+    assert len({r["hash"] for r in forked["ranks"]}) == 1 and len({r["hash"] for r in fresh["ranks"]}) == 4
     assert not zygote.forked_alive()
 
 
