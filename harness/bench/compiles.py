@@ -11,7 +11,9 @@ The count is the sum of torch's compile counters (``torch._dynamo.utils.counters
 (``stats/unique_graphs``), AOTAutograd compilations (``aot_autograd/total``) and Inductor graphs built or loaded
 from its cache (``inductor/fxgraph_cache_miss`` and ``fxgraph_cache_hit``: a backward graph compiles at its
 first backward, so it is counted where it is built). One compilation moves several of them: the figure says
-whether and roughly how much a step compiled, not how many frames.
+whether and roughly how much a step compiled, not how many frames. Not counted: a CUDA graph recorded for a new
+shape under ``compile=reduce-overhead`` (a recording is no compilation; that mode records once per token multiple,
+so a multiple first seen in a measured step records there).
 """
 
 from __future__ import annotations
