@@ -28,7 +28,8 @@ from harness.plan.errors import PlanInputError
 
 LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "optimizer", "groups", "pipeline", "model", "replay",
           "step-wise")
-SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-hybrid", "train-reinit",
+SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-pp-mtp", "train-hybrid",
+             "train-reinit",
              "train-ep", "train-fused", "train-dist-opt", "train-bucketed", "train-a2a", "train-bf16", "verify-bf16",
              "replay", "plan", "stepwise")
 
@@ -233,6 +234,23 @@ FAULTS: tuple[Fault, ...] = (
           url=MEGATRON + "2000", layer="model", seam="harness.train.passes:mtp_columns",
           make=tf.make_mtp_shift_after_split, check="step1-gradients", expect=r"step-1 gradient of .* differs",
           scenario="train-mtp"),
+    Fault(name="mtp-embedding-grad-dropped", title="the MTP stage's embedding gradient never reaches the table's owner",
+          source="Megatron-Bridge PR #5380: the embedding group was the generic first + last stage, which left a "
+                 "standalone MTP stage out (untied output), so its embedding lookups' gradient was never combined "
+                 "with the first stage's and the live MTP embedding diverged",
+          url="https://github.com/NVIDIA-NeMo/Megatron-Bridge/pull/5380", layer="pipeline",
+          seam="harness.train.shared_embedding:gather_grad", make=tf.make_embedding_grad_dropped,
+          check="step1-gradients", expect=r"step-1 gradient of embed\.weight on rank \d differs",
+          scenario="train-pp-mtp"),
+    Fault(name="mtp-embedding-replica-stale", title="the MTP stage's embedding replica never takes the update",
+          source="Megatron-Bridge PR #5380: the MTP stage's copy of the embedding drifted from the first stage's "
+                 "during training (a resumed run, which loads it as a replica of the first stage's, jumped in MTP "
+                 "loss); Megatron-LM PR #5034: the MTP stage's duplicate of word_embeddings missed the tag the "
+                 "first stage's copy has",
+          url="https://github.com/NVIDIA-NeMo/Megatron-Bridge/pull/5380", layer="pipeline",
+          seam="harness.train.shared_embedding:refresh", make=tf.make_embedding_replica_stale,
+          check="shared-replica", expect=r"after step 1 the embedding on ranks \[2, 3\] differs from the first stage's",
+          scenario="train-pp-mtp"),
     Fault(name="ssm-state-across-sequences", title="SSM scan state carried across a sequence boundary",
           source="Mamba kernels on packed sequences need seq_idx / cu_seqlens (Megatron-LM PR #2000: MambaMixer "
                  "under dynamic CP)",

@@ -5,7 +5,7 @@ In-run checks stop the run where they fire (every rank raises the same error): `
 (``harness.plan.validate_schedule`` on the blocks every rank runs, in ``harness.train.layouts.deliver``),
 ``group-audit`` (``harness.parallel.audit``) and ``expert-dispatch`` (``harness.parallel.expert_parallel``). The others compare a run's probes
 (``harness.train.probes``) with the clean bshd run of the same scenario, or need no reference at all
-(``token-accounting``, ``replica-consistency``). Numeric checks carry a tolerance; their margin is
+(``token-accounting``, ``replica-consistency``, ``shared-replica``). Numeric checks carry a tolerance; their margin is
 observed deviation / tolerance (fp32 on CPU: the clean dynamic-CP run stays within ~2e-7 of bshd on
 every one of them, so 1e-5 leaves ~50x for noise and every fault is ~1e3x past it).
 """
@@ -28,6 +28,8 @@ CHECKS: dict[str, str] = {
                        "(in the run, before the tokens' all-to-all)",
     "token-accounting": "at step 1 every position of every sequence is trained exactly once over all ranks",
     "replica-consistency": "after every step all ranks hold bit-identical parameters",
+    "shared-replica": "after every step the embedding replica of a pipeline's last stage (multi-token prediction) is "
+                      "bit-identical to the first stage's table",
     "step1-gradients": "at step 1 every parameter's reduced gradient on every rank equals the bshd run's (relative)",
     "clipped-gradients": "at step 1 every parameter's clipped gradient (what the optimiser gets) equals the bshd run's",
     "token-loss": "at step 1 each sequence's token losses equal the bshd run's (relative L2 over its tokens)",
@@ -147,6 +149,23 @@ def replica_consistency(ref, got, layout) -> Alarm | None:
     return None
 
 
+def shared_replica(ref, got, layout) -> Alarm | None:
+    """The embedding a pipeline's first and last stages share (``harness.train.shared_embedding``): every rank that
+    holds it recorded its digest after each step (``Probes.embedding``); the last stage's must equal the first's."""
+    held = {rank: r["probes"][layout].get("embedding") or [] for rank, r in enumerate(got)}
+    held = {rank: d for rank, d in held.items() if d}
+    if not held:
+        return None
+    owners = [rank for rank in held if got[rank]["probes"][layout].get("stage", 0) == 0] or sorted(held)
+    for step in range(min(len(d) for d in held.values())):
+        table = held[owners[0]][step]
+        odd = sorted(rank for rank, d in held.items() if d[step] != table)
+        if odd:
+            return Alarm("shared-replica", f"after step {step + 1} the embedding on ranks {odd} differs from the first "
+                         f"stage's table (rank {owners[0]})", {"step": step + 1, "ranks": odd})
+    return None
+
+
 def gradient_deviations(ref, got, layout, key: str = "grads", ref_layout: str = "bshd") -> dict[str, tuple[float, int]]:
     """Per parameter, the worst relative L2 distance over the ranks that hold it of its step-1 gradient
     (``key``: ``grads`` reduced, ``clipped`` after clipping) from the reference's, and that rank."""
@@ -226,6 +245,7 @@ BF16_CHECKS = {"token-accounting": token_accounting, "replica-consistency": repl
 step's (``TrainConfig.fp32_probe``)."""
 
 TRAIN_CHECKS = {"token-accounting": token_accounting, "replica-consistency": replica_consistency,
+                "shared-replica": shared_replica,
                 "token-loss": token_loss, "step1-gradients": step1_gradients,
                 "clipped-gradients": clipped_gradients, "grad-norm": grad_norm,
                 "loss-curve": loss_curve}

@@ -69,6 +69,9 @@ SEAMS: dict[str, str] = {
     "harness.plan.generator_output:check_step_wise_fields": "step-wise validation of a generator's output",
     "harness.train.pipeline:split": "the global layers of every stage's virtual chunks (the layer offsets)",
     "harness.train.pipeline:pre_process": "whether a virtual chunk embeds the micro-batch's tokens (model chunk 0 only)",
+    "harness.train.shared_embedding:gather_grad": "the last stage's embedding-replica gradient added to the first "
+                                                  "stage's (multi-token prediction under a pipeline)",
+    "harness.train.shared_embedding:refresh": "the first stage's updated embedding sent to the last stage's replica",
     "harness.train.step:_global_norm": "the whole model's gradient norm a run reports (summed over pipeline stages)",
     "harness.train.passes:mtp_loss_scales": "the weight of each multi-token prediction depth's summed loss",
     "harness.train.passes:ssm_sequences": "the sequences the SSM mixer's conv and scan run over (restarting at each)",

@@ -241,6 +241,23 @@ def make_clip_by_stage_norm(original):
     return clip_gradients
 
 
+def make_embedding_grad_dropped(original):
+    """The replica's gradient is left where it is: the first stage steps its table by the trunk's lookups alone, and
+    the last stage's replica gradient stays behind (Megatron-Bridge #5380: the MTP stage outside the embedding
+    group)."""
+    def gather_grad(model, stage, group):
+        return None
+    return gather_grad
+
+
+def make_embedding_replica_stale(original):
+    """The updated table is never sent to the last stage: from step 2 the MTP block looks its tokens up in the
+    initial table (Megatron-Bridge #5380: the live MTP embedding diverged from the first stage's)."""
+    def refresh(model, stage, group, first_rank):
+        return None
+    return refresh
+
+
 # ------------------------------------------------------------------ model components and groups
 def make_mtp_shift_after_split(original):
     """Multi-token prediction's inputs and labels shifted on the rank's zig-zag slice, after the CP split:

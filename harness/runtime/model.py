@@ -277,8 +277,9 @@ class TinyLM(nn.Module):
         return x, aux
 
     def mtp_hidden(self, k: int, h_TE, tokens_T, rot: Rotary, real_T, attention: Attention, mixing=None):
-        """Depth k's hidden states (``harness.runtime.mtp``) from depth k - 1's (``h_TE``)."""
-        return self.mtp[k - 1](h_TE, tokens_T, rot, real_T, attention, mixing)
+        """Depth k's hidden states (``harness.runtime.mtp``) from depth k - 1's (``h_TE``), the tokens looked up in the
+        model's embedding (shared with the trunk; on a pipeline's last stage a replica, ``harness.train.shared_embedding``)."""
+        return self.mtp[k - 1](h_TE, self.embed(tokens_T), rot, real_T, attention, mixing)
 
     def fuses_loss(self) -> bool:
         """Whether ``token_losses`` runs the whole model and its loss head as one compiled chain (compiled,

@@ -7,9 +7,10 @@ the model's head predicts ``t_{i+k+1}``. The shifted inputs ``t_{i+k}``, labels 
 (the last k positions of a sequence have no target) are made *per sequence before the CP split*
 (``harness.train.trainer``): a shift after the split would cross chunk and sequence boundaries.
 
-Departure from DeepSeek-V3 / Megatron: each MTP block has its own embedding table instead of sharing
-the main one, so that a pipeline keeps MTP on its last stage without sending the first stage's
-embedding there (the head is shared: it lives on the last stage anyway).
+The embedding is the model's own (``TinyLM.embed``), shared as in DeepSeek-V3 and Megatron, and so is the output
+head. A pipeline keeps MTP on its last stage and the embedding on its first: the last stage looks tokens up in a
+replica of the first stage's table, whose gradient joins the first stage's before the data-parallel reduction and
+which is refreshed from the first stage after every update (``harness.train.shared_embedding``).
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ class MTPLayer(nn.Module):
         super().__init__()
         self.depth = depth
         self.norm_h, self.norm_e = RMSNorm(c.hidden), RMSNorm(c.hidden)
-        self.embed = nn.Embedding(c.vocab, c.hidden)
         self.combine = nn.Linear(2 * c.hidden, c.hidden, bias=False)
         self.block = block
 
-    def forward(self, h_TE, tokens_T, rot: Rotary, real_T, attention: Attention, mixing=None):
-        """This depth's hidden states (before the final norm), from the previous depth's."""
+    def forward(self, h_TE, emb_TE, rot: Rotary, real_T, attention: Attention, mixing=None):
+        """This depth's hidden states (before the final norm), from the previous depth's and the embedding of the
+        tokens it is shifted to (the model's shared table)."""
         attention, mixing = layers.cp_ops(self, attention, mixing)
-        x = self.combine(torch.cat([self.norm_h(h_TE), self.norm_e(self.embed(tokens_T))], dim=-1))
+        x = self.combine(torch.cat([self.norm_h(h_TE), self.norm_e(emb_TE)], dim=-1))
         x, _ = self.block(x, rot, real_T, attention, mixing=mixing)
         return x

@@ -49,10 +49,12 @@ def param_digest(model, skip=None) -> str:
 class Probes:
     """What one rank records while training one layout (see the module doc)."""
 
-    def __init__(self, sequence_steps: int = 1, stage: int = 0, sharded: bool = False):
+    def __init__(self, sequence_steps: int = 1, stage: int = 0, sharded: bool = False, shared: bool = False):
         """``sharded``: experts are sharded over the ranks (expert parallelism): the digests cover the
-        replicated parameters only."""
-        self.sequence_steps, self.stage, self.sharded = sequence_steps, stage, sharded
+        replicated parameters only. ``shared``: this rank holds the embedding a pipeline's first and last stages share
+        (``harness.train.shared_embedding``): after every step a digest of it too (``embedding``)."""
+        self.sequence_steps, self.stage, self.sharded, self.shared = sequence_steps, stage, sharded, shared
+        self.embedding: list[str] = []
         self.sequences: list[dict] = []
         self.grads: dict[str, list] | None = None
         self.clipped: dict[str, list] | None = None
@@ -78,6 +80,8 @@ class Probes:
                             if p.grad is not None}
 
     def after_update(self, step: int, model) -> None:
+        if self.shared:
+            self.embedding.append(param_digest(model, skip=lambda name: name != "embed.weight"))
         if self.sharded:
             self.digests.append(param_digest(model, skip=is_expert_param))
         else:
@@ -86,7 +90,8 @@ class Probes:
     def result(self) -> dict:
         return {"sequences": [{"step": s["step"], "lengths": s["lengths"], **s["probe"].result()}
                               for s in self.sequences],
-                "grads": self.grads, "clipped": self.clipped, "grad_norms": self.grad_norms, "digests": self.digests, "stage": self.stage}
+                "grads": self.grads, "clipped": self.clipped, "grad_norms": self.grad_norms, "digests": self.digests, "stage": self.stage,
+                "embedding": self.embedding}
 
     def portable(self) -> dict:
         """``result`` with the gradients as nested lists: what a job returns through JSON when its ranks share no
@@ -113,4 +118,4 @@ class Probes:
                 arrays[f"{kind}:{name}"] = g
         np.savez(path, **arrays)
         return {"file": str(path), "grad_norms": self.grad_norms, "digests": self.digests, "stage": self.stage,
-                "sequences": [{"step": s["step"], "lengths": s["lengths"]} for s in full["sequences"]]}
+                "embedding": self.embedding, "sequences": [{"step": s["step"], "lengths": s["lengths"]} for s in full["sequences"]]}

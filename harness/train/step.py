@@ -34,7 +34,7 @@ from harness.parallel.groups import DynamicGroups
 from harness.parallel.reroute import SAMPLE_KEYS, ThdMicroBatch, build_microbatches, mtp_keys, reroute
 from harness.plan import Schedule, ScheduleError
 from harness.runtime import weight_cache
-from harness.train import layouts, passes, pipeline
+from harness.train import layouts, passes, pipeline, shared_embedding
 from harness.train.layouts import LayoutConfig
 
 
@@ -314,6 +314,10 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
     hooks = hooks or StepHooks()
     weight_cache.check_mode(weights)  # before any work: a bad mode is one clear error
     check_reducer(opt, hooks.reducer)
+    if hooks.reducer is not None and shared_embedding.shares(model, run.stage):
+        raise GradReduceError("a reducer hook reduces gradients during the backward, before the pipeline's last stage "
+                              "hands its embedding replica's gradient to the first stage (multi-token prediction under "
+                              "pp > 1): drop the hook (the step reduces after the backward) or run pp = 1")
     groups = run.groups
     t = time.perf_counter()
     if hooks.planned is None:
@@ -355,6 +359,9 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
                                        before_last=before_last, on_pass=hooks.on_pass)
     timeline.cp_sizes = [mb.local_cp_size for mb in mbs]
     _mark(hooks)
+    shared = shared_embedding.shares(model, run.stage)
+    if shared:  # the last stage's MTP lookups' gradient joins the table's owner, before the domain's reduction
+        shared_embedding.gather_grad(model, run.stage, groups.pipeline)
     if isinstance(opt, DistributedOptimizer):
         grad_norm = _sharded_reduce_and_clip(opt, hooks, groups, grad_clip, model, probes, step_index)
     else:
@@ -372,6 +379,8 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
     _mark(hooks)
     opt.step()
     grads.zero_()
+    if shared:  # the replica on the last stage takes the updated table
+        shared_embedding.refresh(model, run.stage, groups.pipeline, groups.layout.pipeline_ranks(groups.rank)[0])
     _mark(hooks)
     if probes is not None:
         probes.after_update(step_index, model)

@@ -182,7 +182,8 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
                 f.write(strict_json({k: v for k, v in row.items() if k != "timeline"}) + "\n")
 
     probed = cfg.probes and cfg.probed_in_fp32()
-    probes = {name: Probes(stage=stage.stage, sharded=cfg.expert_parallel)
+    shared = MODELS[cfg.model].mtp_depth > 0 and cfg.pp > 1 and (stage.first or stage.last)  # the embedding's holders
+    probes = {name: Probes(stage=stage.stage, sharded=cfg.expert_parallel, shared=shared)
               for layout in cfg.layouts for name in ((layout, layout + PROBE_SUFFIX) if probed else (layout,))} \
         if cfg.probes else {}
     shard = expert_parallel.ExpertShard(MODELS[cfg.model].experts, n, playout.position(rank)) \

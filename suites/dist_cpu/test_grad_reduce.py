@@ -130,3 +130,22 @@ def test_overlapped_reduction_equals_one_all_reduce_on_a_gloo_world(tmp_path):
         assert r["orders"] == [list(range(r["buckets"]))] * 2
         assert r["launched"] == [r["buckets"]] * 2 and r["buckets"] >= 3  # all from hooks, during the backward
     assert ranks[0]["orders"] == ranks[1]["orders"]
+
+
+def test_a_reducer_hook_is_refused_where_the_mtp_embedding_is_shared_between_stages():
+    """Under a pipeline the last stage hands its embedding replica's gradient to the first stage after the backward
+    (``harness.train.shared_embedding``); a hook that reduced during the backward would have summed the first stage's
+    gradient without it. The step refuses before any work, naming the fix."""
+    from types import SimpleNamespace
+
+    from harness.runtime.model import TinyLM
+    from harness.runtime.model_config import MODELS
+    from harness.train import pipeline, step
+
+    model = TinyLM(MODELS["tiny-gpt-mtp"])
+    run = SimpleNamespace(stage=pipeline.Stage.of(model.c.layers, 2, 1, 1), groups=None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(GradReduceError, match=r"before the pipeline's last stage hands its embedding replica's .* "
+                                              r"drop the hook .* or run pp = 1"):
+        step.train_step(model, run, "dcp", [8], {}, None, None, device="cpu", opt=opt, params=[], grads=None,
+                        hooks=step.StepHooks(reducer=SimpleNamespace()))

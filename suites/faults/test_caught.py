@@ -33,8 +33,8 @@ def _outcomes(scenario, tmp_path_factory) -> dict:
                          lambda: outcomes(scenario, names, tmp_path_factory.mktemp(f"faults-{scenario}")))
 
 
-@pytest.mark.parametrize("scenario", ["train", "train-small-batch", "train-dist-opt", "train-bucketed", "train-bf16", "verify-bf16",
-                                      "replay", "plan", "stepwise"])
+@pytest.mark.parametrize("scenario", ["train", "train-small-batch", "train-pp-mtp", "train-dist-opt", "train-bucketed",
+                                      "train-bf16", "verify-bf16", "replay", "plan", "stepwise"])
 def test_clean_runs_raise_no_alarm(scenario, tmp_path_factory):
     clean = _outcomes(scenario, tmp_path_factory)[None]
     assert clean["alarms"] == [] and clean["error"] is None, clean
@@ -73,7 +73,8 @@ def test_every_seam_is_live_and_a_passthrough_changes_nothing(tmp_path):
 
 
 MODEL_SEAM_MODULES = ("harness.train.passes", "harness.runtime", "harness.train.pipeline", "harness.train.step",
-                      "harness.parallel.ssm_cp", "harness.parallel.dist_opt", "harness.train.trainer")
+                      "harness.parallel.ssm_cp", "harness.parallel.dist_opt", "harness.train.trainer",
+                      "harness.train.shared_embedding")
 
 
 @pytest.mark.parametrize("cfg", [
@@ -96,6 +97,8 @@ def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg
     wanted = [s for s in seams if any(k in s for k in ssm) == (cfg["model"] == "tiny-hybrid")
               and ("mtp_columns" in s) <= (cfg["model"] == "tiny-gpt-mtp")
               and ("stage_view" in s) <= (cfg.get("pp", 1) > 1)
+              # the embedding's replica: multi-token prediction under a pipeline only
+              and ("shared_embedding" in s) == (cfg["model"] == "tiny-gpt-mtp" and cfg.get("pp", 1) > 1)
               # the fused weight mode accumulates in its GEMM, the others in the step copy's backward
               and ("fused_linear" in s) == (cfg.get("weights") == "fused")
               and ("weight_cache:accumulate" in s) == (cfg.get("weights") != "fused")
