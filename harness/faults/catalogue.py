@@ -242,6 +242,15 @@ FAULTS: tuple[Fault, ...] = (
           seam="harness.train.shared_embedding:gather_grad", make=tf.make_embedding_grad_dropped,
           check="step1-gradients", expect=r"step-1 gradient of embed\.weight on rank \d differs",
           scenario="train-pp-mtp"),
+    Fault(name="mtp-embedding-grad-after-reduce", title="the MTP stage's embedding gradient combined after the "
+                                                        "data-parallel reduction",
+          source="Megatron-LM issue #844: with the distributed optimiser the shared embedding's gradients were "
+                 "reduce-scattered over DP before the all-reduce between the first and last stage, which then added "
+                 "partial results: the ranks' embeddings took different gradients",
+          url="https://github.com/NVIDIA/Megatron-LM/issues/844", layer="pipeline",
+          seam="harness.train.shared_embedding:before_reduction", make=tf.make_embedding_grad_after_reduce,
+          check="step1-gradients", expect=r"step-1 gradient of embed\.weight on rank \d differs",
+          scenario="train-pp-mtp"),
     Fault(name="mtp-embedding-replica-stale", title="the MTP stage's embedding replica never takes the update",
           source="Megatron-Bridge PR #5380: the MTP stage's copy of the embedding drifted from the first stage's "
                  "during training (a resumed run, which loads it as a replica of the first stage's, jumped in MTP "

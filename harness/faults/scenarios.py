@@ -4,8 +4,9 @@
   every step mixes CP blocks of 1, 2 and 4 ranks (16 sequences a batch; the small batch has 3
   sequences of 200-400 tokens, fewer than the ranks). The clean run trains bshd and dcp; a fault run
   trains dcp only, with the fault active on every rank, and is judged against the clean bshd run.
-- ``train-pp-mtp``: multi-token prediction under 2 pipeline stages of 2 ranks: the MTP block on the last stage looks
-  its tokens up in a replica of the first stage's embedding (``harness.train.shared_embedding``).
+- ``train-pp-mtp``: multi-token prediction under 2 pipeline stages of 2 ranks and the distributed optimiser: the MTP
+  block on the last stage looks its tokens up in a replica of the first stage's embedding
+  (``harness.train.shared_embedding``).
 - ``train-ep``: the ``train`` run with the tiny MoE under expert parallelism (one expert per rank).
 - ``train-bucketed``: the ``train`` run with every thd / dcp micro-batch padded to a multiple of 16 tokens per rank
   (``bench step``'s token bucket, its default on CUDA): the padded step must still match the clean bshd run.
@@ -66,9 +67,10 @@ TRAIN_CONFIGS = {"train": TRAIN,
                                   "scheduler": "megatron-pr2000"},
                  # multi-token prediction (depth 1) and the Mamba-style hybrid "M*M-"
                  "train-mtp": {**TRAIN, "model": "tiny-gpt-mtp"},
-                 # multi-token prediction on the last of 2 stages: its embedding a replica of the first stage's table
+                 # multi-token prediction on the last of 2 stages: its embedding a replica of the first stage's
+                 # table; the distributed optimiser, whose reduce-scatter the replica's gradient must precede
                  "train-pp-mtp": {**TRAIN, "model": "tiny-gpt-mtp", "pp": 2, "max_seqlen_per_rank": 256,
-                                  "scheduler": "balanced"},
+                                  "scheduler": "balanced", "optimizer": "distributed"},
                  "train-hybrid": {**TRAIN, "model": "tiny-hybrid"},
                  # two layouts in one run: the dynamic groups are destroyed and created again in between
                  "train-reinit": TRAIN,

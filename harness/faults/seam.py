@@ -71,6 +71,8 @@ SEAMS: dict[str, str] = {
     "harness.train.pipeline:pre_process": "whether a virtual chunk embeds the micro-batch's tokens (model chunk 0 only)",
     "harness.train.shared_embedding:gather_grad": "the last stage's embedding-replica gradient added to the first "
                                                   "stage's (multi-token prediction under a pipeline)",
+    "harness.train.shared_embedding:before_reduction": "whether the replica's gradient joins the first stage's before "
+                                                       "the DP x CP reduction (or after it)",
     "harness.train.shared_embedding:refresh": "the first stage's updated embedding sent to the last stage's replica",
     "harness.train.step:_global_norm": "the whole model's gradient norm a run reports (summed over pipeline stages)",
     "harness.train.passes:mtp_loss_scales": "the weight of each multi-token prediction depth's summed loss",

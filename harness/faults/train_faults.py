@@ -250,6 +250,16 @@ def make_embedding_grad_dropped(original):
     return gather_grad
 
 
+def make_embedding_grad_after_reduce(original):
+    """The replica's gradient joins the first stage's after the DP x CP reduction (Megatron-LM issue #844: the
+    embedding's all-reduce between the first and last stage ran after the distributed optimiser's reduce-scatter and
+    added partial sums): the first stage's pieces are summed over the domain before the replica's unreduced share
+    joins them, and the norm and the clipping never see it."""
+    def before_reduction():
+        return False
+    return before_reduction
+
+
 def make_embedding_replica_stale(original):
     """The updated table is never sent to the last stage: from step 2 the MTP block looks its tokens up in the
     initial table (Megatron-Bridge #5380: the live MTP embedding diverged from the first stage's)."""

@@ -14,7 +14,7 @@ optimiser, its norm counted once); the last stage looks tokens up in a replica:
 Megatron all-reduces the two copies' gradients over an embedding group and steps both; sending the gradient one way
 and the weights back gives the same numbers and leaves the norm, the clipping and the optimiser (replicated or
 distributed) one copy of the table. Each function is a seam: ``harness.faults`` re-creates the gradient that never
-reaches the first stage and the replica that is never refreshed.
+reaches the first stage, the gradient combined after the reduction and the replica that is never refreshed.
 """
 
 from __future__ import annotations
@@ -26,6 +26,14 @@ import torch.distributed as dist
 def shares(model, stage) -> bool:
     """Whether ``model``'s embedding lives on two stages: multi-token prediction under a pipeline."""
     return model.c.mtp_depth > 0 and stage.pp > 1
+
+
+def before_reduction() -> bool:
+    """Whether ``gather_grad`` runs before the DP x CP reduction (it must: the replica's gradient is nobody's to reduce
+    on its own, so after the reduction each first-stage rank would add only its own pipeline's unreduced share, and
+    under the distributed optimiser to a buffer whose pieces are already summed elsewhere). A seam: ``harness.faults``
+    re-creates the order of Megatron-LM issue #844, the embedding's gradient combined after the reduce-scatter."""
+    return True
 
 
 def gather_grad(model, stage, group) -> None:

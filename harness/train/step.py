@@ -360,7 +360,8 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
     timeline.cp_sizes = [mb.local_cp_size for mb in mbs]
     _mark(hooks)
     shared = shared_embedding.shares(model, run.stage)
-    if shared:  # the last stage's MTP lookups' gradient joins the table's owner, before the domain's reduction
+    early = shared and shared_embedding.before_reduction()
+    if early:  # the last stage's MTP lookups' gradient joins the table's owner, before the domain's reduction
         shared_embedding.gather_grad(model, run.stage, groups.pipeline)
     if isinstance(opt, DistributedOptimizer):
         grad_norm = _sharded_reduce_and_clip(opt, hooks, groups, grad_clip, model, probes, step_index)
@@ -376,6 +377,8 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
             clip_gradients(params, grad_clip, groups.pipeline, **({"shards": shards} if shards else {}))
         if probes is not None:
             probes.after_clip(step_index, model)
+    if shared and not early:  # (only a fault orders it so)
+        shared_embedding.gather_grad(model, run.stage, groups.pipeline)
     _mark(hooks)
     opt.step()
     grads.zero_()
