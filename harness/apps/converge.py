@@ -316,7 +316,7 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
     ``NO REFERENCE``. ``nodes``: this machine of a multi-node job (``harness.jobs.nodes``; every node calls ``run``
     with the same arguments and ``world``, the job's whole world): every node trains its share of the ranks, node 0
     also trains the reference and writes the report; the other nodes return None. ``references``: a dict the caller
-    keeps across runs (``TrainedReferences``): a reference it holds for the same configuration is reused instead of
+    keeps across runs (``harness.apps.reference.trained``): a reference it holds for the same configuration is reused instead of
     trained again (a pipeline case and its PP = 1 case share theirs: the reference runs neither pipeline nor CP)."""
     # lazy: looked up at each call; tests replace harness.jobs.entry.launch
     from harness.jobs.entry import launch

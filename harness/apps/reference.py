@@ -24,6 +24,7 @@ layout rule), gradient norms to 2e-2 relative, step-1 gradients to 5e-2 and toke
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -86,7 +87,7 @@ def trained(job: dict, run_dir: Path, probe_dir: Path, case: str, *, progress, s
         progress(f"  the same reference as case {got['case']} of this job: its run is reused")
         if got["metrics"] is not None:
             atomic_write_bytes(metrics, got["metrics"])
-        return got
+        return {**got, "rows": copy.deepcopy(got["rows"])}  # a case's report never reaches another's rows
     raw = run_dir / "reference_raw.json"
     res = launch("converge", 1, raw, {**job, "metrics_path": str(metrics), "probe_dir": str(probe_dir)},
                  stream=lambda line: progress("  " + line.replace(f"[{REF_LAYOUT:4s}]", "[ref ]", 1))
