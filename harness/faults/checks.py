@@ -157,7 +157,11 @@ def shared_replica(ref, got, layout) -> Alarm | None:
     if not held:
         return None
     owners = [rank for rank in held if got[rank]["probes"][layout].get("stage", 0) == 0] or sorted(held)
-    for step in range(min(len(d) for d in held.values())):
+    counts = {rank: len(d) for rank, d in held.items()}
+    if len(set(counts.values())) > 1:  # a rank that stopped recording is not a rank that agreed
+        return Alarm("shared-replica", f"the ranks recorded the embedding after different numbers of steps: {counts}",
+                     {"ranks": sorted(counts)})
+    for step in range(min(counts.values())):
         table = held[owners[0]][step]
         odd = sorted(rank for rank, d in held.items() if d[step] != table)
         if odd:

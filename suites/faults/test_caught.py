@@ -130,3 +130,21 @@ def test_a_run_that_breaks_its_world_is_reported_and_the_rest_still_judged(tmp_p
     out = sc.run_batch("replay", ["no-such-fault"], tmp_path)
     assert out[None]["alarms"] == [] and out[None]["error"] is None
     assert out["no-such-fault"]["alarms"] == [] and "unknown fault 'no-such-fault'" in out["no-such-fault"]["error"]
+
+
+def test_the_shared_replica_check_names_a_differing_copy_and_a_missing_step():
+    """``shared-replica`` on made-up probes: equal digests pass; the last stage's differing copy is named with its step;
+    a rank that recorded fewer steps is an alarm, not a shorter comparison; ranks that hold no copy are left out."""
+    from harness.faults.checks import shared_replica
+
+    def rank(stage, digests):
+        return {"probes": {"dcp": {"stage": stage, "embedding": digests}}}
+
+    same = [rank(0, ["a", "b"]), rank(0, ["a", "b"]), rank(1, ["a", "b"]), rank(1, ["a", "b"])]
+    assert shared_replica(None, same, "dcp") is None
+    stale = [rank(0, ["a", "b"]), rank(0, ["a", "b"]), rank(1, ["a", "a"]), rank(1, ["a", "a"])]
+    alarm = shared_replica(None, stale, "dcp")
+    assert alarm.check == "shared-replica" and alarm.where == {"step": 2, "ranks": [2, 3]}
+    short = [rank(0, ["a", "b"]), rank(0, ["a", "b"]), rank(1, ["a"]), rank(1, ["a", "b"])]
+    assert "different numbers of steps" in shared_replica(None, short, "dcp").message
+    assert shared_replica(None, [rank(0, []), rank(0, [])], "dcp") is None  # no pipeline MTP: nothing to judge
