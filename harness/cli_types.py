@@ -107,6 +107,7 @@ WORLD = integer(1, MAX_WORLD, "a job needs a process", "torchrun starts every ra
 NODES = integer(1, 4096, "a job runs on at least one machine", "the node ranks of a job are counted in thousands at most")
 NODE_RANK = integer(0, 4095, "node ranks start at 0", "the node ranks of a job are counted in thousands at most")
 STAGES = integer(1, MAX_WORLD, "1 means no pipeline", f"stages divide the world of at most {MAX_WORLD} ranks")
+TP = integer(1, MAX_WORLD, "1 means no tensor parallelism", "TP ranks divide the world and each block's heads and FFN")
 CHUNKS = integer(1, MAX_VPP, "1 means no interleaving", "virtual chunks split the model's layers: a few per stage")
 STATIC_CP = integer(0, MAX_WORLD, "0 means the world size", f"a CP group of at most {MAX_WORLD} ranks")
 MICROBATCHES = integer(1, MAX_MICROBATCHES, "a step needs a micro-batch", "the benchmark holds every step's batch")

@@ -84,6 +84,7 @@ def case_id(cfg: TrainConfig, world: int) -> str:
     pipe = "" if cfg.pp == 1 else f"_pp{cfg.pp}" + (f"_vpp{cfg.vpp}" if cfg.vpp > 1 else "") + \
         ("_afab" if cfg.pipeline == "afab" else "")
     pipe += "_ep" if cfg.expert_parallel else ""
+    pipe += f"_tp{cfg.tp}" if cfg.tp > 1 else ""
     m = "" if cfg.max_seqlen_per_rank == DEFAULT_MAX_SEQLEN_PER_RANK else f"__m{cfg.max_seqlen_per_rank}"
     b = "" if cfg.corpus.sequences_per_batch == DEFAULT_BATCH else f"__b{cfg.corpus.sequences_per_batch}"
     L = "" if cfg.corpus.lengths == DEFAULT_LENGTHS else "__" + _lengths_tag(cfg.corpus.lengths)
@@ -98,12 +99,12 @@ def _lengths_tag(spec: str) -> str:
 
 
 def reference_case(cfg: TrainConfig, world: int) -> tuple[TrainConfig, int]:
-    """The case a pipelined or expert-parallel run must equal: the same run on one stage's DP x CP domain
-    with every expert on every rank (its golden is the pipeline's and the EP run's golden)."""
-    if cfg.pp == 1 and not cfg.expert_parallel:
+    """The case a pipelined, expert-parallel or tensor-parallel run must equal: the same run on one stage's DP x CP
+    domain with every expert and every head on every rank (its golden is theirs)."""
+    if cfg.pp == 1 and not cfg.expert_parallel and cfg.tp == 1:
         return cfg, world
     return replace(cfg, pp=1, vpp=1, pipeline="1f1b", schedule_delivery="broadcast",
-                   expert_parallel=False), world // cfg.pp
+                   expert_parallel=False, tp=1), world // (cfg.pp * cfg.tp)
 
 
 def hardware(cfg: TrainConfig) -> str:
@@ -335,9 +336,9 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
         get(plant)  # an unknown name: one line before anything starts
         if golden == "update":
             raise LayoutError(f"--plant {plant} with --update-golden would write a golden of a planted bug: drop one")
-    if golden == "update" and (cfg.pp > 1 or cfg.expert_parallel):
-        raise LayoutError(f"goldens are written by the PP = 1, non-expert-parallel case a pipeline or expert-parallel "
-                          f"run must equal; run: {_update_hint(cfg, world)}")
+    if golden == "update" and (cfg.pp > 1 or cfg.expert_parallel or cfg.tp > 1):
+        raise LayoutError(f"goldens are written by the PP = 1, TP = 1, non-expert-parallel case a pipeline, "
+                          f"tensor-parallel or expert-parallel run must equal; run: {_update_hint(cfg, world)}")
     cid, hw = case_id(cfg, world), hardware(cfg)
     gold = golden_of(cfg, world, golden)  # missing, corrupted, loose or short: fail before training
     if run_dir is None:
@@ -349,6 +350,9 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
     try:
         progress(f"converge {cid}: layouts {', '.join(cfg.layouts)} on {world} {cfg.device} ranks ({hw})")
         progress(f"  {execution_line(cfg, world)}")
+        if cfg.tp > 1:
+            progress(f"  tensor parallelism: {cfg.tp} ranks per position split each block's heads and FFN; "
+                     f"{cfg.pp} x a {cfg.domain(world)}-rank DP x CP domain x {cfg.tp}")
         if cfg.bucket():
             progress(f"  token bucket: every thd / dcp micro-batch padded to a multiple of {cfg.bucket()} tokens per rank"
                      + (" (auto on CUDA, as bench step; --token-bucket 0 turns it off)" if cfg.token_bucket == "auto" else ""))
@@ -516,6 +520,7 @@ def config_from_args(a) -> TrainConfig:
                       steps=a.steps, scheduler=a.scheduler, device=a.device, corpus=corpus,
                       cp_exchange=a.cp_exchange, pp=a.pp, vpp=a.vpp, pipeline=a.pipeline,
                       schedule_delivery=a.schedule_delivery, expert_parallel=bool(getattr(a, "ep", False)),
+                      tp=getattr(a, "tp", None) or 1,
                       dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
                       weights=getattr(a, "weights", None) or "cached",
                       optimizer=getattr(a, "optimizer", None) or "replicated",

@@ -49,13 +49,13 @@ and no golden): never PASS."""
 
 
 def config(cfg: TrainConfig) -> TrainConfig:
-    """The reference run of ``cfg``: one rank, thd of whole sequences, no pipeline, no expert parallelism,
+    """The reference run of ``cfg``: one rank, thd of whole sequences, no pipeline, no expert or tensor parallelism,
     probes on (step-1 gradients and token losses), weights cast at each call and accumulated by autograd (not the
     step's weight copies of ``harness.runtime.weight_cache``: the layouts' optimisation is judged, not shared), the
     replicated optimiser (the distributed one is judged against it), no token bucket (the layouts' padding is
     judged, not shared)."""
     return replace(cfg, layouts=(REF_LAYOUT,), pp=1, vpp=1, pipeline="1f1b", schedule_delivery="broadcast",
-                   expert_parallel=False, probes=True, weights="per-call", optimizer="replicated", token_bucket=0,
+                   expert_parallel=False, tp=1, probes=True, weights="per-call", optimizer="replicated", token_bucket=0,
                    max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest_sequence(cfg)))
 
 
@@ -102,13 +102,13 @@ def trained(job: dict, run_dir: Path, probe_dir: Path, case: str, *, progress, s
 
 
 def name() -> str:
-    return "reference (1 rank: no CP, PP or EP)"
+    return "reference (1 rank: no CP, PP, TP or EP)"
 
 
 def tag(cfg: TrainConfig) -> str:
     """What a layout of ``cfg`` runs beyond DP x CP, for its reference lines: `` (pp 2, vpp 2, ep)``."""
     parts = ([f"pp {cfg.pp}"] if cfg.pp > 1 else []) + ([f"vpp {cfg.vpp}"] if cfg.vpp > 1 else []) + \
-        (["ep"] if cfg.expert_parallel else [])
+        (["ep"] if cfg.expert_parallel else []) + ([f"tp {cfg.tp}"] if cfg.tp > 1 else [])
     return f" ({', '.join(parts)})" if parts else ""
 
 

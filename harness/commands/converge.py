@@ -17,7 +17,7 @@ DESCRIPTION = "Train the layouts side by side (torchrun: gloo on CPU, NCCL on GP
 def add_arguments(c) -> None:
     c.add_argument("--layouts", default="bshd,thd,dcp", help="comma-separated: bshd, thd, dcp")
     c.add_argument("--world", type=T.WORLD, default=4, help="ranks (processes or GPUs): pp stages of a power-of-two "
-                                                          "DP x CP domain")
+                                                          "DP x CP domain, times tp")
     c.add_argument("--steps", type=T.STEPS, default=50)
     c.add_argument("--model", default="tiny-gpt", help=f"one of {', '.join(MODELS)}")
     c.add_argument("--scheduler", default="balanced", help="dynamic-CP scheduler for the dcp layout")
@@ -30,6 +30,9 @@ def add_arguments(c) -> None:
                    help="attention with CP: the harness's own (default) or TransformerEngine's DotProductAttention in "
                         "THD, handed each micro-batch's CP group (te: --cp-exchange te:p2p unless another te: type)")
     c.add_argument("--pp", type=T.STAGES, default=1, help="pipeline stages (the world is pp stages of a DP x CP domain)")
+    c.add_argument("--tp", type=T.TP, default=1,
+                   help="tensor-parallel ranks: each dense block's heads and FFN split over them (Megatron's TP, no "
+                        "sequence parallelism); the world is pp x (DP x CP) x tp ranks, the reference unsplit")
     c.add_argument("--vpp", type=T.CHUNKS, default=1, help="virtual chunks per stage (interleaved 1F1B when > 1)")
     c.add_argument("--pipeline", choices=["1f1b", "afab"], default="1f1b",
                    help="pipeline schedule (1f1b, or afab: all forwards, then all backwards)")
@@ -64,7 +67,7 @@ def add_arguments(c) -> None:
     c.add_argument("--update-golden", action="store_true", help="write the golden of this case from this run")
     c.add_argument("--out", type=Path, default=None, help="report root (default reports/)")
     c.add_argument("--reference", choices=["run", "off"], default="run",
-                   help="also train the reference (one rank: no CP, PP or EP; harness.apps.reference) and judge every "
+                   help="also train the reference (one rank: no CP, PP, TP or EP; harness.apps.reference) and judge every "
                         "layout against it: losses, gradient norms, step-1 gradients and token losses (default "
                         "run); off: without a golden the verdict is NO REFERENCE")
     c.add_argument("--fp32-probe", choices=["on", "off"], default="on",

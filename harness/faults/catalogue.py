@@ -10,10 +10,6 @@ then runs it (``suites/faults``) and ``dcp-harness faults`` reports it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-
 from harness.faults import ep_faults as ep
 from harness.faults import model_faults as mf
 from harness.faults import optim_faults as of
@@ -21,9 +17,11 @@ from harness.faults import pipeline_faults as pf
 from harness.faults import rl_faults as rl
 from harness.faults import schedule_faults as sf
 from harness.faults import stack_faults as stf
+from harness.faults import tp_faults as tpf
 from harness.faults import train_faults as tf
 from harness.faults.checks import CHECKS
-from harness.faults.seam import SEAMS, replaced
+from harness.faults.fault import Fault
+from harness.faults.seam import SEAMS
 from harness.plan.errors import PlanInputError
 
 LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "optimizer", "groups", "pipeline", "model", "replay",
@@ -31,39 +29,11 @@ LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "optimizer", "gro
 SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-pp-mtp", "train-hybrid",
              "train-reinit",
              "train-ep", "train-fused", "train-dist-opt", "train-bucketed", "train-a2a", "train-bf16", "verify-bf16",
-             "replay", "plan", "stepwise")
+             "train-tp", "replay", "plan", "stepwise")
 
 
 class UnknownFaultError(PlanInputError):
     """A fault name that is not in the catalogue."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Fault:
-    name: str
-    """Id: the pytest id, the report key and the ``--only`` name."""
-    title: str
-    source: str
-    """The upstream report it re-creates: project, PR or issue, and what went wrong."""
-    url: str
-    layer: str
-    """What it breaks (``LAYERS``)."""
-    seam: str
-    """``module:function`` replaced for the length of the run (``harness.faults.seam.SEAMS``)."""
-    make: Callable[[Callable], Callable] = field(repr=False)
-    """``make(original) -> faulty function`` with the seam's signature."""
-    check: str
-    """The cheapest check that catches it (``harness.faults.checks.CHECKS``)."""
-    expect: str
-    """A regular expression the check's alarm message must match."""
-    scenario: str = "train"
-    """Which run exercises it (``SCENARIOS``; ``harness.faults.scenarios``)."""
-
-    @contextmanager
-    def applied(self) -> Iterator[Callable]:
-        """The fault, active for the ``with`` block only."""
-        with replaced(self.seam, self.make, label=self.name) as fn:
-            yield fn
 
 
 MEGATRON = "https://github.com/NVIDIA/Megatron-LM/pull/"
@@ -289,7 +259,7 @@ FAULTS: tuple[Fault, ...] = (
           check="expert-dispatch", expect=r"expert dispatch audit: MoE layer \d+: rank \d+ announces",
           scenario="train-ep"),
     # -- shared by every layout under PP / VPP / EP / MTP / the SSM mixer: the layouts agree with each other, only
-    #    the clean bshd run here and converge's reference (one rank, no CP, PP or EP) tell
+    #    the clean bshd run here and converge's reference (one rank, no CP, PP, TP or EP) tell
     Fault(name="pp-stage-layers-without-offset", title="every pipeline stage runs layers 0 .. n - 1 (no layer offset)",
           source="transformers PR #24381: converting to Megatron under PP, the layer offset was not applied and both "
                  "stages held layers.0 + layers.1",
@@ -433,6 +403,7 @@ FAULTS: tuple[Fault, ...] = (
           url="https://github.com/NVIDIA/Megatron-LM/issues/950", layer="optimizer",
           seam="harness.parallel.dist_opt:gather_params", make=of.make_first_bucket_not_gathered,
           check="replica-consistency", expect=r"parameters differ between ranks", scenario="train-dist-opt"),
+    *tpf.TP_FAULTS,
     Fault(name="replay-pp-offset-off-by-one", title="a PP stage replays the previous layer's routes",
           source="SkyRL PR #1335: _get_current_pp_stage_layer_range decides each stage's replay rows",
           url=SKYRL + "1335", layer="replay", seam="harness.train.replay:route_column",

@@ -77,6 +77,12 @@ SEAMS: dict[str, str] = {
     "harness.train.step:_global_norm": "the whole model's gradient norm a run reports (summed over pipeline stages)",
     "harness.train.passes:mtp_loss_scales": "the weight of each multi-token prediction depth's summed loss",
     "harness.train.passes:ssm_sequences": "the sequences the SSM mixer's conv and scan run over (restarting at each)",
+    "harness.parallel.tensor_parallel:enter": "a column-parallel matrix's replicated input (its gradient all-reduced "
+                                              "over the TP group)",
+    "harness.parallel.tensor_parallel:leave": "a row-parallel matrix's partial sums all-reduced over the TP group",
+    "harness.parallel.tensor_parallel:square_norm": "the squared gradient norm over the TP group (shards summed, "
+                                                    "replicated parameters once)",
+    "harness.parallel.groups:tp_group_ranks": "the global ranks of a position's tensor-parallel group",
     "harness.parallel.ulysses:replicate_kv": "the a2a CP exchange's copies of each K/V head (GQA, kv_heads < cp)",
     "harness.parallel.ssm_cp:pack_order": "the pack position of each row the SSM's CP exchange gathers (zig-zag inverse)",
 }

@@ -86,3 +86,33 @@ class CallAuditError(GroupAuditError):
                                     f"{used}'s operations (its group: ranks {list(got)}; this micro-batch's block: "
                                     f"ranks {list(want)}); modules must take their CP operations per call, never keep them")
         self.rank, self.microbatch, self.got, self.want = rank, microbatch, list(got), list(want)
+
+
+class TPGroupAuditError(GroupAuditError):
+    """A rank's tensor-parallel group is not the TP ranks of its (stage, position) (``audit_tp_group``)."""
+
+    def __init__(self, rank: int, got, want: list[int]):
+        RuntimeError.__init__(self, f"group audit: rank {rank}: the TP group holds ranks {list(got) if not isinstance(got, str) else got}, "
+                                    f"the TP ranks of its position are {list(want)}; the world's ranks are laid out TP "
+                                    f"fastest (tp-cp-ep-dp-pp): a TP group is consecutive ranks")
+        self.rank, self.microbatch, self.got, self.want = rank, None, got if isinstance(got, str) else list(got), list(want)
+
+
+def audit_tp_group(groups) -> None:
+    """Raise ``TPGroupAuditError`` on every rank when any rank's tensor-parallel group (``groups.tp_group``) is not the
+    ranks of its stage and position at every TP coordinate; nothing at tp = 1. Once per layout's run, over the whole
+    world (the TP groups themselves cannot be trusted to carry the verdict)."""
+    lay, rank = groups.layout, groups.rank
+    if lay.tp == 1:
+        return
+    want = [lay.rank_of(lay.position(rank), t, lay.stage(rank)) for t in range(lay.tp)]
+    try:
+        got = dist.get_process_group_ranks(groups.tp_group)
+    except (KeyError, ValueError, RuntimeError, AttributeError):
+        got = "no live group"
+    verdicts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, None if got == want else (rank, got, want))
+    bad = [v for v in verdicts if v]
+    if bad:
+        raise TPGroupAuditError(*min(bad, key=lambda v: v[0]))
+

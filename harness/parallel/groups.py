@@ -79,6 +79,13 @@ class ParallelLayout:
         return [self.rank_of(self.position(rank), self.tp_rank(rank), s) for s in range(self.pp)]
 
 
+def tp_group_ranks(layout: ParallelLayout, position: int, stage: int) -> list[int]:
+    """The global ranks of the tensor-parallel group at ``position`` of ``stage``: TP is the fastest coordinate
+    (Megatron's ``tp-cp-ep-dp-pp``), so they are consecutive. A seam: ``harness.faults`` re-creates a builder that
+    assumed another rank order."""
+    return [layout.rank_of(position, t, stage) for t in range(layout.tp)]
+
+
 def check_block(start: int, size: int, sizes: list[int], where: str = "block") -> None:
     """Raise ``GroupError`` unless ``[start, start + size)`` is one of the dynamic groups."""
     if size not in sizes:
@@ -148,6 +155,16 @@ class DynamicGroups:
                     self._created.append(group)
                     if rank in ranks:
                         self.host = group
+        self.tp_group = None
+        """This rank's tensor-parallel group (every TP rank of its stage and position), when tp > 1."""
+        if layout.tp > 1:
+            for stage in range(layout.pp):
+                for p in range(n):
+                    ranks = tp_group_ranks(layout, p, stage)
+                    group = dist.new_group(ranks, backend=backend)
+                    self._created.append(group)
+                    if rank in ranks:
+                        self.tp_group = group
         self.pipeline = None  # this rank's pipeline group (all stages at its position), when pp > 1
         if layout.pp > 1:
             for t in range(layout.tp):

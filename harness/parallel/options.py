@@ -5,7 +5,8 @@ A launching process (``dcp-harness converge`` and the other commands that start 
 modules that implement each choice re-export them: ``EXCHANGES`` (``harness.parallel.cp_attention``), ``OPTIMIZERS``
 (``harness.parallel.dist_opt``), ``DEFAULT_BUCKET_ELEMENTS`` (``harness.parallel.grad_reduce``), ``kv_replicas``
 (``harness.parallel.ulysses``), ``check_divisible`` (``harness.parallel.expert_parallel``), ``COMM_TYPES`` /
-``comm_type`` / ``require_te`` (``harness.parallel.te_cp``).
+``comm_type`` / ``require_te`` (``harness.parallel.te_cp``),
+``TensorParallelError`` / ``check_tp_model`` (``harness.parallel.tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ DEFAULT_BUCKET_ELEMENTS = 40_000_000
 COMM_TYPES = ("p2p", "all_gather", "a2a")
 """TE's CP communication types the harness drives in THD (``te:<type>`` exchanges, ``harness.parallel.te_cp``)."""
 INSTALL = 'pip install "transformer-engine[pytorch]==2.20.2"'
+
+
+class TensorParallelError(LayoutError):
+    """Tensor parallelism cannot run this model or configuration (names the values and the fix)."""
 
 
 class HeadSplitError(ValueError):
@@ -82,3 +87,19 @@ def comm_type(exchange: str) -> str | None:
         raise LayoutError(f"unknown TransformerEngine CP communication type {kind!r}; choose te:"
                           f"{', te:'.join(COMM_TYPES)}")
     return kind
+
+
+def check_tp_model(c, tp: int, name: str = "the model") -> None:
+    """``TensorParallelError`` unless ``tp`` ranks can split ``c``'s blocks (a ``ModelConfig``)."""
+    if tp == 1:
+        return
+    if c.experts:
+        raise TensorParallelError(f"tensor parallelism (tp={tp}) splits dense blocks only; {name} has {c.experts} experts "
+                                  "(expert tensor parallelism is not implemented): use tp=1, or expert parallelism")
+    if any(k != "B" for k in c.kinds):
+        raise TensorParallelError(f"tensor parallelism (tp={tp}) splits attention and MLP blocks only; {name}'s layers "
+                                  f"are {c.kinds!r} (SSM mixers are not split): use tp=1 for this model")
+    for what, n in (("heads", c.heads), ("kv_heads", c.kv_heads), ("ffn", c.ffn)):
+        if n % tp:
+            raise TensorParallelError(f"tensor parallelism splits {what} over the TP ranks: {name}'s {what}={n} is not "
+                                      f"a multiple of tp={tp}; use a tp dividing {n}")

@@ -19,13 +19,17 @@ from harness.runtime.ssm import SSMConfig, SSMMixer
 from harness.runtime.weight_cache import linear, weight
 
 
-def self_attention(layer: nn.Module, c: ModelConfig, x_TE, rot: Rotary, attention: Attention):
+def self_attention(layer: nn.Module, c: ModelConfig, x_TE, rot: Rotary, attention: Attention, tp=None):
     """``x + proj(attention(rope(q), rope(k), v))`` with the layer's ``norm1``, ``qkv`` and ``proj``
-    (the attention half of a transformer block)."""
+    (the attention half of a transformer block). ``tp``: the call's tensor parallelism (``layers.TensorParallelOps``)
+    when the layer keeps a shard of its heads."""
     D = c.hidden // c.heads
-    q, k, v = linear(layer.norm1(x_TE), weight(layer.qkv.weight)).split([c.heads * D, c.kv_heads * D, c.kv_heads * D], dim=-1)
-    o = attention(rot(q.view(-1, c.heads, D)), rot(k.view(-1, c.kv_heads, D)), v.view(-1, c.kv_heads, D))
-    return x_TE + linear(o.reshape(x_TE.shape[0], -1), weight(layer.proj.weight))
+    H, Hkv = layers.local_heads(layer, c, tp)
+    h = layer.norm1(x_TE)
+    q, k, v = linear(h if tp is None else tp.enter(h), weight(layer.qkv.weight)).split([H * D, Hkv * D, Hkv * D], dim=-1)
+    o = linear(attention(rot(q.view(-1, H, D)), rot(k.view(-1, Hkv, D)), v.view(-1, Hkv, D)).reshape(x_TE.shape[0], -1),
+               weight(layer.proj.weight))
+    return x_TE + (o if tp is None else tp.leave(o))
 
 
 def ssm_config(c: ModelConfig) -> SSMConfig:

@@ -34,6 +34,34 @@ def cp_ops(module: nn.Module, attention: Attention | None, mixing: Mixing | None
     return attention, mixing
 
 
+class TensorParallelOps:
+    """What a block split by tensor parallelism calls (``harness.parallel.tensor_parallel.TensorParallel``; the
+    runtime sits below the parallel layer and only calls these): ``size``, ``enter(x)`` (a column-parallel matrix's
+    replicated input: its gradient all-reduced) and ``leave(y)`` (a row-parallel matrix's partial sums all-reduced)."""
+
+    size: int
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor: ...
+
+
+class ShardedCallError(TypeError):
+    """A block that keeps a tensor-parallel shard was called without its TP operations (it would return partial
+    sums)."""
+
+
+def local_heads(layer: nn.Module, c: ModelConfig, tp=None) -> tuple[int, int]:
+    """(query heads, key/value heads) of the attention ``layer`` keeps: all of ``c``'s, or its tensor-parallel shard's
+    (``ShardedCallError`` when it keeps a shard and the call brought no ``tp``)."""
+    D = c.hidden // c.heads
+    H = layer.proj.weight.shape[1] // D
+    if H != c.heads and tp is None:
+        raise ShardedCallError(f"this attention keeps {H} of the model's {c.heads} heads (a tensor-parallel shard) and "
+                               "was called without the step's tensor parallelism: pass tp= to run_layers")
+    return H, (layer.qkv.weight.shape[0] // D - H) // 2
+
+
 _FUSED_RMS_NORM = hasattr(F, "rms_norm")
 
 

@@ -153,19 +153,24 @@ class Block(nn.Module):
         self.compile_mode: str | None = None
         self.compile_scope: str = "segments"
 
-    def forward(self, x_TE, pos_T, real_T, attention: Attention, routing=None, mixing=None, experts=None):
+    def forward(self, x_TE, pos_T, real_T, attention: Attention, routing=None, mixing=None, experts=None, tp=None):
         """``pos_T``: global position ids, or a ``Rotary`` of them (shared by the layers). ``experts``: the
-        micro-batch's expert dispatch (``layers.Experts``; None: every expert here)."""
+        micro-batch's expert dispatch (``layers.Experts``; None: every expert here). ``tp``: the step's tensor
+        parallelism (``layers.TensorParallelOps``) when the block keeps a shard of its heads and FFN."""
         c, D = self.c, self.c.hidden // self.c.heads
         rot = pos_T if isinstance(pos_T, Rotary) else Rotary(pos_T, D, c.rope_base)
         attention, _ = layers.cp_ops(self, attention, mixing)
         if self.compiled and not isinstance(self.mlp, MoE):
+            if tp is not None:
+                raise ValueError("compiled blocks run without tensor parallelism: compile_blocks(None) for tp > 1")
             return self._compiled_forward(x_TE, rot, attention)
-        x_TE = self_attention(self, c, x_TE, rot, attention)
+        x_TE = self_attention(self, c, x_TE, rot, attention, tp)
         if isinstance(self.mlp, MoE):
             h, z = self.mlp(self.norm2(x_TE), real_T, routing, experts)
             return x_TE + h, z
-        return x_TE + self.mlp(self.norm2(x_TE)), x_TE.new_zeros((), dtype=torch.float32)
+        if tp is None:
+            return x_TE + self.mlp(self.norm2(x_TE)), x_TE.new_zeros((), dtype=torch.float32)
+        return x_TE + tp.leave(self.mlp(tp.enter(self.norm2(x_TE)))), x_TE.new_zeros((), dtype=torch.float32)
 
     def _compiled_forward(self, x_TE, rot: Rotary, attention: Attention):
         x_TE = compiled_chain([self], x_TE, rot, attention, self.compiled, self.compile_mode,
@@ -258,28 +263,34 @@ class TinyLM(nn.Module):
         return self.c.moe_layers()
 
     def run_layers(self, x, pos_T, real_T, attention: Attention, layers=None, routing=None, mixing=None,
-                   experts=None):
+                   experts=None, tp=None):
         """Apply blocks ``layers`` (global numbers; default all) to hidden states ``x``; returns
         (hidden states, aux loss of those blocks). Pipeline stages call this with their range.
         ``mixing``: the micro-batch's SSM mixing (hybrid models). ``experts``: the micro-batch's expert
-        dispatch (MoE models under expert parallelism, ``harness.parallel.expert_parallel``)."""
+        dispatch (MoE models under expert parallelism, ``harness.parallel.expert_parallel``). ``tp``: the step's
+        tensor parallelism (``layers.TensorParallelOps``; dense blocks split by
+        ``harness.parallel.tensor_parallel.shard_model``)."""
         aux = torch.zeros((), device=x.device)
         if not isinstance(pos_T, Rotary):
             pos_T = Rotary(pos_T, self.c.hidden // self.c.heads, self.c.rope_base)
         layers = list(range(self.c.layers) if layers is None else layers)
         if self._chained(layers):
+            if tp is not None:
+                raise ValueError("compiled blocks run without tensor parallelism: compile_blocks(None) for tp > 1")
             return compiled_chain([self.blocks[i] for i in layers], x, pos_T, attention, self.compiled,
                                   self.compile_mode, scope=self.compile_scope), aux
         extra = {} if experts is None else {"experts": experts}  # MoE blocks only (hybrid layers have no experts)
+        if tp is not None:  # dense blocks only (a hybrid's layers are never split)
+            extra["tp"] = tp
         for i in layers:
             x, a = self.blocks[i](x, pos_T, real_T, attention, routing, mixing=mixing, **extra)
             aux = aux + a
         return x, aux
 
-    def mtp_hidden(self, k: int, h_TE, tokens_T, rot: Rotary, real_T, attention: Attention, mixing=None):
+    def mtp_hidden(self, k: int, h_TE, tokens_T, rot: Rotary, real_T, attention: Attention, mixing=None, tp=None):
         """Depth k's hidden states (``harness.runtime.mtp``) from depth k - 1's (``h_TE``), the tokens looked up in the
         model's embedding (shared with the trunk; on a pipeline's last stage a replica, ``harness.train.shared_embedding``)."""
-        return self.mtp[k - 1](h_TE, self.embed(tokens_T), rot, real_T, attention, mixing)
+        return self.mtp[k - 1](h_TE, self.embed(tokens_T), rot, real_T, attention, mixing, tp=tp)
 
     def fuses_loss(self) -> bool:
         """Whether ``token_losses`` runs the whole model and its loss head as one compiled chain (compiled,

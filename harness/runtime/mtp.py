@@ -31,10 +31,11 @@ class MTPLayer(nn.Module):
         self.combine = nn.Linear(2 * c.hidden, c.hidden, bias=False)
         self.block = block
 
-    def forward(self, h_TE, emb_TE, rot: Rotary, real_T, attention: Attention, mixing=None):
+    def forward(self, h_TE, emb_TE, rot: Rotary, real_T, attention: Attention, mixing=None, tp=None):
         """This depth's hidden states (before the final norm), from the previous depth's and the embedding of the
-        tokens it is shifted to (the model's shared table)."""
+        tokens it is shifted to (the model's shared table). ``tp``: the step's tensor parallelism (the block split,
+        the combine replicated)."""
         attention, mixing = layers.cp_ops(self, attention, mixing)
         x = self.combine(torch.cat([self.norm_h(h_TE), self.norm_e(emb_TE)], dim=-1))
-        x, _ = self.block(x, rot, real_T, attention, mixing=mixing)
+        x, _ = self.block(x, rot, real_T, attention, mixing=mixing, **({} if tp is None else {"tp": tp}))
         return x

@@ -19,7 +19,7 @@ from harness.stack.protocol import StackContext, StackError, StepReport, StepReq
 from harness.train import pipeline, step
 from harness.train.config import TrainConfig
 from harness.train.layouts import LayoutConfig
-from harness.train.probes import StepProbe
+from harness.train.probes import StepProbe, whole_grads
 from harness.train.trainer import samples_of
 
 
@@ -29,15 +29,14 @@ class _Grads:
     def __init__(self, want: bool):
         self.want, self.grads = want, None
 
-    def after_reduce(self, step_index, model, grad_norm) -> None:
+    def after_reduce(self, step_index, model, grad_norm, tp=None) -> None:
         if self.want:
-            self.grads = {n: p.grad.detach().cpu().double().numpy().copy() for n, p in model.named_parameters()
-                          if p.grad is not None}
+            self.grads = whole_grads(model, tp)
 
-    def after_clip(self, step_index, model) -> None:
+    def after_clip(self, step_index, model, tp=None) -> None:
         pass
 
-    def after_update(self, step_index, model) -> None:
+    def after_update(self, step_index, model, tp=None) -> None:
         pass
 
 

@@ -12,7 +12,9 @@ from harness.parallel.options import (
     EXCHANGES,
     OPTIMIZERS,
     HeadSplitError,
+    TensorParallelError,
     check_divisible,
+    check_tp_model,
     comm_type,
     kv_replicas,
     require_te,
@@ -58,6 +60,10 @@ class TrainConfig:
     TransformerEngine's CP attention (half precision only): ``probed_in_fp32``."""
     pp: int = 1
     """Pipeline stages (``harness.train.pipeline``); the world is pp stages of a DP x CP domain each."""
+    tp: int = 1
+    """Tensor-parallel ranks (``harness.parallel.tensor_parallel``: each dense block's heads and FFN split over them,
+    without sequence parallelism); the world is pp stages x a DP x CP domain x tp. Dense and MTP models, the replicated
+    optimiser, the harness's gather / ring exchanges."""
     vpp: int = 1
     """Virtual chunks per stage (the interleaved 1F1B schedule when > 1)."""
     pipeline: str = "1f1b"
@@ -116,8 +122,9 @@ class TrainConfig:
         return token_bucket.resolve(self.token_bucket, self.device, self.max_seqlen_per_rank)
 
     def domain(self, world: int) -> int:
-        """DP x CP positions of each stage."""
-        return world // self.pp if self.pp >= 1 and world % self.pp == 0 else 0
+        """DP x CP positions of each stage (of each TP coordinate)."""
+        ranks = self.pp * self.tp if isinstance(self.tp, int) and self.tp >= 1 and self.pp >= 1 else 0
+        return world // ranks if ranks and world % ranks == 0 else 0
 
     def validate(self, world: int) -> None:
         if self.model not in MODELS:
@@ -125,7 +132,8 @@ class TrainConfig:
         bad = [x for x in self.layouts if x not in LAYOUTS]
         if bad or not self.layouts:
             raise LayoutError(f"unknown layout(s) {bad or self.layouts!r}; choose from {', '.join(LAYOUTS)}")
-        self.pipeline_config().validate(world, MODELS[self.model].layers)
+        self._check_tp(world)
+        self.pipeline_config().validate(world // self.tp, MODELS[self.model].layers)
         self._check_mixer(world)
         self._check_experts(world)
         n = self.domain(world)
@@ -166,6 +174,26 @@ class TrainConfig:
         if self.max_seqlen_per_rank < 1 or self.micro_batch_size < 1:
             raise LayoutError(f"max_seqlen_per_rank and micro_batch_size must be >= 1, got "
                               f"{self.max_seqlen_per_rank} and {self.micro_batch_size}")
+
+    def _check_tp(self, world: int) -> None:
+        """Tensor parallelism: a positive int dividing the world, a model whose blocks split over it, and the paths
+        that run with it (``harness.parallel.tensor_parallel``)."""
+        tp = self.tp
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise TensorParallelError(f"tp must be an int >= 1, got {tp!r}")
+        if tp == 1:
+            return
+        if world % tp:
+            raise TensorParallelError(f"world size {world} is not a multiple of tp={tp}: the world is pp x (DP x CP) x "
+                                      f"tp ranks; use a world of a multiple of {tp * self.pp} ranks")
+        check_tp_model(MODELS[self.model], tp, repr(self.model))
+        unsupported = [what for what, on in (("expert parallelism", self.expert_parallel),
+                                              ("the distributed optimiser", self.optimizer == "distributed"),
+                                              (f"the {self.cp_exchange} exchange", self.cp_exchange == "a2a"
+                                               or comm_type(self.cp_exchange) is not None)) if on]
+        if unsupported:
+            raise TensorParallelError(f"tensor parallelism (tp={tp}) does not run with {' or '.join(unsupported)} yet: "
+                                      "use tp=1 for it, or the replicated optimiser and the gather / ring exchange")
 
     def _check_mixer(self, world: int) -> None:
         """SSM mixer layers shard their heads over a CP block's ranks; dynamic CP forms blocks as large as

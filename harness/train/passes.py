@@ -78,10 +78,13 @@ class MicroBatchOps:
     """The CP operations of every micro-batch of one step on one rank, built once per micro-batch,
     each checking that it runs for the micro-batch being computed (the call audit)."""
 
-    def __init__(self, model, groups, mbs, cp_groups, device, exchange: str, experts=None):
+    def __init__(self, model, groups, mbs, cp_groups, device, exchange: str, experts=None, tp=None):
         self.model, self.groups, self.mbs, self.cp_groups = model, groups, mbs, cp_groups
         self.device, self.exchange, self.current, self._cache = device, exchange, None, {}
         self.shard, self._dispatch = experts, {}  # expert parallelism: this rank's ExpertShard (else None)
+        self.tp = tp
+        """The step's tensor parallelism (``harness.parallel.tensor_parallel.TensorParallel``), or None: the same
+        for every micro-batch (its group is the rank's TP coordinate's, not a CP block's)."""
 
     def experts(self, m: int):
         """The expert dispatch of micro-batch m over the stage's DP x CP group (``harness.parallel.expert_parallel``),
@@ -159,9 +162,10 @@ def model_passes(model, stage: pipeline.Stage, ops: MicroBatchOps, dtype: str, t
             if pipeline.pre_process(stage, v):
                 x = model.embed(mb.data["tokens"])
             h, aux = model.run_layers(x, rot, real, attention, layers=stage.chunks[v], mixing=mixing,
-                                      experts=ops.experts(m), routing=None if routes is None else routes.recorder(mb))
+                                      experts=ops.experts(m), routing=None if routes is None else routes.recorder(mb),
+                                      tp=ops.tp)
             if stage.index(v) == stage.num_chunks - 1:
-                h = _losses(model, mb, h, rot, real, attention, mixing, sums, probe, mtp_scales)
+                h = _losses(model, mb, h, rot, real, attention, mixing, sums, probe, mtp_scales, ops.tp)
         sums["aux"].add_(aux.detach().double())
         return h, aux
 
@@ -169,7 +173,7 @@ def model_passes(model, stage: pipeline.Stage, ops: MicroBatchOps, dtype: str, t
                                 total=total, hidden=model.c.hidden, device=ops.device)
 
 
-def _losses(model, mb, h, rot, real, attention, mixing, sums, probe, scales):
+def _losses(model, mb, h, rot, real, attention, mixing, sums, probe, scales, tp=None):
     """The summed loss the backward starts from: LM cross-entropy plus the MTP depths', depth k weighted by
     ``scales[k - 1]``."""
     ce_T = model.token_ce(h, labels_for(mb), real)
@@ -181,7 +185,7 @@ def _losses(model, mb, h, rot, real, attention, mixing, sums, probe, scales):
     for k in range(1, depth + 1):
         tokens_k, labels_k, mask_k = mtp_columns(mb, k)
         real_k = mask_k.to(torch.float32)
-        h = model.mtp_hidden(k, h, tokens_k, rot, real_k, attention, mixing)
+        h = model.mtp_hidden(k, h, tokens_k, rot, real_k, attention, mixing, tp=tp)
         ce_k = model.token_ce(h, labels_k, real_k).sum()
         sums["mtp"][k - 1].add_(ce_k.detach().double())
         loss = loss + scales[k - 1] * ce_k

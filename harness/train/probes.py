@@ -14,6 +14,7 @@ import hashlib
 import torch
 
 from harness.parallel.expert_parallel import is_expert_param
+from harness.parallel.tensor_parallel import whole
 from harness.train.records import load  # noqa: F401 - re-exported
 
 
@@ -35,15 +36,23 @@ class StepProbe:
         return {"seq": seq.tolist(), "pos": pos.tolist(), "ce": ce.tolist()}
 
 
-def param_digest(model, skip=None) -> str:
-    """A digest of ``model``'s parameters (those whose name ``skip`` accepts left out)."""
+def param_digest(model, skip=None, tp=None) -> str:
+    """A digest of ``model``'s parameters (those whose name ``skip`` accepts left out); under tensor parallelism
+    (``tp``) of the whole parameters, gathered from the TP ranks' shards (collective)."""
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
         if skip is not None and skip(name):
             continue
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        h.update(whole(name, p.detach(), model.c, tp).cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def whole_grads(model, tp=None) -> dict:
+    """Every parameter's gradient (fp64 numpy), under tensor parallelism gathered whole from the TP ranks' shards
+    (collective: every TP rank of the stage calls it)."""
+    return {n: whole(n, p.grad.detach(), model.c, tp).cpu().double().numpy().copy()
+            for n, p in model.named_parameters() if p.grad is not None}
 
 
 class Probes:
@@ -68,24 +77,23 @@ class Probes:
         self.sequences.append({"step": step, "lengths": {g: len(x) - 1 for g, x in enumerate(batch)}, "probe": probe})
         return probe
 
-    def after_reduce(self, step: int, model, grad_norm: float) -> None:
+    def after_reduce(self, step: int, model, grad_norm: float, tp=None) -> None:
+        """``tp``: the run's tensor parallelism (the gradients are recorded whole, gathered from the shards)."""
         self.grad_norms.append(grad_norm)
         if step == 0:
-            self.grads = {n: p.grad.detach().cpu().double().numpy().copy() for n, p in model.named_parameters()
-                          if p.grad is not None}
+            self.grads = whole_grads(model, tp)
 
-    def after_clip(self, step: int, model) -> None:
+    def after_clip(self, step: int, model, tp=None) -> None:
         if step == 0:
-            self.clipped = {n: p.grad.detach().cpu().double().numpy().copy() for n, p in model.named_parameters()
-                            if p.grad is not None}
+            self.clipped = whole_grads(model, tp)
 
-    def after_update(self, step: int, model) -> None:
+    def after_update(self, step: int, model, tp=None) -> None:
         if self.shared:
             self.embedding.append(param_digest(model, skip=lambda name: name != "embed.weight"))
         if self.sharded:
             self.digests.append(param_digest(model, skip=is_expert_param))
         else:
-            self.digests.append(param_digest(model))
+            self.digests.append(param_digest(model, tp=tp))
 
     def result(self) -> dict:
         return {"sequences": [{"step": s["step"], "lengths": s["lengths"], **s["probe"].result()}

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from harness.parallel import expert_parallel
+from harness.parallel import expert_parallel, tensor_parallel
 from harness.parallel.audit import start_audit
 from harness.parallel.dist_opt import DistributedOptimizer
 from harness.parallel.grad_reduce import GradReduceError
@@ -125,18 +125,23 @@ def reduce_gradients(model, groups: DynamicGroups, lcfg: LayoutConfig):
     return (norm ** 2 + expert_parallel.shard_square_norm(shards, group).to(norm)) ** 0.5
 
 
-def clip_gradients(params, max_norm: float, pipeline_group, shards=None) -> None:
+def clip_gradients(params, max_norm: float, pipeline_group, shards=None, tp=None) -> None:
     """Clip by the gradient norm of the whole model: with pipeline stages, the stages' squared norms
     are summed over the rank's pipeline (every stage holds different parameters). ``shards``: (the
     expert-parallel parameters among ``params``, the DP x CP group they are sharded over) - their
-    squared norms are summed over that group first."""
+    squared norms are summed over that group first. ``tp``: the run's tensor parallelism - the split parameters'
+    squares summed over the TP group, the replicated ones counted once (``tensor_parallel.square_norm``)."""
     grads = [p.grad for p in params if p.grad is not None]
-    if pipeline_group is None and shards is None:
+    if pipeline_group is None and shards is None and tp is None:
         torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         return
     sharded = {id(p) for p in shards[0]} if shards is not None else set()
     mine = [p.grad for p in params if p.grad is not None and id(p) not in sharded]
-    sq = torch.stack([g.detach().double().norm() ** 2 for g in mine]).sum() if mine else torch.zeros((), dtype=torch.float64)
+    if tp is not None:
+        sq = tensor_parallel.square_norm([p for p in params if id(p) not in sharded], tp)
+    else:
+        sq = torch.stack([g.detach().double().norm() ** 2 for g in mine]).sum() if mine else \
+            torch.zeros((), dtype=torch.float64)
     if shards is not None:
         sq = sq + expert_parallel.shard_square_norm(shards[0], shards[1])
     if pipeline_group is not None:
@@ -245,6 +250,13 @@ class Run:
     p2p: pipeline.P2P | None = None
     experts: expert_parallel.ExpertShard | None = None
     """The experts this rank owns under expert parallelism (None: every expert, replicated)."""
+    tp: tensor_parallel.TensorParallel | None = field(init=False)
+    """This rank's tensor parallelism (its TP coordinate and the groups' TP group), or None at tp = 1."""
+
+    def __post_init__(self):
+        lay, rank = self.groups.layout, self.groups.rank
+        self.tp = tensor_parallel.TensorParallel(lay.tp, lay.tp_rank(rank), self.groups.tp_group) \
+            if lay.tp > 1 else None
 
     def actions(self, num_microbatches: int):
         if self.pipe.pp == 1:
@@ -342,7 +354,8 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
     sums = {"ce": zero(), "aux": zero(), "mtp": [zero() for _ in range(depth)]}
     if run.experts is not None:  # every rank joins every micro-batch's all-to-alls: the same count everywhere
         expert_parallel.check_lockstep(len(mbs), everyone, device)
-    ops = passes.MicroBatchOps(model, groups, mbs, cp_groups, device, exchange, experts=run.experts).prepare()
+    ops = passes.MicroBatchOps(model, groups, mbs, cp_groups, device, exchange, experts=run.experts,
+                               tp=run.tp).prepare()
     mtp_scales = passes.mtp_loss_scales(model.c, mbs, everyone, lcfg.static_cp)
     chunk_passes = passes.model_passes(model, run.stage, ops, dtype, scale, sums, probe, mtp_scales, hooks.routes)
     audited()
@@ -370,13 +383,17 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
             hooks.reducer.finish()
             grad_norm = None
         else:
-            grad_norm = _global_norm(reduce_gradients(model, groups, lcfg), groups.pipeline, device)
+            grad_norm = reduce_gradients(model, groups, lcfg)
+            if run.tp is not None:  # the shards' squares summed over the TP group, the replicated ones counted once
+                grad_norm = tensor_parallel.square_norm(params, run.tp).sqrt()
+            grad_norm = _global_norm(grad_norm, groups.pipeline, device)
         if probes is not None:
-            probes.after_reduce(step_index, model, float(grad_norm))
+            probes.after_reduce(step_index, model, float(grad_norm), tp=run.tp)
         if grad_clip:
-            clip_gradients(params, grad_clip, groups.pipeline, **({"shards": shards} if shards else {}))
+            clip_gradients(params, grad_clip, groups.pipeline, **({"shards": shards} if shards else {}),
+                           **({"tp": run.tp} if run.tp is not None else {}))
         if probes is not None:
-            probes.after_clip(step_index, model)
+            probes.after_clip(step_index, model, tp=run.tp)
     if shared and not early:  # (only a fault orders it so)
         shared_embedding.gather_grad(model, run.stage, groups.pipeline)
     _mark(hooks)
@@ -386,7 +403,7 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
         shared_embedding.refresh(model, run.stage, groups.pipeline, groups.layout.pipeline_ranks(groups.rank)[0])
     _mark(hooks)
     if probes is not None:
-        probes.after_update(step_index, model)
+        probes.after_update(step_index, model, tp=run.tp)
     local_tokens = sum(mb.data["tokens"].numel() for mb in mbs)
     return StepResult(sums, local_tokens if run.stage.first else 0, local_tokens, sched.num_microbatches,
                       cp_usage(sched), total, timeline, grad_norm, sched, plan_s, wait_s,

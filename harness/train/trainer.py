@@ -22,8 +22,8 @@ import torch.distributed as dist
 from harness.data.corpus import global_batch
 from harness.heartbeat import Heartbeat
 from harness.io import strict_json
-from harness.parallel import expert_parallel
-from harness.parallel.audit import GroupAuditError
+from harness.parallel import expert_parallel, tensor_parallel
+from harness.parallel.audit import GroupAuditError, audit_tp_group
 from harness.parallel.dist_opt import ShardedBuffers
 from harness.parallel.grad_reduce import GradBuffer
 from harness.parallel.groups import DynamicGroups, ParallelLayout, live_groups
@@ -63,6 +63,8 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: step
     every step go (``harness.train.routes``; each row then carries ``route_digest`` and ``route_margin``)."""
     torch.manual_seed(cfg.corpus.seed)
     model = TinyLM(MODELS[cfg.model]).to(device)
+    if run.tp is not None:  # the same whole model everywhere; each rank keeps its heads' and FFN's shard
+        tensor_parallel.shard_model(model, run.tp)
     shards = None
     if run.experts is not None:  # the same initial model everywhere; each rank keeps its experts
         expert_parallel.shard_experts(model, run.experts)
@@ -79,6 +81,8 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: step
         t0 = time.perf_counter()
         batch = global_batch(cfg.corpus, k)
         probe = probes.step(k, batch) if probes is not None else None
+        if run.tp is not None and run.tp.rank:  # a position's TP ranks train the same tokens: the first records them
+            probe = None
         local = samples_of(batch, {g: g % N for g in range(len(batch))}, me, device, model.c.mtp_depth)
         step_routes = StepRoutes(model.c.layers, len(batch), longest_sequence(cfg), device) \
             if routes is not None else None
@@ -95,6 +99,8 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: step
         sums, denom = r.sums, float(r.denominator)
         stats = torch.stack([sums["ce"], sums["aux"], torch.tensor(float(r.processed), dtype=torch.float64,
                                                                    device=device), *sums["mtp"]])
+        if run.tp is not None and run.tp.rank:  # every TP rank computed the same sums: count the first's
+            stats.zero_()
         dist.all_reduce(stats)
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -168,7 +174,7 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
     lcfg = cfg.layout_config(world)
     if rank == 0:
         print(execution_line(cfg, world), flush=True)
-    playout = ParallelLayout(dp=n, cp=1, pp=cfg.pp)
+    playout = ParallelLayout(dp=n, cp=1, tp=cfg.tp, pp=cfg.pp)
     stage = pipeline.Stage.of(MODELS[cfg.model].layers, cfg.pp, cfg.vpp, playout.stage(rank))
     p2p = pipeline.P2P(playout, rank, stage.num_chunks) if cfg.pp > 1 else None
     path = cfg_dict.get("metrics_path")
@@ -195,6 +201,7 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
         groups = DynamicGroups(playout, rank)
         try:
             run = step.Run(step.new_groups(groups), pipe, stage, p2p, shard)
+            audit_tp_group(run.groups)  # before any collective on a TP group
             if probed:  # step 1 in fp32 from the same initial model, for the step-1 checks at fp32's tolerance
                 with _full_fp32():
                     train_layout(layout, rank, world, probe_config(cfg), run, lcfg, device,

@@ -22,7 +22,7 @@ def test_a_loss_that_turns_nan_after_step_one_fails_every_comparison(tmp_path):
     losses = {k: [r["loss"] for r in rs] for k, rs in res.rows.items()}
     assert all(v[0] == v[0] and v[1] != v[1] for v in losses.values()), losses  # finite at step 1, NaN at step 2
     failed = sorted(c["target"] for c in res.checks if not c["pass"])
-    ref = "reference (1 rank: no CP, PP or EP)"
+    ref = "reference (1 rank: no CP, PP, TP or EP)"
     assert {"bshd vs golden bshd: step 2: bshd loss is nan", "dcp vs bshd: step 2: dcp loss is nan",
             "dcp vs golden bshd: step 2: dcp loss is nan", f"dcp vs {ref}: step 2: dcp loss is nan",
             f"dcp vs {ref}: step 2: dcp grad norm is nan"} <= set(failed), failed
@@ -78,7 +78,7 @@ def test_a_dropped_sequence_is_named_by_the_token_accounting_not_a_key_error(tmp
                        plant="reroute-drops-sequence")
     failed = [c["target"] for c in res.checks if not c["pass"]]
     assert res.verdict == "FAIL", failed
-    ref = "reference (1 rank: no CP, PP or EP)"
+    ref = "reference (1 rank: no CP, PP, TP or EP)"
     for who in ("dcp", ref):
         assert any(t.startswith(f"{who}: step 1 trains every loss token exactly once: ") and "not trained exactly once"
                    in t for t in failed), (who, failed)

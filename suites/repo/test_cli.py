@@ -92,7 +92,7 @@ def test_main_job_writes_a_complete_report(tmp_path, faults):
     (run,) = [p for p in tmp_path.iterdir() if p.name.startswith("run-")]
     html = (run / "index.html").read_text()
     assert "Edge cases" in html and "Convergence" in html and "Scheduler comparison" in html
-    assert "vs reference (1 rank: no CP, PP or EP)" in html
+    assert "vs reference (1 rank: no CP, PP, TP or EP)" in html
     assert (run / "convergence" / "metrics.jsonl").read_text().count("\n") == 6  # 3 layouts x 2 steps
     assert json.loads((run / "convergence" / "results.json").read_text())["config"]["chunk_shares"] is None
     n = len(__import__("harness.faults", fromlist=["FAULTS"]).FAULTS)

@@ -1,0 +1,172 @@
+"""Tensor parallelism of the dense transformer blocks (Megatron's TP, without sequence parallelism).
+
+A block's attention splits by heads and its MLP by the FFN over the ``tp`` ranks that share a (pipeline stage,
+DP x CP position): the QKV projection and the MLP's first matrix are column-parallel (each rank keeps its query heads,
+its key/value heads and its slice of the FFN), the output projection and the MLP's second matrix row-parallel (their
+partial sums all-reduced). The norms, the embedding, the MTP combine and the LM head are replicated.
+
+Every TP rank of a position runs the same micro-batches on the same tokens: the schedule, the reroute and the dynamic
+CP groups belong to one TP coordinate (``harness.parallel.groups``: a CP block's group holds ranks of one TP
+coordinate), so a CP block exchanges the keys and values of the same heads.
+
+Two collectives per half-block, Megatron's ``f`` and ``g``: ``enter`` (identity forward; the gradient all-reduced over
+the TP group, as the replicated input's gradient is the sum of every shard's contribution) and ``leave`` (the partial
+sums all-reduced forward; identity backward). The gradients of the replicated parameters are then equal on every TP
+rank, and the DP x CP reduction of each TP coordinate completes every gradient, sharded or not. Both are seams
+(``harness.faults``).
+
+Each rank builds the whole model from the seed and keeps its shards (``shard_model``); ``whole`` gathers a tensor's
+shards back (the probes read whole tensors, so a TP run is judged parameter by parameter against the unsharded
+reference). The gradient norm counts a sharded parameter's shards once each and a replicated parameter once
+(``square_norm``).
+
+Shape legend: ``H`` query heads, ``Hkv`` key/value heads, ``D`` head dim, ``F`` FFN size.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from harness.parallel.options import TensorParallelError, check_tp_model  # noqa: F401 - re-exported
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's TP coordinate: ``size`` ranks, this one's ``rank`` among them, their ``group`` (one per layout's run:
+    created and destroyed with the dynamic groups, ``harness.parallel.groups.DynamicGroups.tp_group``)."""
+
+    size: int
+    rank: int
+    group: object
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """``enter(x, self)``, the seam looked up at each call (what a model's blocks call: they never import this
+        module, the runtime sits below it)."""
+        return enter(x, self)
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        """``leave(x, self)``, looked up at each call."""
+        return leave(x, self)
+
+
+MARK = "tensor_parallel"
+"""The attribute ``shard_model`` sets on a sharded parameter (Megatron's ``tensor_model_parallel``)."""
+
+
+def spec(name: str, c) -> tuple[int, list[int]] | None:
+    """How parameter ``name`` of a ``TinyLM`` of config ``c`` is split: ``(dim, segments)`` - each segment along
+    ``dim`` is cut into ``tp`` equal pieces and a rank keeps piece ``rank`` of every segment - or None (replicated)."""
+    D = c.hidden // c.heads
+    if re.search(r"(^|\.)qkv\.weight$", name):
+        return 0, [c.heads * D, c.kv_heads * D, c.kv_heads * D]
+    if re.search(r"(^|\.)proj\.weight$", name):
+        return 1, [c.heads * D]
+    if re.search(r"(^|\.)mlp\.up\.weight$", name):
+        return 0, [c.ffn]
+    if re.search(r"(^|\.)mlp\.gate_up\.weight$", name):
+        return 0, [c.ffn, c.ffn]
+    if re.search(r"(^|\.)mlp\.down\.weight$", name):
+        return 1, [c.ffn]
+    return None
+
+
+def take(t: torch.Tensor, how: tuple[int, list[int]], size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of the whole tensor ``t`` (``spec``'s split), contiguous."""
+    dim, segments = how
+    return torch.cat([piece.chunk(size, dim)[rank] for piece in t.split(segments, dim)], dim).contiguous()
+
+
+def shard_model(model, tp: TensorParallel) -> None:
+    """Keep this rank's shard of every split parameter of ``model`` (built whole, the same on every rank), in place,
+    and mark it (``MARK``)."""
+    if tp.size == 1:
+        return
+    check_tp_model(model.c, tp.size)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            how = spec(name, model.c)
+            if how is not None:
+                p.data = take(p.data, how, tp.size, tp.rank)
+                setattr(p, MARK, True)
+
+
+def is_sharded(p) -> bool:
+    return bool(getattr(p, MARK, False))
+
+
+def whole(name: str, t: torch.Tensor, c, tp: TensorParallel | None) -> torch.Tensor:
+    """The whole tensor of parameter ``name`` (or its gradient) from every TP rank's shard ``t`` (collective over the TP
+    group when the parameter is split; ``t`` itself otherwise)."""
+    how = spec(name, c)
+    if how is None or tp is None or tp.size == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(tp.size)]
+    dist.all_gather(parts, t.contiguous(), group=tp.group)
+    return assemble(parts, how)
+
+
+def assemble(parts: list[torch.Tensor], how: tuple[int, list[int]]) -> torch.Tensor:
+    """The whole tensor from every TP rank's shard (``parts[r]``: rank r's ``take``), ``take``'s inverse."""
+    dim, segments = how
+    local = [s // len(parts) for s in segments]
+    pieces = [p.split(local, dim) for p in parts]
+    return torch.cat([pieces[r][j] for j in range(len(segments)) for r in range(len(parts))], dim)
+
+
+def square_norm(params, tp: TensorParallel | None) -> torch.Tensor:
+    """The squared norm (fp64, 0-d) of ``params``' gradients over the TP group: each sharded parameter's shards summed
+    over the group, each replicated one counted once."""
+    grads = [p for p in params if p.grad is not None]
+    dev = grads[0].grad.device if grads else torch.device("cpu")
+    split, rep = (torch.zeros((), dtype=torch.float64, device=dev) for _ in range(2))
+    for p in grads:
+        sq = p.grad.detach().double().pow(2).sum()
+        if is_sharded(p):
+            split += sq
+        else:
+            rep += sq
+    if tp is not None and tp.size > 1:
+        dist.all_reduce(split, group=tp.group)
+    return split + rep
+
+
+# ------------------------------------------------------------------------------------- collectives
+class _Enter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _Leave(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        y = x.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def enter(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The replicated input of a column-parallel matrix: itself forward, its gradient all-reduced over the TP group
+    backward (a seam)."""
+    return _Enter.apply(x, tp.group)
+
+
+def leave(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """A row-parallel matrix's partial sums, all-reduced over the TP group forward; the gradient as it is backward
+    (a seam)."""
+    return _Leave.apply(x, tp.group)
