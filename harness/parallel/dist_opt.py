@@ -114,8 +114,11 @@ class DistributedOptimizer:
     """AdamW (``make_inner``'s) over this rank's pieces of ``buffers`` and over ``local`` parameters (whole on this
     rank: the experts it owns), for a ``group`` of ``buffers.shards`` ranks (see the module doc)."""
 
-    def __init__(self, buffers: ShardedBuffers, group, make_inner, local=()):
+    def __init__(self, buffers: ShardedBuffers, group, make_inner, local=(), tp=None):
+        """``tp``: the run's tensor parallelism (``harness.parallel.tensor_parallel.TensorParallel``; None at tp = 1):
+        the pieces of split parameters then count their squares over the TP group too (``local_square_norm``)."""
         n = _size(group)
+        self.tp = tp if tp is not None and tp.size > 1 else None
         if not isinstance(buffers, ShardedBuffers):
             raise DistributedOptimizerError(f"the distributed optimiser needs ShardedBuffers, got "
                                             f"{type(buffers).__name__}")
@@ -160,12 +163,42 @@ class DistributedOptimizer:
             w.wait()
 
     def local_square_norm(self) -> torch.Tensor:
-        """The squares of this rank's summed gradient pieces and local gradients (fp64, not yet summed over ranks)."""
+        """The squares of this rank's summed gradient pieces and local gradients (fp64, not yet summed over the group).
+        Under tensor parallelism the squares of the elements of split parameters are summed over the TP group here
+        (collective), the replicated ones' counted once: summed over the group after, the whole model's."""
+        if self.tp is not None:
+            return self._tp_square_norm()
         grads = self._grads()
         dev = self.buffers.flat.device
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=dev)
         return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).square().sum()
+
+    def _tp_square_norm(self) -> torch.Tensor:
+        from harness.parallel.tensor_parallel import is_sharded  # the same room; imported where TP runs
+
+        split, rep = (torch.zeros((), dtype=torch.float64, device=self.buffers.flat.device) for _ in range(2))
+        for k, (a, b) in enumerate(self.pieces):
+            if self.masters[k] is None:
+                continue
+            g = self.masters[k].grad
+            for p, off in self.buffers.members[k]:  # the elements of each parameter that fall in the piece
+                lo, hi = max(a, off), min(b, off + p.numel())
+                if lo < hi:
+                    sq = g[lo - a:hi - a].double().square().sum()
+                    if is_sharded(p):
+                        split += sq
+                    else:
+                        rep += sq
+        for p in self.local:
+            if p.grad is not None:
+                sq = p.grad.double().square().sum()
+                if is_sharded(p):
+                    split += sq
+                else:
+                    rep += sq
+        dist.all_reduce(split, group=self.tp.group)
+        return split + rep
 
     def grad_norm(self, pipeline_group=None) -> torch.Tensor:
         """The whole model's gradient norm (0-d fp64 on the device): the group's, summed over the pipeline's stages."""

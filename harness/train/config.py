@@ -62,8 +62,8 @@ class TrainConfig:
     """Pipeline stages (``harness.train.pipeline``); the world is pp stages of a DP x CP domain each."""
     tp: int = 1
     """Tensor-parallel ranks (``harness.parallel.tensor_parallel``: each dense block's heads and FFN split over them,
-    without sequence parallelism); the world is pp stages x a DP x CP domain x tp. Dense and MTP models, the replicated
-    optimiser, the harness's gather / ring exchanges."""
+    without sequence parallelism); the world is pp stages x a DP x CP domain x tp. Dense and MTP models, the harness's
+    gather / ring exchanges."""
     vpp: int = 1
     """Virtual chunks per stage (the interleaved 1F1B schedule when > 1)."""
     pipeline: str = "1f1b"
@@ -188,12 +188,11 @@ class TrainConfig:
                                       f"tp ranks; use a world of a multiple of {tp * self.pp} ranks")
         check_tp_model(MODELS[self.model], tp, repr(self.model))
         unsupported = [what for what, on in (("expert parallelism", self.expert_parallel),
-                                              ("the distributed optimiser", self.optimizer == "distributed"),
                                               (f"the {self.cp_exchange} exchange", self.cp_exchange == "a2a"
                                                or comm_type(self.cp_exchange) is not None)) if on]
         if unsupported:
             raise TensorParallelError(f"tensor parallelism (tp={tp}) does not run with {' or '.join(unsupported)} yet: "
-                                      "use tp=1 for it, or the replicated optimiser and the gather / ring exchange")
+                                      "use tp=1 for it, or the gather / ring exchange")
 
     def _check_mixer(self, world: int) -> None:
         """SSM mixer layers shard their heads over a CP block's ranks; dynamic CP forms blocks as large as

@@ -57,12 +57,14 @@ def make_optimizer(params, *, lr: float, weight_decay: float = 0.0) -> torch.opt
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), **fused)
 
 
-def make_distributed_optimizer(buffers, group, *, lr: float, weight_decay: float = 0.0, local=()) -> DistributedOptimizer:
+def make_distributed_optimizer(buffers, group, *, lr: float, weight_decay: float = 0.0, local=(),
+                               tp=None) -> DistributedOptimizer:
     """The distributed optimiser (``harness.parallel.dist_opt``) over this rank's pieces of ``buffers`` (a
-    ``ShardedBuffers``) in ``group`` (the stage's DP x CP ranks) and its ``local`` parameters (experts it owns):
-    ``make_optimizer``'s AdamW, looked up when it is made (a fault of that seam applies here too)."""
+    ``ShardedBuffers``) in ``group`` (the stage's DP x CP ranks of one TP coordinate) and its ``local`` parameters
+    (experts it owns): ``make_optimizer``'s AdamW, looked up when it is made (a fault of that seam applies here too).
+    ``tp``: the run's tensor parallelism (its norm counts split parameters over the TP group)."""
     return DistributedOptimizer(buffers, group, lambda ps: make_optimizer(ps, lr=lr, weight_decay=weight_decay),
-                                local=local)
+                                local=local, tp=tp)
 
 
 def loss_denominator(mbs: list[ThdMicroBatch], group):
@@ -377,7 +379,7 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
     if early:  # the last stage's MTP lookups' gradient joins the table's owner, before the domain's reduction
         shared_embedding.gather_grad(model, run.stage, groups.pipeline)
     if isinstance(opt, DistributedOptimizer):
-        grad_norm = _sharded_reduce_and_clip(opt, hooks, groups, grad_clip, model, probes, step_index)
+        grad_norm = _sharded_reduce_and_clip(opt, hooks, groups, grad_clip, model, probes, step_index, run.tp)
     else:
         if hooks.reducer is not None:
             hooks.reducer.finish()
@@ -425,7 +427,7 @@ def check_reducer(opt, reducer) -> None:
 
 
 def _sharded_reduce_and_clip(opt: DistributedOptimizer, hooks: StepHooks, groups, grad_clip, model, probes,
-                             step_index: int):
+                             step_index: int, tp=None):
     """The distributed optimiser's side of a step before its update: each bucket reduce-scattered (by the hooks'
     reducer in scatter mode, overlapped with the last backward, or here), the whole model's norm from the pieces,
     the pieces clipped. Probes read every summed gradient: the pieces are gathered for them (not otherwise)."""
@@ -436,12 +438,12 @@ def _sharded_reduce_and_clip(opt: DistributedOptimizer, hooks: StepHooks, groups
     norm = opt.grad_norm(groups.pipeline)
     if probes is not None:
         opt.gather_grads()
-        probes.after_reduce(step_index, model, float(norm))
+        probes.after_reduce(step_index, model, float(norm), tp=tp)
     if grad_clip:
         opt.clip_(grad_clip, norm)
     if probes is not None:
         opt.gather_grads()
-        probes.after_clip(step_index, model)
+        probes.after_clip(step_index, model, tp=tp)
     return norm
 
 

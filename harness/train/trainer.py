@@ -132,7 +132,7 @@ def _optimizer(cfg: TrainConfig, run: step.Run, lcfg, params, expert: set, devic
         grads = ShardedBuffers(params, lcfg.n_ranks, device, first=first, bucket_elements=cfg.grad_bucket_elements)
         local = [p for p in params if id(p) in expert]
         return grads, step.make_distributed_optimizer(grads, run.groups.group(lcfg.n_ranks), lr=cfg.lr,
-                                                      weight_decay=cfg.weight_decay, local=local)
+                                                      weight_decay=cfg.weight_decay, local=local, tp=run.tp)
     return GradBuffer(params, device, first=first), step.make_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 

@@ -1,5 +1,6 @@
 """Tensor parallelism trains the same model as the unsplit run: bshd, thd and dcp with 2 TP ranks per position equal
-the TP = 1 run of the same DP x CP domain (fp32, gloo), also under a pipeline with multi-token prediction; and
+the TP = 1 run of the same DP x CP domain (fp32, gloo), also with the distributed optimiser and under a pipeline with
+multi-token prediction; and
 ``converge`` judges a TP run against its one-rank reference, which catches a TP bug every layout shares."""
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ def test_case_id_and_the_case_a_tp_run_must_equal():
 
 def test_tiny_gpt_with_two_tp_ranks_equals_the_unsplit_run(tmp_path_factory):
     _agree(_rows("tiny-gpt", 4, tmp_path_factory, "tp2", tp=2), _rows("tiny-gpt", 2, tmp_path_factory, "ref"))
+
+
+def test_the_distributed_optimiser_with_tensor_parallelism_equals_the_unsplit_replicated_run(tmp_path_factory):
+    """Each TP coordinate's DP x CP ranks shard its AdamW; the norm counts the split parameters' pieces over the TP
+    group and the replicated ones once (``DistributedOptimizer.local_square_norm``). Buckets of 30,000 elements: split
+    and replicated parameters share buckets and pieces."""
+    got = _rows("tiny-gpt", 4, tmp_path_factory, "tp2-dist-opt", layouts=["dcp"], tp=2, optimizer="distributed",
+                grad_bucket_elements=30_000)
+    ref = _rows("tiny-gpt", 2, tmp_path_factory, "ref")
+    _agree(got, {"dcp": ref["dcp"]}, layouts=("dcp",))
 
 
 def test_mtp_under_a_pipeline_with_tensor_parallelism_equals_one_unsplit_rank(tmp_path_factory):

@@ -55,7 +55,6 @@ def test_the_split_parameters_are_the_blocks_matrices_and_nothing_else():
     ({"tp": 2}, 6, r"world size 6 is not a multiple|not a power of two"),
     ({"tp": 2, "model": "tiny-moe"}, 4, r"tiny-moe' has 4 experts"),
     ({"tp": 2, "model": "tiny-hybrid"}, 4, r"SSM mixers are not split"),
-    ({"tp": 2, "optimizer": "distributed"}, 4, r"does not run with the distributed optimiser"),
     ({"tp": 2, "cp_exchange": "a2a"}, 4, r"does not run with the a2a exchange"),
     ({"tp": 0}, 4, r"tp must be an int >= 1, got 0"),
 ])
