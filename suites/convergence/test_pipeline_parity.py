@@ -70,6 +70,19 @@ def test_mtp_and_hybrid_pipelines_equal_one_stage(model, kw, tmp_path_factory):
             assert abs(a["mtp_loss"][0] - b["mtp_loss"][0]) <= 1e-5, a["step"]
 
 
+@pytest.mark.parametrize("optimizer", ["replicated", "distributed"])
+def test_mtp_on_three_stages_with_a_middle_stage_between_the_embeddings_equals_one_stage(optimizer, tmp_path_factory):
+    """3 stages of a 2-rank domain: the first embeds only, the middle runs layer 0 and holds no copy of the embedding
+    (it joins the replica's gradient sum with zeros and receives the refreshed table into its unused copy), the
+    last runs layer 1, the head and the MTP block on its replica."""
+    got = _rows("tiny-gpt-mtp", 6, tmp_path_factory, f"mtp-pp3-{optimizer}", layouts=["dcp"], pp=3, optimizer=optimizer)
+    ref = _rows("tiny-gpt-mtp", 2, tmp_path_factory, "tiny-gpt-mtp-ref", layouts=["dcp"])
+    _agree(got, ref, layouts=("dcp",))
+    assert sorted(t["stage"] for t in got["dcp"][0]["timeline"]) == [0, 0, 1, 1, 2, 2]
+    for a, b in zip(got["dcp"], ref["dcp"], strict=True):
+        assert abs(a["mtp_loss"][0] - b["mtp_loss"][0]) <= 1e-5, a["step"]
+
+
 def test_fewer_micro_batches_than_stages_and_a_single_one(tmp_path_factory):
     """One short sequence a step: one micro-batch per step on a 2-stage pipeline (1F1B warm-up capped).
     (With two, the pipeline execution model prefers two micro-batches: they fill the pipeline.)"""
