@@ -7,8 +7,10 @@ micro-batch's process group, count the batch's loss tokens, build every micro-ba
 passes of the rank's model chunks in its pipeline schedule (``harness.train.pipeline``; one stage: forward and
 backward per micro-batch) with CP attention in the block's group, sum-reduce the gradients over the stage's
 DP x CP ranks, clip by the norm over all stages, and step the optimiser - or, with the distributed optimiser
-(``harness.parallel.dist_opt``), reduce-scatter them, clip and step this rank's 1/N and gather the parameters. In
-exact arithmetic every layout and every pipeline computes the same loss and update.
+(``harness.parallel.dist_opt``), reduce-scatter them, clip and step this rank's 1/N and gather the parameters. Under
+tensor parallelism (``Run.tp``) all of it runs per TP coordinate, the blocks take the TP collectives per call and the
+norm sums the split parameters over the TP group (``harness.parallel.tensor_parallel``). In exact arithmetic every
+layout and every pipeline computes the same loss and update.
 
 ``StepHooks`` is what a benchmark adds without changing the maths: a schedule planned ahead by another process,
 phase marks for timing, the overlapped bucketed gradient reducer (``harness.parallel.grad_reduce``) in place of
