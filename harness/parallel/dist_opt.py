@@ -24,6 +24,7 @@ import torch.distributed as dist
 from harness.parallel.collectives import all_gather, reduce_scatter
 from harness.parallel.grad_reduce import DEFAULT_BUCKET_ELEMENTS, GradBuffer
 from harness.parallel.options import OPTIMIZERS  # noqa: F401 - re-exported
+from harness.parallel.tensor_parallel import is_sharded
 
 
 class DistributedOptimizerError(ValueError):
@@ -175,8 +176,6 @@ class DistributedOptimizer:
         return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).square().sum()
 
     def _tp_square_norm(self) -> torch.Tensor:
-        from harness.parallel.tensor_parallel import is_sharded  # the same room; imported where TP runs
-
         split, rep = (torch.zeros((), dtype=torch.float64, device=self.buffers.flat.device) for _ in range(2))
         for k, (a, b) in enumerate(self.pieces):
             if self.masters[k] is None:

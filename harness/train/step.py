@@ -140,10 +140,10 @@ def clip_gradients(params, max_norm: float, pipeline_group, shards=None, tp=None
         torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         return
     sharded = {id(p) for p in shards[0]} if shards is not None else set()
-    mine = [p.grad for p in params if p.grad is not None and id(p) not in sharded]
     if tp is not None:
         sq = tensor_parallel.square_norm([p for p in params if id(p) not in sharded], tp)
     else:
+        mine = [p.grad for p in params if p.grad is not None and id(p) not in sharded]
         sq = torch.stack([g.detach().double().norm() ** 2 for g in mine]).sum() if mine else \
             torch.zeros((), dtype=torch.float64)
     if shards is not None:

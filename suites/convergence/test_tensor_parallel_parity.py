@@ -27,6 +27,17 @@ def test_tiny_gpt_with_two_tp_ranks_equals_the_unsplit_run(tmp_path_factory):
     _agree(_rows("tiny-gpt", 4, tmp_path_factory, "tp2", tp=2), _rows("tiny-gpt", 2, tmp_path_factory, "ref"))
 
 
+@pytest.mark.parametrize("kw", [{"cp_exchange": "ring"}, {"token_bucket": 16}, {"weights": "fused"}],
+                         ids=["ring", "bucket16", "fused"])
+def test_tensor_parallelism_with_the_ring_exchange_the_token_bucket_and_fused_weights(kw, tmp_path_factory):
+    """The paths a TP run shares with the rest of the step: the ring K/V exchange of the blocks' local heads, padded
+    micro-batches, the weight-gradient GEMM accumulating into a shard's ``.grad``; each against the TP = 1 run with
+    the same option."""
+    name = "-".join(f"{k}{v}" for k, v in kw.items())
+    got = _rows("tiny-gpt", 4, tmp_path_factory, f"tp2-{name}", layouts=["dcp"], tp=2, **kw)
+    _agree(got, _rows("tiny-gpt", 2, tmp_path_factory, f"ref-{name}", layouts=["dcp"], **kw), layouts=("dcp",))
+
+
 def test_the_distributed_optimiser_with_tensor_parallelism_equals_the_unsplit_replicated_run(tmp_path_factory):
     """Each TP coordinate's DP x CP ranks shard its AdamW; the norm counts the split parameters' pieces over the TP
     group and the replicated ones once (``DistributedOptimizer.local_square_norm``). Buckets of 30,000 elements: split
