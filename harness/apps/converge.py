@@ -76,7 +76,7 @@ DEFAULT_SEED = TrainConfig().corpus.seed
 
 
 def case_id(cfg: TrainConfig, world: int) -> str:
-    """``converge__<model>__w<world>[_pp<P>[_vpp<V>][_afab]][_ep][__m<tokens per rank>][__b<sequences>][__<lengths>][__seed<corpus seed>]__<dtype>``:
+    """``converge__<model>__w<world>[_pp<P>[_vpp<V>][_afab]][_ep][_tp<T>[_sp]][__m<tokens per rank>][__b<sequences>][__<lengths>][__seed<corpus seed>]__<dtype>``:
     the pipeline, expert parallelism, a non-default ``max_seqlen_per_rank``, batch, length spec and corpus seed are
     part of the case. The step count is not: step k's batch and learning rate do not depend on how many steps
     follow, so a golden of N steps serves every run of the case with at most N steps (its prefix)."""
@@ -85,6 +85,7 @@ def case_id(cfg: TrainConfig, world: int) -> str:
         ("_afab" if cfg.pipeline == "afab" else "")
     pipe += "_ep" if cfg.expert_parallel else ""
     pipe += f"_tp{cfg.tp}" if cfg.tp > 1 else ""
+    pipe += "_sp" if cfg.sequence_parallel else ""
     m = "" if cfg.max_seqlen_per_rank == DEFAULT_MAX_SEQLEN_PER_RANK else f"__m{cfg.max_seqlen_per_rank}"
     b = "" if cfg.corpus.sequences_per_batch == DEFAULT_BATCH else f"__b{cfg.corpus.sequences_per_batch}"
     L = "" if cfg.corpus.lengths == DEFAULT_LENGTHS else "__" + _lengths_tag(cfg.corpus.lengths)
@@ -104,7 +105,7 @@ def reference_case(cfg: TrainConfig, world: int) -> tuple[TrainConfig, int]:
     if cfg.pp == 1 and not cfg.expert_parallel and cfg.tp == 1:
         return cfg, world
     return replace(cfg, pp=1, vpp=1, pipeline="1f1b", schedule_delivery="broadcast",
-                   expert_parallel=False, tp=1), world // (cfg.pp * cfg.tp)
+                   expert_parallel=False, tp=1, sequence_parallel=False), world // (cfg.pp * cfg.tp)
 
 
 def hardware(cfg: TrainConfig) -> str:
@@ -351,8 +352,9 @@ def run(cfg: TrainConfig, *, world: int, out_root: Path | str = REPORTS, golden:
         progress(f"converge {cid}: layouts {', '.join(cfg.layouts)} on {world} {cfg.device} ranks ({hw})")
         progress(f"  {execution_line(cfg, world)}")
         if cfg.tp > 1:
-            progress(f"  tensor parallelism: {cfg.tp} ranks per position split each block's heads and FFN; "
-                     f"{cfg.pp} x a {cfg.domain(world)}-rank DP x CP domain x {cfg.tp}")
+            progress(f"  tensor parallelism: {cfg.tp} ranks per position split each block's heads and FFN"
+                     + (" and, sequence-parallel, the token rows between them" if cfg.sequence_parallel else "")
+                     + f"; {cfg.pp} x a {cfg.domain(world)}-rank DP x CP domain x {cfg.tp}")
         if cfg.bucket():
             progress(f"  token bucket: every thd / dcp micro-batch padded to a multiple of {cfg.bucket()} tokens per rank"
                      + (" (auto on CUDA, as bench step; --token-bucket 0 turns it off)" if cfg.token_bucket == "auto" else ""))
@@ -520,7 +522,7 @@ def config_from_args(a) -> TrainConfig:
                       steps=a.steps, scheduler=a.scheduler, device=a.device, corpus=corpus,
                       cp_exchange=a.cp_exchange, pp=a.pp, vpp=a.vpp, pipeline=a.pipeline,
                       schedule_delivery=a.schedule_delivery, expert_parallel=bool(getattr(a, "ep", False)),
-                      tp=getattr(a, "tp", None) or 1,
+                      tp=getattr(a, "tp", None) or 1, sequence_parallel=bool(getattr(a, "sequence_parallel", False)),
                       dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
                       weights=getattr(a, "weights", None) or "cached",
                       optimizer=getattr(a, "optimizer", None) or "replicated",

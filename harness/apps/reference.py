@@ -55,7 +55,7 @@ def config(cfg: TrainConfig) -> TrainConfig:
     replicated optimiser (the distributed one is judged against it), no token bucket (the layouts' padding is
     judged, not shared)."""
     return replace(cfg, layouts=(REF_LAYOUT,), pp=1, vpp=1, pipeline="1f1b", schedule_delivery="broadcast",
-                   expert_parallel=False, tp=1, probes=True, weights="per-call", optimizer="replicated", token_bucket=0,
+                   expert_parallel=False, tp=1, sequence_parallel=False, probes=True, weights="per-call", optimizer="replicated", token_bucket=0,
                    max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest_sequence(cfg)))
 
 
@@ -108,7 +108,8 @@ def name() -> str:
 def tag(cfg: TrainConfig) -> str:
     """What a layout of ``cfg`` runs beyond DP x CP, for its reference lines: `` (pp 2, vpp 2, ep)``."""
     parts = ([f"pp {cfg.pp}"] if cfg.pp > 1 else []) + ([f"vpp {cfg.vpp}"] if cfg.vpp > 1 else []) + \
-        (["ep"] if cfg.expert_parallel else []) + ([f"tp {cfg.tp}"] if cfg.tp > 1 else [])
+        (["ep"] if cfg.expert_parallel else []) + ([f"tp {cfg.tp}"] if cfg.tp > 1 else []) + \
+        (["sp"] if cfg.sequence_parallel else [])
     return f" ({', '.join(parts)})" if parts else ""
 
 

@@ -10,6 +10,8 @@
 - ``train-ep``: the ``train`` run with the tiny MoE under expert parallelism (one expert per rank).
 - ``train-tp``: the ``train`` run with tensor parallelism: 2 TP ranks per position of a 2-rank DP x CP domain
   (``harness.parallel.tensor_parallel``); the probes hold whole gradients, gathered from the shards.
+- ``train-sp``: ``train-tp`` with sequence parallelism (``harness.parallel.sequence_parallel``): between the blocks'
+  matrices each TP rank holds half of its position's token rows.
 - ``train-bucketed``: the ``train`` run with every thd / dcp micro-batch padded to a multiple of 16 tokens per rank
   (``bench step``'s token bucket, its default on CUDA): the padded step must still match the clean bshd run.
 - ``train-bf16``: the ``train`` run in bf16 for one step; each layout runs step 1 in fp32 first (the probe step of
@@ -88,6 +90,8 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  "train-a2a": {**TRAIN, "cp_exchange": "a2a"},
                  # 2 TP ranks per position (each block's heads and FFN split) of a 2-rank DP x CP domain
                  "train-tp": {**TRAIN, "tp": 2, "max_seqlen_per_rank": 256},
+                 # the same with sequence parallelism: the blocks' token rows split over the 2 TP ranks too
+                 "train-sp": {**TRAIN, "tp": 2, "sequence_parallel": True, "max_seqlen_per_rank": 256},
                  # bf16, one step: each layout runs step 1 in fp32 first (the probe step), judged by BF16_CHECKS;
                  # corpus seed 3, as seed 4 (fp32-step-of-another-model's) also draws a batch that fits 4 x 128 tokens
                  "train-bf16": {**TRAIN, "dtype": "bfloat16", "steps": 1,

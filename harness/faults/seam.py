@@ -83,6 +83,18 @@ SEAMS: dict[str, str] = {
     "harness.parallel.tensor_parallel:square_norm": "the squared gradient norm over the TP group (shards summed, "
                                                     "replicated parameters once)",
     "harness.parallel.groups:tp_group_ranks": "the global ranks of a position's tensor-parallel group",
+    "harness.parallel.sequence_parallel:scatter": "a block stack's entry: this TP rank's token rows (backward: every "
+                                                  "rank's rows' gradients gathered)",
+    "harness.parallel.sequence_parallel:gather": "a block stack's exit: every TP rank's rows (backward: this rank's rows "
+                                                 "of the replicated gradient)",
+    "harness.parallel.sequence_parallel:all_gather_rows": "a column-parallel matrix's input rows gathered over TP "
+                                                          "(backward: reduce-scattered)",
+    "harness.parallel.sequence_parallel:reduce_scatter_rows": "a row-parallel matrix's partial sums reduce-scattered "
+                                                              "by rows over TP",
+    "harness.parallel.sequence_parallel:in_region": "which replicated parameters see only a TP rank's rows (marked "
+                                                    "for the TP sum of their gradients)",
+    "harness.parallel.sequence_parallel:reduce_grads": "the TP sum of the marked parameters' gradients after the "
+                                                       "backward",
     "harness.parallel.ulysses:replicate_kv": "the a2a CP exchange's copies of each K/V head (GQA, kv_heads < cp)",
     "harness.parallel.ssm_cp:pack_order": "the pack position of each row the SSM's CP exchange gathers (zig-zag inverse)",
 }

@@ -6,7 +6,8 @@ modules that implement each choice re-export them: ``EXCHANGES`` (``harness.para
 (``harness.parallel.dist_opt``), ``DEFAULT_BUCKET_ELEMENTS`` (``harness.parallel.grad_reduce``), ``kv_replicas``
 (``harness.parallel.ulysses``), ``check_divisible`` (``harness.parallel.expert_parallel``), ``COMM_TYPES`` /
 ``comm_type`` / ``require_te`` (``harness.parallel.te_cp``),
-``TensorParallelError`` / ``check_tp_model`` (``harness.parallel.tensor_parallel``).
+``TensorParallelError`` / ``check_tp_model`` (``harness.parallel.tensor_parallel``), ``SequenceParallelError``
+(``harness.parallel.sequence_parallel``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ INSTALL = 'pip install "transformer-engine[pytorch]==2.20.2"'
 
 class TensorParallelError(LayoutError):
     """Tensor parallelism cannot run this model or configuration (names the values and the fix)."""
+
+
+class SequenceParallelError(TensorParallelError):
+    """Sequence parallelism cannot split this run's token rows or run this configuration (names the values and the
+    fix)."""
 
 
 class HeadSplitError(ValueError):

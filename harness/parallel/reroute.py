@@ -17,6 +17,7 @@ operations a micro-batch whatever its sequence count (a static CP 4 pack of the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from harness.plan.errors import PlanInputError
 from harness.plan.layout import Schedule
-from harness.plan.thd import pack, padding_divisor, zigzag_index_array
+from harness.plan.thd import pack, pad_length, padding_divisor, zigzag_index_array
 
 SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 PAD_VALUES = {"tokens": 0, "labels": -100, "loss_mask": 0}  # position_ids keep counting
@@ -128,7 +129,9 @@ def build_microbatches(samples: Mapping[int, Mapping[str, torch.Tensor]], schedu
     padded to ``fixed_length``: the bshd layout). ``token_multiple`` (0 = off; even, or 1): the last
     sequence's padding grows until every rank's slice holds a multiple of that many tokens, so the
     per-rank token counts take few values (CUDA graphs are recorded per shape); the padding is
-    masked out of the loss and attends only within its sequence, after its real tokens."""
+    masked out of the loss and attends only within its sequence, after its real tokens. ``sequence_parallel``: every
+    sequence (and a fixed length) padded to a multiple of ``tp_size`` times its CP divisor, so every rank's token
+    rows split evenly over its TP group (``harness.parallel.sequence_parallel``)."""
     if padding not in ("local", "domain", "fixed"):
         raise RerouteError(f"padding must be 'local', 'domain' or 'fixed', got {padding!r}")
     if not isinstance(token_multiple, int) or token_multiple < 0 or (token_multiple > 1 and token_multiple % 2):
@@ -139,6 +142,9 @@ def build_microbatches(samples: Mapping[int, Mapping[str, torch.Tensor]], schedu
         gids = tuple(block_sequences(b, position))
         lengths = [schedule.lengths[g] for g in gids]
         if padding == "fixed":
+            if sequence_parallel:  # every rank's rows split evenly over the TP group (Megatron's rule)
+                fixed_length = pad_length(fixed_length, padding_divisor(cp_size=b.size, tp_size=tp_size,
+                                                                        sequence_parallel=True))
             if fixed_length < max(lengths) or fixed_length % (2 * b.size if b.size > 1 else 1):
                 raise RerouteError(f"fixed_length={fixed_length} must hold {max(lengths)} tokens and be a "
                                    f"multiple of 2 x {b.size}")
@@ -149,9 +155,11 @@ def build_microbatches(samples: Mapping[int, Mapping[str, torch.Tensor]], schedu
                 if padding == "local" else padding_divisor(n_ranks=schedule.n_ranks, tp_size=tp_size,
                                                           sequence_parallel=sequence_parallel)
             p = pack(lengths, div)
-            if token_multiple > 1 and p.cu_seqlens_padded[-1] % (token_multiple * b.size):
-                # even multiples of b.size keep the last sequence a multiple of 2 x cp (zig-zag)
-                grow = -p.cu_seqlens_padded[-1] % (token_multiple * b.size)
+            multiple = math.lcm(token_multiple, tp_size) if sequence_parallel and token_multiple > 1 else token_multiple
+            if multiple > 1 and p.cu_seqlens_padded[-1] % (multiple * b.size):
+                # even multiples of b.size keep the last sequence a multiple of 2 x cp (zig-zag); with sequence
+                # parallelism a multiple of tp too, so every rank's rows still split evenly over its TP group
+                grow = -p.cu_seqlens_padded[-1] % (multiple * b.size)
                 cup = p.cu_seqlens_padded[:-1] + [p.cu_seqlens_padded[-1] + grow]
                 p = type(p)(p.cu_seqlens, cup, max(p.max_seqlen, cup[-1] - cup[-2]))
         if not gids:

@@ -1,4 +1,4 @@
-"""Tensor parallelism of the dense transformer blocks (Megatron's TP, without sequence parallelism).
+"""Tensor parallelism of the dense transformer blocks (Megatron's TP, with or without sequence parallelism).
 
 A block's attention splits by heads and its MLP by the FFN over the ``tp`` ranks that share a (pipeline stage,
 DP x CP position): the QKV projection and the MLP's first matrix are column-parallel (each rank keeps its query heads,
@@ -13,7 +13,9 @@ Two collectives per half-block, Megatron's ``f`` and ``g``: ``enter`` (identity 
 the TP group, as the replicated input's gradient is the sum of every shard's contribution) and ``leave`` (the partial
 sums all-reduced forward; identity backward). The gradients of the replicated parameters are then equal on every TP
 rank, and the DP x CP reduction of each TP coordinate completes every gradient, sharded or not. Both are seams
-(``harness.faults``).
+(``harness.faults``). With sequence parallelism (``TensorParallel.sequence_parallel``) the block stack's residual
+stream is split by token rows over the same ranks and ``enter`` / ``leave`` become an all-gather and a
+reduce-scatter of rows (``harness.parallel.sequence_parallel``).
 
 Each rank builds the whole model from the seed and keeps its shards (``shard_model``); ``whole`` gathers a tensor's
 shards back (the probes read whole tensors, so a TP run is judged parameter by parameter against the unsharded
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from harness.parallel import sequence_parallel as seq_par
 from harness.parallel.options import TensorParallelError, check_tp_model  # noqa: F401 - re-exported
 
 
@@ -42,15 +45,31 @@ class TensorParallel:
     size: int
     rank: int
     group: object
+    sequence_parallel: bool = False
+    """Whether the block stack's residual stream is split by token rows over the group (``sequence_parallel``)."""
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """``enter(x, self)``, the seam looked up at each call (what a model's blocks call: they never import this
-        module, the runtime sits below it)."""
+        """A column-parallel matrix's input: ``enter(x, self)``, or with sequence parallelism
+        ``harness.parallel.sequence_parallel.all_gather_rows(x, self)`` - seams looked up at each call (what a model's blocks call:
+        they never import this module, the runtime sits below it)."""
+        if self.sequence_parallel:
+            return seq_par.all_gather_rows(x, self)
         return enter(x, self)
 
     def leave(self, x: torch.Tensor) -> torch.Tensor:
-        """``leave(x, self)``, looked up at each call."""
+        """A row-parallel matrix's partial sums: ``leave(x, self)``, or with sequence parallelism
+        ``harness.parallel.sequence_parallel.reduce_scatter_rows(x, self)``."""
+        if self.sequence_parallel:
+            return seq_par.reduce_scatter_rows(x, self)
         return leave(x, self)
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Where a block stack starts: this rank's token rows of ``x`` with sequence parallelism, else ``x``."""
+        return seq_par.scatter(x, self) if self.sequence_parallel else x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Where a block stack ends: every rank's rows gathered with sequence parallelism, else ``x``."""
+        return seq_par.gather(x, self) if self.sequence_parallel else x
 
 
 MARK = "tensor_parallel"
@@ -82,7 +101,8 @@ def take(t: torch.Tensor, how: tuple[int, list[int]], size: int, rank: int) -> t
 
 def shard_model(model, tp: TensorParallel) -> None:
     """Keep this rank's shard of every split parameter of ``model`` (built whole, the same on every rank), in place,
-    and mark it (``MARK``)."""
+    and mark it (``MARK``); with sequence parallelism also mark the replicated parameters of the row-split region
+    (``sequence_parallel.mark``)."""
     if tp.size == 1:
         return
     check_tp_model(model.c, tp.size)
@@ -92,6 +112,8 @@ def shard_model(model, tp: TensorParallel) -> None:
             if how is not None:
                 p.data = take(p.data, how, tp.size, tp.rank)
                 setattr(p, MARK, True)
+    if tp.sequence_parallel:
+        seq_par.mark(model)
 
 
 def is_sharded(p) -> bool:

@@ -27,8 +27,8 @@ def self_attention(layer: nn.Module, c: ModelConfig, x_TE, rot: Rotary, attentio
     H, Hkv = layers.local_heads(layer, c, tp)
     h = layer.norm1(x_TE)
     q, k, v = linear(h if tp is None else tp.enter(h), weight(layer.qkv.weight)).split([H * D, Hkv * D, Hkv * D], dim=-1)
-    o = linear(attention(rot(q.view(-1, H, D)), rot(k.view(-1, Hkv, D)), v.view(-1, Hkv, D)).reshape(x_TE.shape[0], -1),
-               weight(layer.proj.weight))
+    o = linear(attention(rot(q.view(-1, H, D)), rot(k.view(-1, Hkv, D)), v.view(-1, Hkv, D)).reshape(q.shape[0], -1),
+               weight(layer.proj.weight))  # q's rows: every token's, also where x_TE holds a sequence-parallel share
     return x_TE + (o if tp is None else tp.leave(o))
 
 

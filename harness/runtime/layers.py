@@ -37,13 +37,20 @@ def cp_ops(module: nn.Module, attention: Attention | None, mixing: Mixing | None
 class TensorParallelOps:
     """What a block split by tensor parallelism calls (``harness.parallel.tensor_parallel.TensorParallel``; the
     runtime sits below the parallel layer and only calls these): ``size``, ``enter(x)`` (a column-parallel matrix's
-    replicated input: its gradient all-reduced) and ``leave(y)`` (a row-parallel matrix's partial sums all-reduced)."""
+    input: replicated, its gradient all-reduced; or, with sequence parallelism, every rank's token rows gathered),
+    ``leave(y)`` (a row-parallel matrix's partial sums all-reduced, or reduce-scattered by rows), and ``scatter(x)`` /
+    ``gather(x)`` where a block stack starts and ends (this rank's token rows / every rank's rows with sequence
+    parallelism; ``x`` itself without)."""
 
     size: int
 
     def enter(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def leave(self, y: torch.Tensor) -> torch.Tensor: ...
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class ShardedCallError(TypeError):

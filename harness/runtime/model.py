@@ -282,10 +282,11 @@ class TinyLM(nn.Module):
         extra = {} if experts is None else {"experts": experts}  # MoE blocks only (hybrid layers have no experts)
         if tp is not None:  # dense blocks only (a hybrid's layers are never split)
             extra["tp"] = tp
+            x = tp.scatter(x)  # sequence parallelism: this rank's token rows between the blocks' matrices
         for i in layers:
             x, a = self.blocks[i](x, pos_T, real_T, attention, routing, mixing=mixing, **extra)
             aux = aux + a
-        return x, aux
+        return (x if tp is None else tp.gather(x)), aux
 
     def mtp_hidden(self, k: int, h_TE, tokens_T, rot: Rotary, real_T, attention: Attention, mixing=None, tp=None):
         """Depth k's hidden states (``harness.runtime.mtp``) from depth k - 1's (``h_TE``), the tokens looked up in the

@@ -34,8 +34,10 @@ class MTPLayer(nn.Module):
     def forward(self, h_TE, emb_TE, rot: Rotary, real_T, attention: Attention, mixing=None, tp=None):
         """This depth's hidden states (before the final norm), from the previous depth's and the embedding of the
         tokens it is shifted to (the model's shared table). ``tp``: the step's tensor parallelism (the block split,
-        the combine replicated)."""
+        the combine replicated; with sequence parallelism the block runs on this rank's token rows, as the trunk's)."""
         attention, mixing = layers.cp_ops(self, attention, mixing)
         x = self.combine(torch.cat([self.norm_h(h_TE), self.norm_e(emb_TE)], dim=-1))
-        x, _ = self.block(x, rot, real_T, attention, mixing=mixing, **({} if tp is None else {"tp": tp}))
-        return x
+        if tp is None:
+            return self.block(x, rot, real_T, attention, mixing=mixing)[0]
+        x, _ = self.block(tp.scatter(x), rot, real_T, attention, mixing=mixing, tp=tp)  # rows split as in run_layers
+        return tp.gather(x)

@@ -12,6 +12,7 @@ from harness.parallel.options import (
     EXCHANGES,
     OPTIMIZERS,
     HeadSplitError,
+    SequenceParallelError,
     TensorParallelError,
     check_divisible,
     check_tp_model,
@@ -61,9 +62,11 @@ class TrainConfig:
     pp: int = 1
     """Pipeline stages (``harness.train.pipeline``); the world is pp stages of a DP x CP domain each."""
     tp: int = 1
-    """Tensor-parallel ranks (``harness.parallel.tensor_parallel``: each dense block's heads and FFN split over them,
-    without sequence parallelism); the world is pp stages x a DP x CP domain x tp. Dense and MTP models, the harness's
-    gather / ring exchanges."""
+    """Tensor-parallel ranks (``harness.parallel.tensor_parallel``: each dense block's heads and FFN split over them);
+    the world is pp stages x a DP x CP domain x tp. Dense and MTP models, the harness's gather / ring exchanges."""
+    sequence_parallel: bool = False
+    """With tp > 1: the block stack's token rows split over the TP ranks too (``harness.parallel.sequence_parallel``,
+    Megatron's ``--sequence-parallel``); every sequence is padded to a multiple of tp times its CP divisor."""
     vpp: int = 1
     """Virtual chunks per stage (the interleaved 1F1B schedule when > 1)."""
     pipeline: str = "1f1b"
@@ -181,7 +184,12 @@ class TrainConfig:
         tp = self.tp
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise TensorParallelError(f"tp must be an int >= 1, got {tp!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise SequenceParallelError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
         if tp == 1:
+            if self.sequence_parallel:
+                raise SequenceParallelError("sequence parallelism splits token rows over the tensor-parallel ranks, "
+                                            "and tp=1: use tp >= 2 with it (--tp 2), or turn it off")
             return
         if world % tp:
             raise TensorParallelError(f"world size {world} is not a multiple of tp={tp}: the world is pp x (DP x CP) x "

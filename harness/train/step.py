@@ -9,7 +9,10 @@ backward per micro-batch) with CP attention in the block's group, sum-reduce the
 DP x CP ranks, clip by the norm over all stages, and step the optimiser - or, with the distributed optimiser
 (``harness.parallel.dist_opt``), reduce-scatter them, clip and step this rank's 1/N and gather the parameters. Under
 tensor parallelism (``Run.tp``) all of it runs per TP coordinate, the blocks take the TP collectives per call and the
-norm sums the split parameters over the TP group (``harness.parallel.tensor_parallel``). In exact arithmetic every
+norm sums the split parameters over the TP group (``harness.parallel.tensor_parallel``); with sequence parallelism
+(``Run.sequence_parallel``) the sequences are padded so that every rank's token rows split evenly over its TP group,
+and after the passes the split region's norm gradients are summed over it (``harness.parallel.sequence_parallel``).
+In exact arithmetic every
 layout and every pipeline computes the same loss and update.
 
 ``StepHooks`` is what a benchmark adds without changing the maths: a schedule planned ahead by another process,
@@ -28,11 +31,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from harness.parallel import expert_parallel, tensor_parallel
+from harness.parallel import expert_parallel, sequence_parallel, tensor_parallel
 from harness.parallel.audit import start_audit
 from harness.parallel.dist_opt import DistributedOptimizer
 from harness.parallel.grad_reduce import GradReduceError
 from harness.parallel.groups import DynamicGroups
+from harness.parallel.options import SequenceParallelError
 from harness.parallel.reroute import SAMPLE_KEYS, ThdMicroBatch, build_microbatches, mtp_keys, reroute
 from harness.plan import Schedule, ScheduleError
 from harness.runtime import weight_cache
@@ -254,13 +258,18 @@ class Run:
     p2p: pipeline.P2P | None = None
     experts: expert_parallel.ExpertShard | None = None
     """The experts this rank owns under expert parallelism (None: every expert, replicated)."""
+    sequence_parallel: bool = False
+    """Split the block stack's token rows over the TP group too (``harness.parallel.sequence_parallel``; tp > 1)."""
     tp: tensor_parallel.TensorParallel | None = field(init=False)
     """This rank's tensor parallelism (its TP coordinate and the groups' TP group), or None at tp = 1."""
 
     def __post_init__(self):
         lay, rank = self.groups.layout, self.groups.rank
-        self.tp = tensor_parallel.TensorParallel(lay.tp, lay.tp_rank(rank), self.groups.tp_group) \
-            if lay.tp > 1 else None
+        if self.sequence_parallel and lay.tp == 1:
+            raise SequenceParallelError("sequence parallelism splits token rows over the TP group, and this layout "
+                                        "has tp=1: use tp > 1 or turn sequence parallelism off")
+        self.tp = tensor_parallel.TensorParallel(lay.tp, lay.tp_rank(rank), self.groups.tp_group,
+                                                 self.sequence_parallel) if lay.tp > 1 else None
 
     def actions(self, num_microbatches: int):
         if self.pipe.pp == 1:
@@ -334,6 +343,10 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
         raise GradReduceError("a reducer hook reduces gradients during the backward, before the pipeline's last stage "
                               "hands its embedding replica's gradient to the first stage (multi-token prediction under "
                               "pp > 1): drop the hook (the step reduces after the backward) or run pp = 1")
+    if hooks.reducer is not None and run.tp is not None and run.tp.sequence_parallel:
+        raise GradReduceError("a reducer hook reduces gradients during the backward, before sequence parallelism sums "
+                              "the split region's norm gradients over the TP group: drop the hook (the step reduces "
+                              "after the backward) or turn sequence parallelism off")
     groups = run.groups
     t = time.perf_counter()
     if hooks.planned is None:
@@ -348,8 +361,9 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
     owners = {g: g % N for g in range(len(lengths))}
     depth = model.c.mtp_depth
     samples = reroute(local, owners, sched, me, group=everyone, keys=SAMPLE_KEYS + mtp_keys(depth))
+    sp = run.tp is not None and run.tp.sequence_parallel
     mbs = build_microbatches(samples, sched, me, padding=padding, fixed_length=fixed,
-                             token_multiple=hooks.token_multiple)
+                             token_multiple=hooks.token_multiple, tp_size=run.tp.size if sp else 1, sequence_parallel=sp)
     cp_groups = [cp_group_for(groups, mb) for mb in mbs]
     audited = start_audit(groups, mbs, cp_groups, everyone)  # checked before the first CP collective, below
     total = loss_denominator(mbs, everyone)
@@ -375,6 +389,8 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
         timeline = pipeline.run_passes(run.stage, run.actions(len(mbs)), chunk_passes, run.p2p,
                                        before_last=before_last, on_pass=hooks.on_pass)
     timeline.cp_sizes = [mb.local_cp_size for mb in mbs]
+    if sp:  # the norms of the row-split region saw this rank's rows only: their gradients summed over the TP group
+        sequence_parallel.reduce_grads(params, run.tp)
     _mark(hooks)
     shared = shared_embedding.shares(model, run.stage)
     early = shared and shared_embedding.before_reduction()

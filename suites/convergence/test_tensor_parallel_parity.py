@@ -82,3 +82,54 @@ def test_converge_judges_a_tp_run_against_its_unsplit_reference(plant, tmp_path)
     assert between and all(c["pass"] for c in between)
     failed = [c["target"] for c in ref if not c["pass"]]
     assert any("step-1 gradients" in t for t in failed) and res.verdict == "FAIL", failed
+
+
+# ------------------------------------------------------------------------------------------ sequence parallelism
+def test_sequence_parallelism_equals_the_unsplit_run_every_layout(tmp_path_factory):
+    """2 TP ranks with the blocks' token rows split over them (each sequence padded to a multiple of tp times its CP
+    divisor, the split norms' gradients summed over TP) against the TP = 1 run, bshd, thd and dcp."""
+    _agree(_rows("tiny-gpt", 4, tmp_path_factory, "tp2-sp", tp=2, sequence_parallel=True),
+           _rows("tiny-gpt", 2, tmp_path_factory, "ref"))
+
+
+@pytest.mark.parametrize("kw", [{"optimizer": "distributed", "grad_bucket_elements": 30_000}, {"token_bucket": 16}],
+                         ids=["dist-opt", "bucket16"])
+def test_sequence_parallelism_with_the_distributed_optimiser_and_a_token_bucket(kw, tmp_path_factory):
+    """The norms' TP sum before the distributed optimiser's reduce-scatter; micro-batches grown to a token bucket
+    (its multiples kept a multiple of tp). Each against the TP = 1 replicated run without a bucket."""
+    name = "-".join(f"{k}{v}" for k, v in kw.items())
+    got = _rows("tiny-gpt", 4, tmp_path_factory, f"tp2-sp-{name}", layouts=["dcp"], tp=2, sequence_parallel=True,
+                **kw)
+    ref = _rows("tiny-gpt", 2, tmp_path_factory, "ref")
+    _agree(got, {"dcp": ref["dcp"]}, layouts=("dcp",))
+
+
+def test_mtp_under_a_pipeline_with_sequence_parallelism_equals_one_unsplit_rank(tmp_path_factory):
+    """2 stages x 2 TP ranks, sequence-parallel: the MTP depth's block splits its rows as the trunk's does (its
+    combine, on whole rows, replicated), the stage boundaries carry whole rows."""
+    one = {"layouts": ["dcp"], "max_seqlen_per_rank": 1024}
+    got = _rows("tiny-gpt-mtp", 4, tmp_path_factory, "mtp-pp2-tp2-sp", pp=2, tp=2, sequence_parallel=True, **one)
+    ref = _rows("tiny-gpt-mtp", 1, tmp_path_factory, "mtp-ref1", **one)
+    _agree(got, ref, layouts=("dcp",))
+    for a, b in zip(got["dcp"], ref["dcp"], strict=True):
+        assert abs(a["mtp_loss"][0] - b["mtp_loss"][0]) <= 1e-5, a["step"]
+
+
+SP_CFG = TrainConfig(tp=2, sequence_parallel=True, steps=2, layouts=("bshd", "dcp"), max_seqlen_per_rank=512)
+
+
+@pytest.mark.parametrize("plant", [None, "sp-gather-grad-reduce-scattered"])
+def test_converge_judges_a_sequence_parallel_run_against_its_unsplit_reference(plant, tmp_path):
+    """Planted (the stack exit's backward reduce-scatters the replicated gradient: every block's gradient doubled, in
+    every layout and on every TP rank alike): bshd and dcp agree, the replicas agree, and the one-rank reference
+    fails them."""
+    res = converge.run(SP_CFG, world=4, out_root=tmp_path, progress=lambda s: None, plant=plant, report=False)
+    assert converge.case_id(SP_CFG, 4) == "converge__tiny_gpt__w4_tp2_sp__m512__fp32"
+    ref = [c for c in res.checks if "vs reference (1 rank: no CP, PP, TP or EP)" in c["target"]]
+    assert ref and all(c["target"].startswith(("bshd (tp 2, sp)", "dcp (tp 2, sp)")) for c in ref)
+    if plant is None:
+        assert res.verdict == "PASS", [c["target"] for c in res.checks if not c["pass"]]
+        return
+    assert res.verdict == "FAIL"
+    assert all(c["pass"] for c in res.checks if c["target"].startswith("dcp vs bshd"))
+    assert any(not c["pass"] and "step-1 gradients" in c["target"] for c in ref)

@@ -149,3 +149,23 @@ def test_a_reducer_hook_is_refused_where_the_mtp_embedding_is_shared_between_sta
                                               r"drop the hook .* or run pp = 1"):
         step.train_step(model, run, "dcp", [8], {}, None, None, device="cpu", opt=opt, params=[], grads=None,
                         hooks=step.StepHooks(reducer=SimpleNamespace()))
+
+
+def test_a_reducer_hook_is_refused_under_sequence_parallelism():
+    """Sequence parallelism sums the split norms' gradients over TP after the backward; a hook that reduced (or
+    reduce-scattered) them over DP x CP during the backward would leave that sum to a buffer already handed on. The
+    step refuses before any work, naming the fix."""
+    from types import SimpleNamespace
+
+    from harness.runtime.model import TinyLM
+    from harness.runtime.model_config import MODELS
+    from harness.train import pipeline, step
+
+    model = TinyLM(MODELS["tiny-gpt"])
+    run = SimpleNamespace(stage=pipeline.Stage.of(model.c.layers, 1, 1, 0), groups=None,
+                          tp=SimpleNamespace(sequence_parallel=True))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(GradReduceError, match=r"before sequence parallelism sums the split region's norm gradients .* "
+                                              r"drop the hook .* or turn sequence parallelism off"):
+        step.train_step(model, run, "dcp", [8], {}, None, None, device="cpu", opt=opt, params=[], grads=None,
+                        hooks=step.StepHooks(reducer=SimpleNamespace()))

@@ -34,7 +34,8 @@ def _outcomes(scenario, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("scenario", ["train", "train-small-batch", "train-pp-mtp", "train-dist-opt", "train-bucketed",
-                                      "train-bf16", "verify-bf16", "train-tp", "replay", "plan", "stepwise"])
+                                      "train-bf16", "verify-bf16", "train-tp", "train-sp", "replay", "plan",
+                                      "stepwise"])
 def test_clean_runs_raise_no_alarm(scenario, tmp_path_factory):
     clean = _outcomes(scenario, tmp_path_factory)[None]
     assert clean["alarms"] == [] and clean["error"] is None, clean
@@ -74,7 +75,20 @@ def test_every_seam_is_live_and_a_passthrough_changes_nothing(tmp_path):
 
 MODEL_SEAM_MODULES = ("harness.train.passes", "harness.runtime", "harness.train.pipeline", "harness.train.step",
                       "harness.parallel.ssm_cp", "harness.parallel.dist_opt", "harness.train.trainer",
-                      "harness.train.shared_embedding", "harness.parallel.tensor_parallel", "harness.parallel.groups")
+                      "harness.train.shared_embedding", "harness.parallel.tensor_parallel", "harness.parallel.groups",
+                      "harness.parallel.sequence_parallel")
+
+
+def _tp_wanted(seam: str, cfg: dict) -> bool:
+    """Whether a run of ``cfg`` calls ``seam`` as far as tensor and sequence parallelism decide: the sequence-parallel
+    seams with sequence parallelism only, TP's all-reduce collectives with TP without it (sequence parallelism
+    gathers and reduce-scatters instead), the TP norm and the TP groups with TP."""
+    tp, sp = cfg.get("tp", 1) > 1, bool(cfg.get("sequence_parallel"))
+    if "sequence_parallel:" in seam:
+        return sp
+    if seam.endswith(("tensor_parallel:enter", "tensor_parallel:leave")):
+        return tp and not sp
+    return ("tensor_parallel" in seam or "tp_group_ranks" in seam) == tp
 
 
 @pytest.mark.parametrize("cfg", [
@@ -84,11 +98,12 @@ MODEL_SEAM_MODULES = ("harness.train.passes", "harness.runtime", "harness.train.
     {**sc.TRAIN_CONFIGS["train-dist-opt"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-bf16"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-tp"], "layouts": ["dcp"]},
-], ids=["mtp-pp2", "hybrid", "fused", "dist-opt", "bf16", "tp"])
+    {**sc.TRAIN_CONFIGS["train-sp"], "layouts": ["dcp"]},
+], ids=["mtp-pp2", "hybrid", "fused", "dist-opt", "bf16", "tp", "sp"])
 def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg, tmp_path):
     """The seams of the forward passes, the model's CP calls, the SSM scan, the pipeline stages, the weight paths and
     tensor parallelism: wrapped by call counters in a pipelined MTP run, a hybrid (SSM) run, a fused-weight run, a
-    distributed-optimiser run, a bf16 run's fp32 step 1 and a TP run, each one is called, and the run's parameters equal those of the same run without
+    distributed-optimiser run, a bf16 run's fp32 step 1, a TP run and a sequence-parallel one, each one is called, and the run's parameters equal those of the same run without
     pass-throughs, bit for bit."""
     seams = [s for s in SEAMS if s.startswith(MODEL_SEAM_MODULES)]
     got = run_on_ranks(sc.passthrough_world, world_size=sc.WORLD, tmp_path=tmp_path,
@@ -105,8 +120,7 @@ def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg
               and ("weight_cache:accumulate" in s) == (cfg.get("weights") != "fused")
               and ("dist_opt" in s) == (cfg.get("optimizer") == "distributed")
               and ("probe_config" in s) == (cfg.get("dtype") == "bfloat16")
-              # the TP collectives, the TP norm and the TP groups: tensor parallelism only
-              and ("tensor_parallel" in s or "tp_group_ranks" in s) == (cfg.get("tp", 1) > 1)]
+              and _tp_wanted(s, cfg)]
     assert all(counts[s] > 0 for s in wanted), {s: counts[s] for s in wanted}
     for r in got:
         assert r["out"]["probes"]["dcp"]["digests"] == r["clean"]["probes"]["dcp"]["digests"]

@@ -65,6 +65,8 @@ CASES = [
     (["converge", "--steps", "0"], "argument --steps: 0 is below the minimum 1"),
     (["converge", "--pp", "0"], "argument --pp: 0 is below the minimum 1"),
     (["converge", "--tp", "0"], "argument --tp: 0 is below the minimum 1"),
+    (["converge", "--sequence-parallel", "--steps", "1"],
+     "dcp-harness: error: sequence parallelism splits token rows over the tensor-parallel ranks, and tp=1: use tp >= 2"),
     (["converge", "--tp", "3", "--world", "4", "--steps", "1"],
      "dcp-harness: error: world size 4 is not a multiple of tp=3: the world is pp x (DP x CP) x tp ranks"),
     (["converge", "--vpp", "5000"], "argument --vpp: 5000 exceeds the limit 1024"),

@@ -90,3 +90,22 @@ def test_a_sample_that_disagrees_with_the_schedule_is_named(monkeypatch):
     monkeypatch.setattr("harness.parallel.reroute.block_sequences", lambda block, position: ())
     with pytest.raises(RerouteError, match="micro-batch 0's block at position 0 packs no sequence"):
         build_microbatches({0: sample_for(0, 5), 1: sample_for(1, 7)}, sched, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_batches(), st.sampled_from(["local", "domain", "fixed"]), st.sampled_from([0, 2, 6, 16]),
+       st.sampled_from([2, 4]))
+def test_sequence_parallel_padding_splits_every_ranks_rows_evenly_over_tp(sched, padding, multiple, tp):
+    """With sequence parallelism every rank's token rows split evenly over its ``tp`` TP ranks (each sequence, the
+    fixed length and the token bucket's growth padded to multiples of ``tp``), and the columns are still the
+    sequence-by-sequence reference's."""
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    samples = {g: sample_for(g, L, vocab=97) for g, L in sched.lengths.items()}
+    fixed = 8 * -(-max(sched.lengths.values()) // 8) if padding == "fixed" else 0
+    for position in range(4):
+        mbs = build_microbatches(samples, sched, position, padding=padding, fixed_length=fixed, tp_size=tp,
+                                 sequence_parallel=True, token_multiple=0 if padding == "fixed" else multiple)
+        for mb in mbs:
+            assert mb.data["tokens"].numel() % tp == 0, (mb.index, position, mb.cu_seqlens_padded)
+            want = _reference(samples, mb.gids, mb.cu_seqlens_padded, mb.local_cp_size, mb.cp_rank, keys)
+            assert all(mb.data[k].tolist() == v for k, v in want.items())

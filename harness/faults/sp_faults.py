@@ -1,0 +1,113 @@
+"""Re-creations of sequence-parallel bugs (``harness.parallel.sequence_parallel``) and their catalogue entries, judged
+in scenario ``train-sp`` (the ``train-tp`` run with the token rows split over the TP ranks too).
+
+Each is exact without sequence parallelism, so converge's reference (one rank, no TP) and the goldens see none of
+them, and neither does ``train-tp``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from harness.faults.fault import Fault
+
+
+def make_norm_grads_not_reduced(original):
+    """The split region's norm gradients never summed over the TP group: each TP rank steps its norms with the
+    gradient of its own rows (gpt-neox PR #1257's first cut; NeMo PR #7184: the all-reduce looked for a
+    ``sequence_parallel`` attribute that apex's norms set under another name, so it found no parameter)."""
+    def reduce_grads(params, tp):
+        return None
+    return reduce_grads
+
+
+def make_mlp_norm_unmarked(original):
+    """One norm of the split region left out of the marked set: the attention's pre-norm is summed over TP, the
+    MLP's is not (Megatron-LM issue #1446: ``final_layernorm``'s gradients differed between TP ranks with
+    ``--sequence-parallel``, as that norm did not carry the attribute the all-reduce selects by)."""
+    def in_region(name):
+        return re.search(r"(^|\.)(blocks\.\d+|block)\.norm1\.weight$", name) is not None
+    return in_region
+
+
+def make_scatter_grad_own_rows(original):
+    """The stack entry's backward returns only this rank's rows of the gradient (zeros elsewhere) instead of
+    gathering every rank's: the embedding, computed whole on every TP rank, gets a different partial gradient on each
+    (the change Megatron-LM issue #1635 proposed for ``_ScatterToSequenceParallelRegion.backward``)."""
+    import torch
+
+    class OwnRows(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, size, rank):
+            ctx.shape, ctx.size, ctx.rank = x.shape, size, rank
+            return x.chunk(size, 0)[rank].contiguous()
+
+        @staticmethod
+        def backward(ctx, grad):
+            full = grad.new_zeros(ctx.shape)
+            full.chunk(ctx.size, 0)[ctx.rank].copy_(grad)
+            return full, None, None
+
+    def scatter(x, tp):
+        return OwnRows.apply(x, tp.size, tp.rank)
+    return scatter
+
+
+def make_gather_grad_reduce_scattered(original):
+    """The stack exit's backward reduce-scatters the gradient, as if what follows were split over TP
+    (``tensor_parallel_output_grad=True``): the head and the final norm are replicated, every TP rank already holds
+    the whole gradient, and the sum makes every block's gradient tp times too large (slapo PR #20: the flag added for
+    exactly this gather; VeOmni PR #681: a gather's backward scaled by the group size by default)."""
+    import torch
+
+    from harness.parallel.collectives import all_gather, reduce_scatter
+
+    class GatherSummed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group, size):
+            ctx.group, ctx.size = group, size
+            out = x.new_empty((x.shape[0] * size, *x.shape[1:]))
+            all_gather(out, x.contiguous(), group=group)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            out = grad.new_empty((grad.shape[0] // ctx.size, *grad.shape[1:]))
+            reduce_scatter(out, grad.contiguous(), group=ctx.group)
+            return out, None, None
+
+    def gather(x, tp):
+        return GatherSummed.apply(x, tp.group, tp.size)
+    return gather
+
+
+SP_FAULTS: tuple[Fault, ...] = (
+    Fault(name="sp-norm-grads-not-reduced", title="the split region's norm gradients never summed over TP",
+          source="gpt-neox PR #1257: with sequence parallelism the norms' gradients were not synchronised over the TP "
+                 "ranks and the loss flat-lined near 8; NeMo PR #7184: the all-reduce selected no parameter (the "
+                 "attribute was named otherwise)",
+          url="https://github.com/EleutherAI/gpt-neox/pull/1257", layer="gradients",
+          seam="harness.parallel.sequence_parallel:reduce_grads", make=make_norm_grads_not_reduced,
+          check="replica-consistency", expect=r"parameters differ between ranks: ranks \[1, 3\]", scenario="train-sp"),
+    Fault(name="sp-mlp-norm-unmarked", title="one norm of the split region left unmarked",
+          source="Megatron-LM issue #1446: final_layernorm's main_grad differed between TP ranks with TP + SP (the "
+                 "norm lacked the sequence_parallel attribute the all-reduce selects by)",
+          url="https://github.com/NVIDIA/Megatron-LM/issues/1446", layer="gradients",
+          seam="harness.parallel.sequence_parallel:in_region", make=make_mlp_norm_unmarked,
+          check="replica-consistency", expect=r"parameters differ between ranks: ranks \[1, 3\]", scenario="train-sp"),
+    Fault(name="sp-scatter-grad-own-rows", title="the stack entry's backward keeps its own rows (no all-gather)",
+          source="Megatron-LM issue #1635 proposed returning only the rank's slice of the gradient from "
+                 "_ScatterToSequenceParallelRegion's backward; the input is replicated, so each rank's embedding then "
+                 "learns from its own rows only",
+          url="https://github.com/NVIDIA/Megatron-LM/issues/1635", layer="gradients",
+          seam="harness.parallel.sequence_parallel:scatter", make=make_scatter_grad_own_rows,
+          check="replica-consistency", expect=r"parameters differ between ranks: ranks \[1, 3\]", scenario="train-sp"),
+    Fault(name="sp-gather-grad-reduce-scattered", title="the stack exit's backward reduce-scatters a replicated gradient",
+          source="slapo PR #20: tensor_parallel_output_grad decides whether a sequence-parallel gather's backward "
+                 "reduce-scatters or splits; before a replicated head it must split (VeOmni PR #681: a gather's "
+                 "backward scaled by the group size)",
+          url="https://github.com/awslabs/slapo/pull/20", layer="gradients",
+          seam="harness.parallel.sequence_parallel:gather", make=make_gather_grad_reduce_scattered,
+          check="step1-gradients", expect=r"step-1 gradient of blocks\.", scenario="train-sp"),
+)
+"""The sequence-parallel faults, in report order (the catalogue appends them)."""

@@ -1,0 +1,114 @@
+"""``harness.parallel.sequence_parallel``: a block stack whose token rows are split over the TP ranks computes what the
+whole, unsplit stack computes.
+
+Judged against the unsplit model in one process (the same seed's weights, autograd over whole matrices and every
+row): a real gloo world of 2 and 4 TP ranks runs two dense blocks (``TinyLM.run_layers``) forward and backward,
+rows scattered at the entry and gathered at the exit, and after the split norms' gradients are summed over TP
+(``reduce_grads``) every whole gradient, the input's gradient and the output equal the unsplit stack's in fp64. Each
+sequence-parallel seam replaced by its catalogue fault breaks it. Training runs are in
+``suites/convergence/test_tensor_parallel_parity.py``; the padding that makes the rows split evenly in
+``suites/runtime/test_microbatch_build.py``."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from harness.faults import sp_faults
+from harness.jobs.launch import run_on_ranks
+from harness.parallel import sequence_parallel as spm
+from harness.parallel import tensor_parallel as tpm
+from harness.parallel.groups import DynamicGroups, ParallelLayout
+from harness.parallel.options import SequenceParallelError
+from harness.runtime.model import MODELS, ModelConfig, TinyLM
+from harness.train.config import TrainConfig
+from harness.train.layouts import LayoutError
+from suites.dist_cpu.test_tensor_parallel import _causal
+
+pytestmark = pytest.mark.dist_cpu
+
+ROWS = 24
+
+
+def test_the_split_region_holds_the_blocks_norms_and_nothing_else():
+    c = MODELS["tiny-gpt-mtp"]
+    marked = sorted(n for n, _ in TinyLM(c).named_parameters() if spm.in_region(n))
+    assert marked == sorted([f"blocks.{i}.norm{j}.weight" for i in range(c.layers) for j in (1, 2)] +
+                            ["mtp.0.block.norm1.weight", "mtp.0.block.norm2.weight"])
+    assert not any(spm.in_region(n) for n in ("norm.weight", "mtp.0.norm_h.weight", "mtp.0.norm_e.weight",
+                                              "embed.weight", "head.weight", "mtp.0.combine.weight"))
+
+
+@pytest.mark.parametrize("cfg, world, match", [
+    ({"sequence_parallel": True}, 4, r"sequence parallelism .* tp=1: use tp >= 2"),
+    ({"sequence_parallel": "yes", "tp": 2}, 4, r"sequence_parallel must be True or False, got 'yes'"),
+])
+def test_configurations_sequence_parallelism_cannot_run_are_refused_with_the_fix(cfg, world, match):
+    with pytest.raises(LayoutError, match=match):
+        TrainConfig(**cfg).validate(world)
+
+
+def _stack_world(rank: int, world: int, fault: str | None = None) -> dict:
+    """Every rank: the whole two-block stack (same seed) and its TP shard with sequence parallelism on the same rows;
+    the output, the input's gradient and every whole gradient (split norms summed over TP) against the whole
+    stack's."""
+    from harness.faults.catalogue import get
+
+    torch.manual_seed(0)
+    c = ModelConfig(layers=2, heads=4, kv_heads=4 if world == 4 else 2, ffn=128)
+    ref = TinyLM(c).double()
+    part = TinyLM(c).double()
+    part.load_state_dict(ref.state_dict())
+    groups = DynamicGroups(ParallelLayout(dp=1, cp=1, tp=world), rank)
+    tp = tpm.TensorParallel(world, rank, groups.tp_group, sequence_parallel=True)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(ROWS, c.hidden, generator=g, dtype=torch.float64)
+    w = torch.randn(ROWS, c.hidden, generator=g, dtype=torch.float64)
+    pos, real = torch.arange(ROWS), torch.ones(ROWS)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, _ = ref.run_layers(xa, pos, real, _causal)
+    (ya * w).sum().backward()
+    with get(fault).applied() if fault else nullcontext():
+        tpm.shard_model(part, tp)
+        yb, _ = part.run_layers(xb, pos, real, _causal, tp=tp)
+        (yb * w).sum().backward()
+        spm.reduce_grads(list(part.parameters()), tp)
+    whole = dict(ref.named_parameters())
+    grads = {n: (tpm.whole(n, p.grad, c, tp) - whole[n].grad).abs().max().item()
+             for n, p in part.named_parameters() if p.grad is not None}
+    groups.destroy()
+    return {"out": (ya - yb).abs().max().item(), "dx": (xa.grad - xb.grad).abs().max().item(), "grads": grads}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_sequence_parallel_stack_equals_the_whole_stack_forward_and_backward(world, tmp_path):
+    for r in run_on_ranks(_stack_world, world_size=world, tmp_path=tmp_path, timeout_s=60):
+        assert r["out"] < 1e-12 and r["dx"] < 1e-12, r
+        assert len(r["grads"]) == 2 * 6 and max(r["grads"].values()) < 1e-12, r["grads"]
+
+
+@pytest.mark.parametrize("fault", [f.name for f in sp_faults.SP_FAULTS])
+def test_every_sequence_parallel_fault_breaks_the_split_stack(fault, tmp_path):
+    """The check above can fail: each catalogue fault of the sequence-parallel seams leaves some whole gradient (the
+    norms', or every parameter's) off the unsplit stack's."""
+    got = run_on_ranks(_stack_world, world_size=2, tmp_path=tmp_path, args=(fault,), timeout_s=60)
+    assert all(max([r["dx"], *r["grads"].values()]) > 1e-3 for r in got), [r["grads"] for r in got]
+
+
+def _uneven_world(rank: int, world: int) -> str:
+    groups = DynamicGroups(ParallelLayout(dp=1, cp=1, tp=world), rank)
+    tp = tpm.TensorParallel(world, rank, groups.tp_group, sequence_parallel=True)
+    try:
+        tp.scatter(torch.zeros(7, 4))
+    except SequenceParallelError as e:
+        return str(e)
+    finally:
+        groups.destroy()
+    return "no error"
+
+
+def test_rows_that_do_not_split_evenly_are_refused_naming_the_count_and_the_fix(tmp_path):
+    for msg in run_on_ranks(_uneven_world, world_size=2, tmp_path=tmp_path, timeout_s=60):
+        assert "7 token rows over tp=2 ranks: not a multiple of 2" in msg and "padding_divisor" in msg, msg
