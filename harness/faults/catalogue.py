@@ -20,6 +20,7 @@ from harness.faults import sp_faults as spf
 from harness.faults import stack_faults as stf
 from harness.faults import tp_faults as tpf
 from harness.faults import train_faults as tf
+from harness.faults import vocab_faults as vf
 from harness.faults.checks import CHECKS
 from harness.faults.fault import Fault
 from harness.faults.seam import SEAMS
@@ -30,7 +31,7 @@ LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "optimizer", "gro
 SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-pp-mtp", "train-hybrid",
              "train-reinit",
              "train-ep", "train-fused", "train-dist-opt", "train-bucketed", "train-a2a", "train-bf16", "verify-bf16",
-             "train-tp", "train-sp", "replay", "plan", "stepwise")
+             "train-tp", "train-tp-dist-opt", "train-sp", "replay", "plan", "stepwise")
 
 
 class UnknownFaultError(PlanInputError):
@@ -405,6 +406,7 @@ FAULTS: tuple[Fault, ...] = (
           seam="harness.parallel.dist_opt:gather_params", make=of.make_first_bucket_not_gathered,
           check="replica-consistency", expect=r"parameters differ between ranks", scenario="train-dist-opt"),
     *tpf.TP_FAULTS,
+    *vf.VOCAB_FAULTS,
     *spf.SP_FAULTS,
     Fault(name="replay-pp-offset-off-by-one", title="a PP stage replays the previous layer's routes",
           source="SkyRL PR #1335: _get_current_pp_stage_layer_range decides each stage's replay rows",

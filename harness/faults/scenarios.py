@@ -8,8 +8,10 @@
   block on the last stage looks its tokens up in a replica of the first stage's embedding
   (``harness.train.shared_embedding``).
 - ``train-ep``: the ``train`` run with the tiny MoE under expert parallelism (one expert per rank).
-- ``train-tp``: the ``train`` run with tensor parallelism: 2 TP ranks per position of a 2-rank DP x CP domain
-  (``harness.parallel.tensor_parallel``); the probes hold whole gradients, gathered from the shards.
+- ``train-tp``: the ``train`` run of the MTP model with tensor parallelism: 2 TP ranks per position of a 2-rank DP x CP
+  domain (``harness.parallel.tensor_parallel``, the vocabulary by ``harness.parallel.vocab_parallel``); the probes hold
+  whole gradients, gathered from the shards.
+- ``train-tp-dist-opt``: ``train-tp`` with the distributed optimiser (``harness.parallel.dist_opt``).
 - ``train-sp``: ``train-tp`` with sequence parallelism (``harness.parallel.sequence_parallel``): between the blocks'
   matrices each TP rank holds half of its position's token rows.
 - ``train-bucketed``: the ``train`` run with every thd / dcp micro-batch padded to a multiple of 16 tokens per rank
@@ -88,8 +90,14 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  "train-bucketed": {**TRAIN, "token_bucket": 16},
                  # CP blocks exchange heads for tokens (all-to-all); the tiny GPT's 2 K/V heads copied for CP 4
                  "train-a2a": {**TRAIN, "cp_exchange": "a2a"},
-                 # 2 TP ranks per position (each block's heads and FFN split) of a 2-rank DP x CP domain
-                 "train-tp": {**TRAIN, "tp": 2, "max_seqlen_per_rank": 256},
+                 # 2 TP ranks per position (each block's heads and FFN, the vocabulary of the embedding and the
+                 # head split) of a 2-rank DP x CP domain; multi-token prediction's block and combine too (the
+                 # combine's gradients make the replicated parameters' share of the norm large enough to weigh)
+                 "train-tp": {**TRAIN, "model": "tiny-gpt-mtp", "tp": 2, "max_seqlen_per_rank": 256},
+                 # the same with the distributed optimiser: each TP coordinate's DP x CP ranks shard its AdamW,
+                 # split and replicated parameters sharing buckets of 30,000 elements
+                 "train-tp-dist-opt": {**TRAIN, "model": "tiny-gpt-mtp", "tp": 2, "max_seqlen_per_rank": 256,
+                                       "optimizer": "distributed", "grad_bucket_elements": 30_000},
                  # the same with sequence parallelism: the blocks' token rows split over the 2 TP ranks too
                  "train-sp": {**TRAIN, "tp": 2, "sequence_parallel": True, "max_seqlen_per_rank": 256},
                  # bf16, one step: each layout runs step 1 in fp32 first (the probe step), judged by BF16_CHECKS;

@@ -41,6 +41,8 @@ SEAMS: dict[str, str] = {
     "harness.train.step:reduce_gradients": "the gradient all-reduce after the micro-batches",
     "harness.train.step:make_optimizer": "the optimiser a layout's run steps its parameters with",
     "harness.parallel.dist_opt:grad_square_norm": "the distributed optimiser's squared gradient norm over its shards",
+    "harness.parallel.dist_opt:tp_square_norm": "the distributed optimiser's squared norm over the TP group (split "
+                                                 "pieces summed, replicated ones once)",
     "harness.parallel.dist_opt:gather_params": "the distributed optimiser's all-gather of the updated parameters",
     "harness.runtime.row_sum:sum_rows": "the fp32 sum of the gathered keys' repeated gradient rows (CP attention's "
                                         "backward, before the reduce-scatter)",
@@ -83,6 +85,12 @@ SEAMS: dict[str, str] = {
     "harness.parallel.tensor_parallel:square_norm": "the squared gradient norm over the TP group (shards summed, "
                                                     "replicated parameters once)",
     "harness.parallel.groups:tp_group_ranks": "the global ranks of a position's tensor-parallel group",
+    "harness.parallel.vocab_parallel:vocab_range": "the token ids a TP rank's shard of the embedding and head keeps",
+    "harness.parallel.vocab_parallel:lookup": "the embedding rows of a micro-batch's tokens from the TP ranks' "
+                                              "vocabulary shards (masked, summed over TP)",
+    "harness.parallel.vocab_parallel:head_input": "the vocab-parallel LM head's input (its gradient summed over TP)",
+    "harness.parallel.vocab_parallel:cross_entropy": "per-token cross-entropy from each TP rank's logits of its "
+                                                     "vocabulary range",
     "harness.parallel.sequence_parallel:scatter": "a block stack's entry: this TP rank's token rows (backward: every "
                                                   "rank's rows' gradients gathered)",
     "harness.parallel.sequence_parallel:gather": "a block stack's exit: every TP rank's rows (backward: this rank's rows "

@@ -61,6 +61,16 @@ def make_replicated_norm_counted_per_rank(original):
     return square_norm
 
 
+def make_dist_opt_replicated_counted_per_rank(original):
+    """The distributed optimiser's squared norm summed over the TP group whole, replicated squares included: those
+    count tp times (NeMo-RL PR #3788: get_grad_norm summed every local square over dp_cp and then over tp)."""
+    def tp_square_norm(split, rep, tp):
+        total = split + rep
+        dist.all_reduce(total, group=tp.group)
+        return total
+    return tp_square_norm
+
+
 TP_FAULTS: tuple[Fault, ...] = (
     Fault(name="tp-row-parallel-not-reduced", title="a row-parallel matrix's partial sums never all-reduced",
           source="sglang PR #14811: the Mamba mixer's out_proj, a RowParallelLinear built with reduce_results=False, "
@@ -94,5 +104,12 @@ TP_FAULTS: tuple[Fault, ...] = (
           url="https://github.com/ROCm/TransformerEngine/pull/715", layer="gradients",
           seam="harness.parallel.tensor_parallel:square_norm", make=make_replicated_norm_counted_per_rank,
           check="clipped-gradients", expect=r"clipped step-1 gradient of .* differs", scenario="train-tp"),
+    Fault(name="dist-opt-tp-replicated-counted-per-rank",
+          title="the distributed optimiser's norm sums replicated squares over TP",
+          source="NeMo-RL PR #3788: get_grad_norm all-reduced every local squared norm over the DP x CP group and then "
+                 "over the TP group, counting TP-replicated gradients tp_size times; clipping fired too early",
+          url="https://github.com/NVIDIA-NeMo/RL/pull/3788", layer="optimizer",
+          seam="harness.parallel.dist_opt:tp_square_norm", make=make_dist_opt_replicated_counted_per_rank,
+          check="clipped-gradients", expect=r"clipped step-1 gradient of .* differs", scenario="train-tp-dist-opt"),
 )
 """The tensor-parallel faults, in report order (the catalogue appends them)."""

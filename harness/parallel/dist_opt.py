@@ -101,6 +101,14 @@ def grad_square_norm(opt: DistributedOptimizer) -> torch.Tensor:
     return sq
 
 
+def tp_square_norm(split: torch.Tensor, rep: torch.Tensor, tp) -> torch.Tensor:
+    """This rank's squared-norm share under tensor parallelism from ``split`` (its pieces' squares of split
+    parameters) and ``rep`` (of replicated ones): the split squares summed over the TP group, the replicated ones
+    counted once (a seam: ``harness.faults`` re-creates a norm that sums the replicated squares over TP too)."""
+    dist.all_reduce(split, group=tp.group)
+    return split + rep
+
+
 def gather_params(opt: DistributedOptimizer) -> None:
     """Every bucket's parameters gathered from their owners' updated master pieces (a seam: ``harness.faults``
     re-creates a bucket whose gather is missed, as with an overlapped gather waited for out of order)."""
@@ -196,8 +204,7 @@ class DistributedOptimizer:
                     split += sq
                 else:
                     rep += sq
-        dist.all_reduce(split, group=self.tp.group)
-        return split + rep
+        return tp_square_norm(split, rep, self.tp)
 
     def grad_norm(self, pipeline_group=None) -> torch.Tensor:
         """The whole model's gradient norm (0-d fp64 on the device): the group's, summed over the pipeline's stages."""

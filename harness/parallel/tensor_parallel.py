@@ -3,7 +3,8 @@
 A block's attention splits by heads and its MLP by the FFN over the ``tp`` ranks that share a (pipeline stage,
 DP x CP position): the QKV projection and the MLP's first matrix are column-parallel (each rank keeps its query heads,
 its key/value heads and its slice of the FFN), the output projection and the MLP's second matrix row-parallel (their
-partial sums all-reduced). The norms, the embedding, the MTP combine and the LM head are replicated.
+partial sums all-reduced). The embedding table and the LM head split by vocabulary rows
+(``harness.parallel.vocab_parallel``); the norms and the MTP combine are replicated.
 
 Every TP rank of a position runs the same micro-batches on the same tokens: the schedule, the reroute and the dynamic
 CP groups belong to one TP coordinate (``harness.parallel.groups``: a CP block's group holds ranks of one TP
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from harness.parallel import sequence_parallel as seq_par
+from harness.parallel import vocab_parallel
 from harness.parallel.options import TensorParallelError, check_tp_model  # noqa: F401 - re-exported
 
 
@@ -71,6 +73,28 @@ class TensorParallel:
         """Where a block stack ends: every rank's rows gathered with sequence parallelism, else ``x``."""
         return seq_par.gather(x, self) if self.sequence_parallel else x
 
+    def replicated_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``enter(x, self)`` whether or not the rows are split: a column-parallel matrix's input of whole rows."""
+        return enter(x, self)
+
+    def partial_sums(self, x: torch.Tensor) -> torch.Tensor:
+        """``leave(x, self)`` whether or not the rows are split: partial sums of whole rows, all-reduced."""
+        return leave(x, self)
+
+    def lookup(self, tokens: torch.Tensor, table: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Every token's embedding row from this rank's vocabulary shard ``table``
+        (``harness.parallel.vocab_parallel.lookup``)."""
+        return vocab_parallel.lookup(tokens, table, vocab, self)
+
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """The vocabulary-parallel LM head's input (``harness.parallel.vocab_parallel.head_input``)."""
+        return vocab_parallel.head_input(h, self)
+
+    def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Per-token cross-entropy from this rank's logits of its vocabulary range
+        (``harness.parallel.vocab_parallel.cross_entropy``)."""
+        return vocab_parallel.cross_entropy(logits, labels, vocab, self)
+
 
 MARK = "tensor_parallel"
 """The attribute ``shard_model`` sets on a sharded parameter (Megatron's ``tensor_model_parallel``)."""
@@ -90,6 +114,8 @@ def spec(name: str, c) -> tuple[int, list[int]] | None:
         return 0, [c.ffn, c.ffn]
     if re.search(r"(^|\.)mlp\.down\.weight$", name):
         return 1, [c.ffn]
+    if re.search(r"^(embed|head)\.weight$", name):  # the vocabulary (``harness.parallel.vocab_parallel``)
+        return 0, [c.vocab]
     return None
 
 

@@ -40,7 +40,9 @@ class TensorParallelOps:
     input: replicated, its gradient all-reduced; or, with sequence parallelism, every rank's token rows gathered),
     ``leave(y)`` (a row-parallel matrix's partial sums all-reduced, or reduce-scattered by rows), and ``scatter(x)`` /
     ``gather(x)`` where a block stack starts and ends (this rank's token rows / every rank's rows with sequence
-    parallelism; ``x`` itself without)."""
+    parallelism; ``x`` itself without); with the vocabulary split, ``lookup`` (embedding rows from this rank's shard of
+    the table), ``head_input`` (the head's input: its gradient all-reduced) and ``cross_entropy`` (per-token losses
+    from this rank's logits of its vocabulary range)."""
 
     size: int
 
@@ -51,6 +53,12 @@ class TensorParallelOps:
     def scatter(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def gather(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def lookup(self, tokens: torch.Tensor, table: torch.Tensor, vocab: int) -> torch.Tensor: ...
+
+    def head_input(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor: ...
 
 
 class ShardedCallError(TypeError):

@@ -36,6 +36,7 @@ from harness.runtime.layers import (  # noqa: F401 - re-exported: the model's pu
     MoE,
     RMSNorm,
     Rotary,
+    ShardedCallError,
     SwiGLU,
     _rotate,
     cp_ops,
@@ -291,7 +292,7 @@ class TinyLM(nn.Module):
     def mtp_hidden(self, k: int, h_TE, tokens_T, rot: Rotary, real_T, attention: Attention, mixing=None, tp=None):
         """Depth k's hidden states (``harness.runtime.mtp``) from depth k - 1's (``h_TE``), the tokens looked up in the
         model's embedding (shared with the trunk; on a pipeline's last stage a replica, ``harness.train.shared_embedding``)."""
-        return self.mtp[k - 1](h_TE, self.embed(tokens_T), rot, real_T, attention, mixing, tp=tp)
+        return self.mtp[k - 1](h_TE, self.embed_tokens(tokens_T, tp), rot, real_T, attention, mixing, tp=tp)
 
     def fuses_loss(self) -> bool:
         """Whether ``token_losses`` runs the whole model and its loss head as one compiled chain (compiled,
@@ -347,15 +348,35 @@ class TinyLM(nn.Module):
             return head(h, self.norm.weight, weight(self.head.weight), labels_T, real_T, self.norm.eps)
         return self.token_ce(h, labels_T, real_T).sum()
 
-    def token_ce(self, h, labels_T, real_T):
-        """Masked next-token cross-entropy of every local token (eager; padding gives 0)."""
-        logits = linear(self.norm(h), weight(self.head.weight)).float()
-        return F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none") * real_T
+    def token_ce(self, h, labels_T, real_T, tp=None):
+        """Masked next-token cross-entropy of every local token (eager; padding gives 0). ``tp``: the step's tensor
+        parallelism when the head keeps a shard of the vocabulary (``layers.TensorParallelOps``)."""
+        h = self.norm(h)
+        if not self._vocab_split(tp):
+            logits = linear(h, weight(self.head.weight)).float()
+            return F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none") * real_T
+        logits = linear(tp.head_input(h), weight(self.head.weight)).float()
+        return tp.cross_entropy(logits, labels_T.clamp_min(0), self.c.vocab) * real_T
+
+    def embed_tokens(self, tokens_T, tp=None):
+        """The tokens' embedding rows (``tp``: the step's tensor parallelism when the table keeps a vocabulary shard)."""
+        return tp.lookup(tokens_T, self.embed.weight, self.c.vocab) if self._vocab_split(tp) else self.embed(tokens_T)
+
+    def _vocab_split(self, tp) -> bool:
+        """Whether the embedding / head keep a tensor-parallel shard of the vocabulary (``ShardedCallError`` when they
+        do and the call brought no ``tp``)."""
+        if self.head.weight.shape[0] == self.c.vocab:
+            return False
+        if tp is None:
+            raise ShardedCallError(f"the embedding and LM head keep {self.head.weight.shape[0]} of the model's "
+                                   f"{self.c.vocab} vocabulary rows (a tensor-parallel shard) and were called without "
+                                   "the step's tensor parallelism: pass tp=")
+        return True
 
     def forward(self, tokens_T, pos_T, real_T, attention: Attention, routing=None):
         """Hidden states of the local tokens and the auxiliary (router z) loss summed over real
         tokens (``real_T`` = 1 for tokens of a sequence, 0 for padding)."""
-        x, aux = self.run_layers(self.embed(tokens_T), pos_T, real_T, attention, routing=routing)
+        x, aux = self.run_layers(self.embed_tokens(tokens_T), pos_T, real_T, attention, routing=routing)
         return self.norm(x), aux
 
     def token_losses(self, tokens_T, labels_T, mask_T, pos_T, attention: Attention, routing=None,
@@ -368,7 +389,7 @@ class TinyLM(nn.Module):
             if self.compiled:
                 raise ValueError("per_token=True needs the eager model (compile_blocks(None))")
             real = mask_T.to(torch.float32)
-            x, aux = self.run_layers(self.embed(tokens_T), pos_T, real, attention, routing=routing)
+            x, aux = self.run_layers(self.embed_tokens(tokens_T), pos_T, real, attention, routing=routing)
             ce_T = self.token_ce(x, labels_T, real)
             return ce_T.sum(), aux, ce_T.detach()
         if self.compile_mode == "reduce-overhead":
@@ -377,9 +398,9 @@ class TinyLM(nn.Module):
         if self._chained(list(range(self.c.layers))):  # the loss head joins the last compiled segment
             rot = pos_T if isinstance(pos_T, Rotary) else Rotary(pos_T, self.c.hidden // self.c.heads,
                                                                  self.c.rope_base)
-            ce = compiled_chain(list(self.blocks), self.embed(tokens_T), rot, attention, self.compiled,
+            ce = compiled_chain(list(self.blocks), self.embed_tokens(tokens_T), rot, attention, self.compiled,
                                 self.compile_mode, head=(self.norm.weight, self.head.weight, labels_T, real,
                                                          self.norm.eps), scope=self.compile_scope)
             return ce, torch.zeros((), device=ce.device)
-        x, aux = self.run_layers(self.embed(tokens_T), pos_T, real, attention, routing=routing)
+        x, aux = self.run_layers(self.embed_tokens(tokens_T), pos_T, real, attention, routing=routing)
         return self.loss_from_hidden(x, labels_T, real), aux

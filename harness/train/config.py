@@ -162,11 +162,13 @@ class TrainConfig:
         elif self.cp_exchange not in EXCHANGES:
             raise LayoutError(f"cp_exchange must be one of {', '.join(EXCHANGES)} or te:<"
                               f"{'|'.join(COMM_TYPES)}>, got {self.cp_exchange!r}")
-        elif self.cp_exchange == "a2a":  # the largest CP block is the domain: its heads must split over it
+        elif self.cp_exchange == "a2a":  # the largest CP block is the domain: its (TP rank's) heads must split over it
+            m = MODELS[self.model]
             try:
-                kv_replicas(MODELS[self.model].heads, MODELS[self.model].kv_heads, n)
+                kv_replicas(m.heads // self.tp, m.kv_heads // self.tp, n)
             except HeadSplitError as e:
-                raise LayoutError(f"{e} (the largest CP block of this run: the {n}-rank DP x CP domain)") from None
+                where = f"; with tp={self.tp} each rank's {m.heads // self.tp} of the {m.heads} heads" if self.tp > 1 else ""
+                raise LayoutError(f"{e} (the largest CP block of this run: the {n}-rank DP x CP domain{where})") from None
         if self.scheduler not in ALGORITHMS and self.scheduler != UPSTREAM_SCHEDULER:
             raise LayoutError(f"unknown scheduler {self.scheduler!r} for the dcp layout; choose from "
                               f"{', '.join(sorted(ALGORITHMS))} or {UPSTREAM_SCHEDULER} (the installed one's)")
@@ -196,11 +198,11 @@ class TrainConfig:
                                       f"tp ranks; use a world of a multiple of {tp * self.pp} ranks")
         check_tp_model(MODELS[self.model], tp, repr(self.model))
         unsupported = [what for what, on in (("expert parallelism", self.expert_parallel),
-                                              (f"the {self.cp_exchange} exchange", self.cp_exchange == "a2a"
-                                               or comm_type(self.cp_exchange) is not None)) if on]
+                                              (f"the {self.cp_exchange} exchange",
+                                               comm_type(self.cp_exchange) is not None)) if on]
         if unsupported:
             raise TensorParallelError(f"tensor parallelism (tp={tp}) does not run with {' or '.join(unsupported)} yet: "
-                                      "use tp=1 for it, or the gather / ring exchange")
+                                      "use tp=1 for it, or the gather / ring / a2a exchange")
 
     def _check_mixer(self, world: int) -> None:
         """SSM mixer layers shard their heads over a CP block's ranks; dynamic CP forms blocks as large as

@@ -160,7 +160,7 @@ def model_passes(model, stage: pipeline.Stage, ops: MicroBatchOps, dtype: str, t
                 sums["ce"].add_(ce.detach().double())
                 return ce, aux
             if pipeline.pre_process(stage, v):
-                x = model.embed(mb.data["tokens"])
+                x = model.embed_tokens(mb.data["tokens"], ops.tp)
             h, aux = model.run_layers(x, rot, real, attention, layers=stage.chunks[v], mixing=mixing,
                                       experts=ops.experts(m), routing=None if routes is None else routes.recorder(mb),
                                       tp=ops.tp)
@@ -176,7 +176,7 @@ def model_passes(model, stage: pipeline.Stage, ops: MicroBatchOps, dtype: str, t
 def _losses(model, mb, h, rot, real, attention, mixing, sums, probe, scales, tp=None):
     """The summed loss the backward starts from: LM cross-entropy plus the MTP depths', depth k weighted by
     ``scales[k - 1]``."""
-    ce_T = model.token_ce(h, labels_for(mb), real)
+    ce_T = model.token_ce(h, labels_for(mb), real, tp)
     if probe is not None:
         probe.add(mb, ce_T.detach())
     loss = ce_T.sum()
@@ -186,7 +186,7 @@ def _losses(model, mb, h, rot, real, attention, mixing, sums, probe, scales, tp=
         tokens_k, labels_k, mask_k = mtp_columns(mb, k)
         real_k = mask_k.to(torch.float32)
         h = model.mtp_hidden(k, h, tokens_k, rot, real_k, attention, mixing, tp=tp)
-        ce_k = model.token_ce(h, labels_k, real_k).sum()
+        ce_k = model.token_ce(h, labels_k, real_k, tp).sum()
         sums["mtp"][k - 1].add_(ce_k.detach().double())
         loss = loss + scales[k - 1] * ce_k
     return loss

@@ -27,10 +27,11 @@ def test_tiny_gpt_with_two_tp_ranks_equals_the_unsplit_run(tmp_path_factory):
     _agree(_rows("tiny-gpt", 4, tmp_path_factory, "tp2", tp=2), _rows("tiny-gpt", 2, tmp_path_factory, "ref"))
 
 
-@pytest.mark.parametrize("kw", [{"cp_exchange": "ring"}, {"token_bucket": 16}, {"weights": "fused"}],
-                         ids=["ring", "bucket16", "fused"])
+@pytest.mark.parametrize("kw", [{"cp_exchange": "ring"}, {"cp_exchange": "a2a"}, {"token_bucket": 16},
+                                {"weights": "fused"}], ids=["ring", "a2a", "bucket16", "fused"])
 def test_tensor_parallelism_with_the_ring_exchange_the_token_bucket_and_fused_weights(kw, tmp_path_factory):
-    """The paths a TP run shares with the rest of the step: the ring K/V exchange of the blocks' local heads, padded
+    """The paths a TP run shares with the rest of the step: the ring K/V exchange of the blocks' local heads, the a2a
+    exchange of their heads (each TP rank's 2 query heads over a 2-rank CP block, its one K/V head copied), padded
     micro-batches, the weight-gradient GEMM accumulating into a shard's ``.grad``; each against the TP = 1 run with
     the same option."""
     name = "-".join(f"{k}{v}" for k, v in kw.items())

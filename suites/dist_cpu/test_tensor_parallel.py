@@ -40,14 +40,15 @@ def test_every_shard_reassembles_the_whole_tensor(log_tp, units, dim, other, see
         assert torch.equal(parts[1].narrow(dim, 0, units[0]), first)
 
 
-def test_the_split_parameters_are_the_blocks_matrices_and_nothing_else():
+def test_the_split_parameters_are_the_blocks_matrices_and_the_vocabulary():
     c = MODELS["tiny-gpt-mtp"]
     split = sorted(n for n, _ in TinyLM(c).named_parameters() if tpm.spec(n, c) is not None)
     assert split == sorted([f"blocks.{i}.{w}" for i in range(c.layers) for w in
                             ("qkv.weight", "proj.weight", "mlp.gate_up.weight", "mlp.down.weight")] +
                            [f"mtp.0.block.{w}" for w in ("qkv.weight", "proj.weight", "mlp.gate_up.weight",
-                                                          "mlp.down.weight")])
-    assert tpm.spec("mtp.0.combine.weight", c) is None and tpm.spec("head.weight", c) is None
+                                                          "mlp.down.weight")] + ["embed.weight", "head.weight"])
+    assert tpm.spec("mtp.0.combine.weight", c) is None and tpm.spec("norm.weight", c) is None
+    assert tpm.spec("embed.weight", c) == tpm.spec("head.weight", c) == (0, [c.vocab])
 
 
 @pytest.mark.parametrize("cfg, world, match", [
@@ -55,7 +56,8 @@ def test_the_split_parameters_are_the_blocks_matrices_and_nothing_else():
     ({"tp": 2}, 6, r"world size 6 is not a multiple|not a power of two"),
     ({"tp": 2, "model": "tiny-moe"}, 4, r"tiny-moe' has 4 experts"),
     ({"tp": 2, "model": "tiny-hybrid"}, 4, r"SSM mixers are not split"),
-    ({"tp": 2, "cp_exchange": "a2a"}, 4, r"does not run with the a2a exchange"),
+    ({"tp": 2, "cp_exchange": "te:p2p"}, 4, r"does not run with the te:p2p exchange"),
+    ({"tp": 2, "cp_exchange": "a2a"}, 8, r"heads=2 is not a multiple of cp_size=4.*with tp=2 each rank's 2 of the 4 heads"),
     ({"tp": 0}, 4, r"tp must be an int >= 1, got 0"),
 ])
 def test_configurations_tensor_parallelism_cannot_run_are_refused_with_the_fix(cfg, world, match):

@@ -34,8 +34,8 @@ def _outcomes(scenario, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("scenario", ["train", "train-small-batch", "train-pp-mtp", "train-dist-opt", "train-bucketed",
-                                      "train-bf16", "verify-bf16", "train-tp", "train-sp", "replay", "plan",
-                                      "stepwise"])
+                                      "train-bf16", "verify-bf16", "train-tp", "train-tp-dist-opt", "train-sp",
+                                      "replay", "plan", "stepwise"])
 def test_clean_runs_raise_no_alarm(scenario, tmp_path_factory):
     clean = _outcomes(scenario, tmp_path_factory)[None]
     assert clean["alarms"] == [] and clean["error"] is None, clean
@@ -81,9 +81,11 @@ MODEL_SEAM_MODULES = ("harness.train.passes", "harness.runtime", "harness.train.
 
 def _tp_wanted(seam: str, cfg: dict) -> bool:
     """Whether a run of ``cfg`` calls ``seam`` as far as tensor and sequence parallelism decide: the sequence-parallel
-    seams with sequence parallelism only, TP's all-reduce collectives with TP without it (sequence parallelism
+    seams with sequence parallelism only, the distributed optimiser's TP norm with both, TP's all-reduce collectives with TP without it (sequence parallelism
     gathers and reduce-scatters instead), the TP norm and the TP groups with TP."""
     tp, sp = cfg.get("tp", 1) > 1, bool(cfg.get("sequence_parallel"))
+    if seam.endswith("dist_opt:tp_square_norm"):  # the distributed optimiser's norm under TP
+        return tp and cfg.get("optimizer") == "distributed"
     if "sequence_parallel:" in seam:
         return sp
     if seam.endswith(("tensor_parallel:enter", "tensor_parallel:leave")):
@@ -99,11 +101,12 @@ def _tp_wanted(seam: str, cfg: dict) -> bool:
     {**sc.TRAIN_CONFIGS["train-bf16"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-tp"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-sp"], "layouts": ["dcp"]},
-], ids=["mtp-pp2", "hybrid", "fused", "dist-opt", "bf16", "tp", "sp"])
+    {**sc.TRAIN_CONFIGS["train-tp-dist-opt"], "layouts": ["dcp"]},
+], ids=["mtp-pp2", "hybrid", "fused", "dist-opt", "bf16", "tp", "sp", "tp-dist-opt"])
 def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg, tmp_path):
     """The seams of the forward passes, the model's CP calls, the SSM scan, the pipeline stages, the weight paths and
     tensor parallelism: wrapped by call counters in a pipelined MTP run, a hybrid (SSM) run, a fused-weight run, a
-    distributed-optimiser run, a bf16 run's fp32 step 1, a TP run and a sequence-parallel one, each one is called, and the run's parameters equal those of the same run without
+    distributed-optimiser run, a bf16 run's fp32 step 1, a TP run, a sequence-parallel one and a TP run with the distributed optimiser, each one is called, and the run's parameters equal those of the same run without
     pass-throughs, bit for bit."""
     seams = [s for s in SEAMS if s.startswith(MODEL_SEAM_MODULES)]
     got = run_on_ranks(sc.passthrough_world, world_size=sc.WORLD, tmp_path=tmp_path,

@@ -1,0 +1,79 @@
+"""The vocabulary split over the TP ranks (Megatron's ``VocabParallelEmbedding``, column-parallel output layer and
+``vocab_parallel_cross_entropy``), part of tensor parallelism (``harness.parallel.tensor_parallel``).
+
+TP rank ``r`` of ``tp`` keeps rows ``[r V / tp, (r + 1) V / tp)`` of the embedding table and of the LM head
+(``vocab_range``; ``V`` the vocabulary, a multiple of tp):
+
+- **Lookup** (``lookup``): each rank looks up the tokens of its range, zeroes the others' rows, and the partial rows
+  are summed over the TP group (``TensorParallel.partial_sums``: all-reduce forward). The mask is part of the graph, so a
+  token of another range sends no gradient into this rank's shard.
+- **Logits and loss** (``cross_entropy``): the head's input enters as a column-parallel input
+  (``TensorParallel.replicated_input``: its gradient all-reduced backward, as each rank's logits see only their columns), each rank computes the logits of its range,
+  and the cross-entropy of the whole vocabulary is assembled from three all-reduces over the rows - the maximum
+  (stability), the sum of exponentials and the target's logit (only its owner's range holds it) - with the exact
+  backward ``softmax - onehot`` on each rank's columns. Every TP rank ends with the same per-token losses.
+
+Both run on whole token rows (with sequence parallelism the block stack gathers its rows before the head and the
+embedding's rows are scattered after the lookup, ``harness.parallel.sequence_parallel``). ``vocab_range``, ``lookup``,
+``head_input`` and ``cross_entropy`` are seams (``harness.faults``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def vocab_range(vocab: int, tp) -> tuple[int, int]:
+    """[start, end) of the token ids TP rank ``tp.rank`` of ``tp.size`` keeps (a seam)."""
+    per = vocab // tp.size
+    return tp.rank * per, (tp.rank + 1) * per
+
+
+def lookup(tokens: torch.Tensor, table: torch.Tensor, vocab: int, tp) -> torch.Tensor:
+    """Every token's embedding row, whole on every TP rank, from this rank's ``table`` shard of the ``vocab`` rows
+    (a seam)."""
+    start, end = vocab_range(vocab, tp)
+    mine = (tokens >= start) & (tokens < end)
+    rows = F.embedding((tokens - start).where(mine, 0), table) * mine.unsqueeze(-1).to(table.dtype)
+    return tp.partial_sums(rows)
+
+
+def head_input(h: torch.Tensor, tp) -> torch.Tensor:
+    """The LM head's (column-parallel) input: itself forward, its gradient all-reduced over TP backward (a seam)."""
+    return tp.replicated_input(h)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy over the whole vocabulary from each rank's logits of its range (fp32)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, start, group):
+        peak = logits.detach().max(-1).values
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - peak.unsqueeze(-1)
+        exp = shifted.exp()
+        total = exp.sum(-1)
+        dist.all_reduce(total, group=group)
+        mine = (labels >= start) & (labels < start + logits.shape[-1])
+        idx = (labels - start).where(mine, 0)
+        target = shifted.gather(1, idx.unsqueeze(1)).squeeze(1) * mine.to(shifted.dtype)
+        dist.all_reduce(target, group=group)
+        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), idx, mine)
+        return total.log() - target
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, idx, mine = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows, idx] -= mine.to(g.dtype)
+        return g * grad.unsqueeze(-1), None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab: int, tp) -> torch.Tensor:
+    """Each token's cross-entropy against ``labels`` (ids in ``[0, vocab)``) from this rank's fp32 ``logits`` of its
+    vocabulary range; the same on every TP rank (a seam)."""
+    start, _ = vocab_range(vocab, tp)
+    return _VocabParallelCE.apply(logits, labels, start, tp.group)

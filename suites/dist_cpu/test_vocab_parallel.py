@@ -1,0 +1,110 @@
+"""``harness.parallel.vocab_parallel``: the embedding table and the LM head split by vocabulary rows over the TP ranks
+compute what the whole table and head compute.
+
+Judged against the unsplit model in one process (the same seed's weights; ``nn.Embedding`` and ``F.cross_entropy``
+over the whole vocabulary): a real gloo world of 2 and 4 TP ranks looks tokens up, runs the final norm, the head and
+the loss forward and backward on every rank's shards, and the per-token losses, the hidden states' gradient and the
+whole gradients of the table and the head equal the unsplit ones (fp64 weights) - for tokens of every rank's range, ignored
+labels (-100) and the range edges (to fp32's rounding: the loss runs in fp32). Each vocabulary-parallel catalogue fault breaks it. Training runs with TP (the
+vocabulary split too) are in ``suites/convergence/test_tensor_parallel_parity.py``."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness.faults import vocab_faults
+from harness.jobs.launch import run_on_ranks
+from harness.parallel import tensor_parallel as tpm
+from harness.parallel.groups import DynamicGroups, ParallelLayout
+from harness.parallel.options import TensorParallelError, check_tp_model
+from harness.runtime.layers import ShardedCallError
+from harness.runtime.model import ModelConfig, TinyLM
+
+pytestmark = pytest.mark.dist_cpu
+
+T = 40
+
+
+def _tokens(vocab: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and labels that hit every rank's range, both edges of each range, and ignored labels."""
+    per = vocab // tp
+    edges = [e for r in range(tp) for e in (r * per, (r + 1) * per - 1)]
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.cat([torch.tensor(edges), torch.randint(0, vocab, (T - len(edges),), generator=g)])
+    labels = torch.cat([torch.tensor(edges[::-1]), torch.randint(0, vocab, (T - len(edges),), generator=g)])
+    labels[5] = labels[17] = -100
+    return tokens, labels
+
+
+def _vocab_world(rank: int, world: int, fault: str | None = None, size: int | None = None) -> dict:
+    """Every rank: the unsplit model and its vocabulary shard (``size`` TP ranks a position, default the world) on
+    the same tokens, the losses, the hidden states' gradient and the whole gradients against the unsplit ones."""
+    from harness.faults.catalogue import get
+
+    size = size or world
+    torch.manual_seed(0)
+    c = ModelConfig(layers=1, kv_heads=4)
+    ref = TinyLM(c).double()
+    part = TinyLM(c).double()
+    part.load_state_dict(ref.state_dict())
+    groups = DynamicGroups(ParallelLayout(dp=world // size, cp=1, tp=size), rank)
+    tp = tpm.TensorParallel(size, rank % size, groups.tp_group)
+    tokens, labels = _tokens(c.vocab, size)
+    real = (labels >= 0).double()
+    w = torch.randn(T, c.hidden, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    # the unsplit side: a table lookup, a stand-in for the blocks (x * w), the norm, the head, torch's cross-entropy
+    # over the whole vocabulary in fp32 (the model's loss precision)
+    ha = ref.embed(tokens) * w
+    ha.retain_grad()
+    la = F.cross_entropy(ref.head(ref.norm(ha)).float(), labels.clamp_min(0), reduction="none") * real
+    la.sum().backward()
+    with get(fault).applied() if fault else nullcontext():
+        tpm.shard_model(part, tp)
+        hb = part.embed_tokens(tokens, tp) * w
+        hb.retain_grad()
+        lb = part.token_ce(hb, labels, real, tp)
+        lb.sum().backward()
+    whole = {n: tpm.whole(n, p.grad, c, tp) for n, p in part.named_parameters() if p.grad is not None}
+    mine = dict(ref.named_parameters())
+    out = {"loss": (la - lb).abs().max().item(), "dh": (ha.grad - hb.grad).abs().max().item(),
+           "grads": {n: (g - mine[n].grad).abs().max().item() for n, g in whole.items()},
+           "shapes": [tuple(part.embed.weight.shape), tuple(part.head.weight.shape)]}
+    groups.destroy()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_split_vocabulary_equals_the_whole_table_and_head(world, tmp_path):
+    for r in run_on_ranks(_vocab_world, world_size=world, tmp_path=tmp_path, timeout_s=60):
+        assert r["shapes"] == [(256 // world, 64), (256 // world, 64)], r["shapes"]
+        assert r["loss"] < 1e-6 and r["dh"] < 1e-6, r  # the loss runs in fp32: its sums in another order
+        assert set(r["grads"]) == {"embed.weight", "norm.weight", "head.weight"}, r["grads"]
+        assert max(r["grads"].values()) < 1e-6, r["grads"]
+
+
+@pytest.mark.parametrize("fault", [f.name for f in vocab_faults.VOCAB_FAULTS])
+def test_every_vocabulary_parallel_fault_breaks_the_split_vocabulary(fault, tmp_path):
+    """The check above can fail: each catalogue fault of the vocabulary seams moves the losses, the hidden states'
+    gradient or a whole gradient off the unsplit model's - on every rank, or (the range from the world rank) on the
+    ranks of the second position of two, whose world rank is not their TP rank."""
+    got = run_on_ranks(_vocab_world, world_size=4, tmp_path=tmp_path, args=(fault, 2), timeout_s=60)
+    off = [max([r["loss"], r["dh"], *r["grads"].values()]) > 1e-3 for r in got]
+    assert off == ([False, False, True, True] if fault == "vocab-range-from-world-rank" else [True] * 4), got
+
+
+def test_a_split_vocabulary_called_without_its_tensor_parallelism_is_refused():
+    c = ModelConfig(layers=1)
+    m = TinyLM(c)
+    with torch.no_grad():
+        m.head.weight.data = tpm.take(m.head.weight.data, tpm.spec("head.weight", c), 2, 0)
+    with pytest.raises(ShardedCallError, match="keep 128 of the model's 256 vocabulary rows"):
+        m.token_ce(torch.randn(4, c.hidden), torch.zeros(4, dtype=torch.long), torch.ones(4))
+
+
+def test_a_vocabulary_that_does_not_split_is_refused_naming_the_fix():
+    with pytest.raises(TensorParallelError, match=r"'odd''s vocab=250 is not a multiple of tp=4; use a tp dividing 250"):
+        check_tp_model(ModelConfig(vocab=250, heads=4, kv_heads=4), 4, "'odd'")
