@@ -16,9 +16,10 @@ matrix output (``leave``) reduce-scatter the partial sums           all-gather t
 stack exit (``gather``)   all-gather the rows                       keep this rank's rows of the gradient
 ========================= ========================================= =============================================
 
-``scatter`` runs where ``run_layers`` (and an MTP depth's block) starts and ``gather`` where it ends: the embedding,
-the MTP combine, the final norm, the LM head and the pipeline's stage boundaries see whole rows (replicated
-compute, as without sequence parallelism). The exit keeps its rank's rows of the gradient rather than
+``scatter`` runs where the model's block stack starts (after the embedding; also an MTP depth's block) and ``gather``
+where it ends (before the final norm): the embedding, the MTP combine, the final norm and the LM head see whole rows
+(replicated compute, as without sequence parallelism), while a pipeline stage hands the next its rank's share of
+the rows (``TinyLM.run_layers(split_in=, split_out=)``), as Megatron's stages do. The exit keeps its rank's rows of the gradient rather than
 reduce-scattering it: everything after it is replicated, so every TP rank already holds the whole, identical
 gradient (Megatron's ``tensor_parallel_output_grad=False``).
 

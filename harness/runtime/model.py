@@ -264,13 +264,16 @@ class TinyLM(nn.Module):
         return self.c.moe_layers()
 
     def run_layers(self, x, pos_T, real_T, attention: Attention, layers=None, routing=None, mixing=None,
-                   experts=None, tp=None):
+                   experts=None, tp=None, split_in: bool = False, split_out: bool = False):
         """Apply blocks ``layers`` (global numbers; default all) to hidden states ``x``; returns
         (hidden states, aux loss of those blocks). Pipeline stages call this with their range.
         ``mixing``: the micro-batch's SSM mixing (hybrid models). ``experts``: the micro-batch's expert
         dispatch (MoE models under expert parallelism, ``harness.parallel.expert_parallel``). ``tp``: the step's
         tensor parallelism (``layers.TensorParallelOps``; dense blocks split by
-        ``harness.parallel.tensor_parallel.shard_model``)."""
+        ``harness.parallel.tensor_parallel.shard_model``). With sequence parallelism the blocks run on this rank's
+        token rows: ``x`` whole rows, scattered here, unless ``split_in`` (it already holds this rank's rows: a
+        pipeline stage's input from the previous stage); the output gathered to whole rows unless ``split_out`` (a
+        stage that hands its rows on). Without sequence parallelism both are ignored."""
         aux = torch.zeros((), device=x.device)
         if not isinstance(pos_T, Rotary):
             pos_T = Rotary(pos_T, self.c.hidden // self.c.heads, self.c.rope_base)
@@ -283,11 +286,11 @@ class TinyLM(nn.Module):
         extra = {} if experts is None else {"experts": experts}  # MoE blocks only (hybrid layers have no experts)
         if tp is not None:  # dense blocks only (a hybrid's layers are never split)
             extra["tp"] = tp
-            x = tp.scatter(x)  # sequence parallelism: this rank's token rows between the blocks' matrices
+            x = x if split_in else tp.scatter(x)  # sequence parallelism: this rank's token rows between the matrices
         for i in layers:
             x, a = self.blocks[i](x, pos_T, real_T, attention, routing, mixing=mixing, **extra)
             aux = aux + a
-        return (x if tp is None else tp.gather(x)), aux
+        return (x if tp is None or split_out else tp.gather(x)), aux
 
     def mtp_hidden(self, k: int, h_TE, tokens_T, rot: Rotary, real_T, attention: Attention, mixing=None, tp=None):
         """Depth k's hidden states (``harness.runtime.mtp``) from depth k - 1's (``h_TE``), the tokens looked up in the

@@ -159,17 +159,20 @@ def model_passes(model, stage: pipeline.Stage, ops: MicroBatchOps, dtype: str, t
                 ce, aux = model.token_losses(mb.data["tokens"], labels_for(mb), mb.data["loss_mask"], rot, attention)
                 sums["ce"].add_(ce.detach().double())
                 return ce, aux
-            if pipeline.pre_process(stage, v):
+            first, last = pipeline.pre_process(stage, v), stage.index(v) == stage.num_chunks - 1
+            if first:
                 x = model.embed_tokens(mb.data["tokens"], ops.tp)
+            # sequence parallelism: between model chunks (pipeline stages) a rank's share of the rows travels
             h, aux = model.run_layers(x, rot, real, attention, layers=stage.chunks[v], mixing=mixing,
                                       experts=ops.experts(m), routing=None if routes is None else routes.recorder(mb),
-                                      tp=ops.tp)
-            if stage.index(v) == stage.num_chunks - 1:
+                                      tp=ops.tp, split_in=not first, split_out=not last)
+            if last:
                 h = _losses(model, mb, h, rot, real, attention, mixing, sums, probe, mtp_scales, ops.tp)
         sums["aux"].add_(aux.detach().double())
         return h, aux
 
-    return pipeline.ChunkPasses(forward=forward, num_tokens=lambda m: ops.mbs[m].data["tokens"].numel(),
+    rows = ops.tp.size if ops.tp is not None and ops.tp.sequence_parallel else 1  # the rows a stage hands on
+    return pipeline.ChunkPasses(forward=forward, num_tokens=lambda m: ops.mbs[m].data["tokens"].numel() // rows,
                                 total=total, hidden=model.c.hidden, device=ops.device)
 
 

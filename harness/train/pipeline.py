@@ -132,7 +132,8 @@ def _first_difference(stage: int, m: int, mine, ref) -> ScheduleAgreementError:
 class ChunkPasses:
     """What the executor calls for one micro-batch ``m`` on virtual chunk ``v``:
     ``forward(v, m, x)`` -> (output, aux): x None on model chunk 0 (it embeds); on the last chunk the
-    output is the summed cross-entropy. ``num_tokens(m)``: the rank's local tokens of micro-batch m.
+    output is the summed cross-entropy. ``num_tokens(m)``: the rows of micro-batch m a chunk hands the next (the
+    rank's local tokens; with sequence parallelism its TP rank's share of them).
     ``total``: the loss denominator."""
 
     forward: Callable

@@ -105,9 +105,16 @@ def test_sequence_parallelism_with_the_distributed_optimiser_and_a_token_bucket(
     _agree(got, {"dcp": ref["dcp"]}, layouts=("dcp",))
 
 
+def test_sequence_parallel_pipeline_and_dynamic_cp_at_once_equal_the_unsplit_run(tmp_path_factory):
+    """8 ranks: 2 stages x a 2-rank DP x CP domain x 2 TP ranks, sequence-parallel, every layout; each stage hands
+    the next its TP rank's share of the rows."""
+    _agree(_rows("tiny-gpt", 8, tmp_path_factory, "pp2-tp2-sp", pp=2, tp=2, sequence_parallel=True),
+           _rows("tiny-gpt", 2, tmp_path_factory, "ref"))
+
+
 def test_mtp_under_a_pipeline_with_sequence_parallelism_equals_one_unsplit_rank(tmp_path_factory):
     """2 stages x 2 TP ranks, sequence-parallel: the MTP depth's block splits its rows as the trunk's does (its
-    combine, on whole rows, replicated), the stage boundaries carry whole rows."""
+    combine, on whole rows, replicated), the stages hand on their TP rank's share of the rows."""
     one = {"layouts": ["dcp"], "max_seqlen_per_rank": 1024}
     got = _rows("tiny-gpt-mtp", 4, tmp_path_factory, "mtp-pp2-tp2-sp", pp=2, tp=2, sequence_parallel=True, **one)
     ref = _rows("tiny-gpt-mtp", 1, tmp_path_factory, "mtp-ref1", **one)

@@ -50,10 +50,11 @@ def test_configurations_sequence_parallelism_cannot_run_are_refused_with_the_fix
         TrainConfig(**cfg).validate(world)
 
 
-def _stack_world(rank: int, world: int, fault: str | None = None) -> dict:
+def _stack_world(rank: int, world: int, fault: str | None = None, stages: bool = False) -> dict:
     """Every rank: the whole two-block stack (same seed) and its TP shard with sequence parallelism on the same rows;
     the output, the input's gradient and every whole gradient (split norms summed over TP) against the whole
-    stack's."""
+    stack's. ``stages``: the split stack runs as two pipeline chunks of one block each, the first handing on its
+    rank's rows (``split_out``) and the second taking them (``split_in``)."""
     from harness.faults.catalogue import get
 
     torch.manual_seed(0)
@@ -72,7 +73,12 @@ def _stack_world(rank: int, world: int, fault: str | None = None) -> dict:
     (ya * w).sum().backward()
     with get(fault).applied() if fault else nullcontext():
         tpm.shard_model(part, tp)
-        yb, _ = part.run_layers(xb, pos, real, _causal, tp=tp)
+        if stages:
+            mid, _ = part.run_layers(xb, pos, real, _causal, layers=[0], tp=tp, split_out=True)
+            assert mid.shape[0] == ROWS // world  # a stage hands on this rank's share of the rows
+            yb, _ = part.run_layers(mid, pos, real, _causal, layers=[1], tp=tp, split_in=True)
+        else:
+            yb, _ = part.run_layers(xb, pos, real, _causal, tp=tp)
         (yb * w).sum().backward()
         spm.reduce_grads(list(part.parameters()), tp)
     whole = dict(ref.named_parameters())
@@ -82,9 +88,9 @@ def _stack_world(rank: int, world: int, fault: str | None = None) -> dict:
     return {"out": (ya - yb).abs().max().item(), "dx": (xa.grad - xb.grad).abs().max().item(), "grads": grads}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_sequence_parallel_stack_equals_the_whole_stack_forward_and_backward(world, tmp_path):
-    for r in run_on_ranks(_stack_world, world_size=world, tmp_path=tmp_path, timeout_s=60):
+@pytest.mark.parametrize("world, stages", [(2, False), (4, False), (2, True)], ids=["tp2", "tp4", "tp2-two-chunks"])
+def test_a_sequence_parallel_stack_equals_the_whole_stack_forward_and_backward(world, stages, tmp_path):
+    for r in run_on_ranks(_stack_world, world_size=world, tmp_path=tmp_path, args=(None, stages), timeout_s=60):
         assert r["out"] < 1e-12 and r["dx"] < 1e-12, r
         assert len(r["grads"]) == 2 * 6 and max(r["grads"].values()) < 1e-12, r["grads"]
 

@@ -108,3 +108,41 @@ def test_a_split_vocabulary_called_without_its_tensor_parallelism_is_refused():
 def test_a_vocabulary_that_does_not_split_is_refused_naming_the_fix():
     with pytest.raises(TensorParallelError, match=r"'odd''s vocab=250 is not a multiple of tp=4; use a tp dividing 250"):
         check_tp_model(ModelConfig(vocab=250, heads=4, kv_heads=4), 4, "'odd'")
+
+
+def _ce_cases_world(rank: int, world: int) -> list[tuple]:
+    """40 seeded random cases (vocabulary, rows, logit scale up to 80: exp overflows without the maximum, ignored
+    labels): the split loss and the whole logits' gradient (each rank's columns gathered) against torch's
+    cross-entropy over the whole vocabulary, in fp64."""
+    from harness.parallel import vocab_parallel as vp
+
+    groups = DynamicGroups(ParallelLayout(dp=1, cp=1, tp=world), rank)
+    tp = tpm.TensorParallel(world, rank, groups.tp_group)
+    g = torch.Generator().manual_seed(11)
+    worst = []
+    for _ in range(40):
+        vocab = world * int(torch.randint(1, 24, (), generator=g))
+        rows = int(torch.randint(1, 30, (), generator=g))
+        scale = float(torch.rand((), generator=g)) * 80
+        logits = torch.randn(rows, vocab, generator=g, dtype=torch.float64) * scale
+        labels = torch.randint(0, vocab, (rows,), generator=g)
+        real = (torch.rand(rows, generator=g) > 0.2).double()
+        ref = logits.clone().requires_grad_()
+        want = F.cross_entropy(ref, labels, reduction="none") * real
+        (want * torch.arange(1.0, rows + 1, dtype=torch.float64)).sum().backward()
+        mine = logits.chunk(world, -1)[rank].clone().requires_grad_()
+        got = vp.cross_entropy(mine, labels, vocab, tp) * real
+        (got * torch.arange(1.0, rows + 1, dtype=torch.float64)).sum().backward()
+        grad = mine.grad.new_empty((world * rows, vocab // world))
+        torch.distributed.all_gather_into_tensor(grad, mine.grad.contiguous(), group=tp.group)
+        whole = torch.cat(grad.chunk(world, 0), -1)
+        worst.append((vocab, rows, round(scale, 1), (got - want).abs().max().item(),
+                      (whole - ref.grad).abs().max().item(), bool(torch.isfinite(got).all())))
+    groups.destroy()
+    return worst
+
+
+def test_the_vocab_parallel_loss_equals_torchs_on_random_cases_and_large_logits(tmp_path):
+    for cases in run_on_ranks(_ce_cases_world, world_size=2, tmp_path=tmp_path, timeout_s=60):
+        assert all(finite and dl < 1e-9 and dg < 1e-9 for *_, dl, dg, finite in cases), \
+            [c for c in cases if not (c[-1] and c[3] < 1e-9 and c[4] < 1e-9)]
