@@ -11,6 +11,7 @@
 - ``train-tp``: the ``train`` run of the MTP model with tensor parallelism: 2 TP ranks per position of a 2-rank DP x CP
   domain (``harness.parallel.tensor_parallel``, the vocabulary by ``harness.parallel.vocab_parallel``); the probes hold
   whole gradients, gathered from the shards.
+- ``train-tp-moe``: the tiny MoE with 2 TP ranks a position: every expert's FFN split, the router replicated.
 - ``train-tp-dist-opt``: ``train-tp`` with the distributed optimiser (``harness.parallel.dist_opt``).
 - ``train-sp``: ``train-tp`` with sequence parallelism (``harness.parallel.sequence_parallel``): between the blocks'
   matrices each TP rank holds half of its position's token rows.
@@ -94,6 +95,8 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  # head split) of a 2-rank DP x CP domain; multi-token prediction's block and combine too (the
                  # combine's gradients make the replicated parameters' share of the norm large enough to weigh)
                  "train-tp": {**TRAIN, "model": "tiny-gpt-mtp", "tp": 2, "max_seqlen_per_rank": 256},
+                 # the tiny MoE with 2 TP ranks: each expert's FFN split, the router replicated (expert TP)
+                 "train-tp-moe": {**TRAIN, "model": "tiny-moe", "tp": 2, "max_seqlen_per_rank": 256},
                  # the same with the distributed optimiser: each TP coordinate's DP x CP ranks shard its AdamW,
                  # split and replicated parameters sharing buckets of 30,000 elements
                  "train-tp-dist-opt": {**TRAIN, "model": "tiny-gpt-mtp", "tp": 2, "max_seqlen_per_rank": 256,

@@ -85,6 +85,8 @@ SEAMS: dict[str, str] = {
     "harness.parallel.tensor_parallel:square_norm": "the squared gradient norm over the TP group (shards summed, "
                                                     "replicated parameters once)",
     "harness.parallel.groups:tp_group_ranks": "the global ranks of a position's tensor-parallel group",
+    "harness.runtime.layers:tp_expert_outputs": "an MoE layer's experts under TP: partial outputs summed over TP, then "
+                                                "gate-weighted",
     "harness.parallel.vocab_parallel:vocab_range": "the token ids a TP rank's shard of the embedding and head keeps",
     "harness.parallel.vocab_parallel:lookup": "the embedding rows of a micro-batch's tokens from the TP ranks' "
                                               "vocabulary shards (masked, summed over TP)",

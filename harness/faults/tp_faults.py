@@ -61,6 +61,24 @@ def make_replicated_norm_counted_per_rank(original):
     return square_norm
 
 
+def make_gate_on_partial_expert_outputs(original):
+    """The gate weights applied to each TP rank's partial expert outputs and the weighted sum reduced after: the
+    forward is the same, but each rank's router sees only its shard's share of the outputs, so its gradient is a
+    partial sum taken for a whole one and the TP ranks' routers drift apart (torchtitan issue #2387 / PR #2416: with
+    the scores applied after the experts, gate.weight's gradient was Partial and marked Replicate)."""
+    import torch
+
+    def tp_expert_outputs(moe, x_TE, idx_TK, weight_TK, tp):
+        xin = tp.enter(x_TE)
+        out = torch.zeros_like(x_TE)
+        for e, expert in enumerate(moe.experts):
+            tok, slot = (idx_TK == e).nonzero(as_tuple=True)
+            if tok.numel():
+                out = out.index_add(0, tok, expert(xin[tok]) * weight_TK[tok, slot, None])
+        return tp.leave(out)
+    return tp_expert_outputs
+
+
 def make_dist_opt_replicated_counted_per_rank(original):
     """The distributed optimiser's squared norm summed over the TP group whole, replicated squares included: those
     count tp times (NeMo-RL PR #3788: get_grad_norm summed every local square over dp_cp and then over tp)."""
@@ -104,6 +122,14 @@ TP_FAULTS: tuple[Fault, ...] = (
           url="https://github.com/ROCm/TransformerEngine/pull/715", layer="gradients",
           seam="harness.parallel.tensor_parallel:square_norm", make=make_replicated_norm_counted_per_rank,
           check="clipped-gradients", expect=r"clipped step-1 gradient of .* differs", scenario="train-tp"),
+    Fault(name="etp-gate-on-partial-expert-outputs", title="the MoE gate applied to the experts' partial TP sums",
+          source="torchtitan issue #2387 / PR #2416: under TP the router's gradient from scores applied after the "
+                 "experts was a partial sum marked replicated, and the MoE router weights diverged across TP ranks "
+                 "from the first step",
+          url="https://github.com/pytorch/torchtitan/issues/2387", layer="model",
+          seam="harness.runtime.layers:tp_expert_outputs", make=make_gate_on_partial_expert_outputs,
+          check="replica-consistency", expect=r"parameters differ between ranks: ranks \[1, 3\]",
+          scenario="train-tp-moe"),
     Fault(name="dist-opt-tp-replicated-counted-per-rank",
           title="the distributed optimiser's norm sums replicated squares over TP",
           source="NeMo-RL PR #3788: get_grad_norm all-reduced every local squared norm over the DP x CP group and then "

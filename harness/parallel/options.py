@@ -99,9 +99,6 @@ def check_tp_model(c, tp: int, name: str = "the model") -> None:
     """``TensorParallelError`` unless ``tp`` ranks can split ``c``'s blocks (a ``ModelConfig``)."""
     if tp == 1:
         return
-    if c.experts:
-        raise TensorParallelError(f"tensor parallelism (tp={tp}) splits dense blocks only; {name} has {c.experts} experts "
-                                  "(expert tensor parallelism is not implemented): use tp=1, or expert parallelism")
     if any(k != "B" for k in c.kinds):
         raise TensorParallelError(f"tensor parallelism (tp={tp}) splits attention and MLP blocks only; {name}'s layers "
                                   f"are {c.kinds!r} (SSM mixers are not split): use tp=1 for this model")

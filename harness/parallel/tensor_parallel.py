@@ -108,11 +108,11 @@ def spec(name: str, c) -> tuple[int, list[int]] | None:
         return 0, [c.heads * D, c.kv_heads * D, c.kv_heads * D]
     if re.search(r"(^|\.)proj\.weight$", name):
         return 1, [c.heads * D]
-    if re.search(r"(^|\.)mlp\.up\.weight$", name):
+    if re.search(r"(^|\.)mlp\.(experts\.\d+\.)?up\.weight$", name):  # a dense MLP's, or an MoE expert's
         return 0, [c.ffn]
-    if re.search(r"(^|\.)mlp\.gate_up\.weight$", name):
+    if re.search(r"(^|\.)mlp\.(experts\.\d+\.)?gate_up\.weight$", name):
         return 0, [c.ffn, c.ffn]
-    if re.search(r"(^|\.)mlp\.down\.weight$", name):
+    if re.search(r"(^|\.)mlp\.(experts\.\d+\.)?down\.weight$", name):
         return 1, [c.ffn]
     if re.search(r"^(embed|head)\.weight$", name):  # the vocabulary (``harness.parallel.vocab_parallel``)
         return 0, [c.vocab]

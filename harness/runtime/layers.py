@@ -177,6 +177,37 @@ class MoE(nn.Module):
         return out, z
 
 
+def tp_experts(tp) -> Experts:
+    """Every expert of an MoE layer on this process, each keeping a tensor-parallel shard of its FFN: the experts read
+    ``tp.enter(x)`` (their input's gradient summed over TP), their partial outputs are summed over TP in one
+    ``tp.leave`` and only then weighted by the gate. The router stays outside the split: it reads the plain rows, so its
+    gradient (and the gate's) is the same whole one on every TP rank and enters the rows' gradient once. Not with
+    sequence parallelism (the router would see a TP rank's rows only)."""
+    if getattr(tp, "sequence_parallel", False):
+        raise ShardedCallError("an MoE layer under sequence parallelism is not implemented: the router would route a TP "
+                               "rank's share of the rows; run MoE models with tensor parallelism alone")
+
+    def experts(moe: MoE, x_TE, idx_TK, weight_TK):
+        return tp_expert_outputs(moe, x_TE, idx_TK, weight_TK, tp)  # the seam, looked up at each call
+    return experts
+
+
+def tp_expert_outputs(moe: MoE, x_TE, idx_TK, weight_TK, tp):
+    """``tp_experts``' work for one call: the chosen experts' partial outputs summed over TP, then gate-weighted and
+    added per token (a seam: ``harness.faults`` re-creates the gate applied to the partial sums)."""
+    xin = tp.enter(x_TE)
+    chosen = [(e, *(idx_TK == e).nonzero(as_tuple=True)) for e in range(moe.num_experts)]
+    chosen = [(e, tok, slot) for e, tok, slot in chosen if tok.numel()]  # the same on every TP rank
+    out = torch.zeros_like(x_TE)
+    if not chosen:
+        return out
+    partial = torch.cat([moe.experts[e](xin[tok]) for e, tok, _ in chosen])
+    whole = tp.leave(partial).split([tok.numel() for _, tok, _ in chosen])
+    for y, (_, tok, slot) in zip(whole, chosen):
+        out = out.index_add(0, tok, y * weight_TK[tok, slot, None])
+    return out
+
+
 def local_experts(moe: MoE, x_TE, idx_TK, weight_TK):
     """Every expert of ``moe`` on this process: expert e runs on its tokens (in token order) and adds
     its weighted output into theirs, expert after expert."""

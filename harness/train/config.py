@@ -197,6 +197,9 @@ class TrainConfig:
             raise TensorParallelError(f"world size {world} is not a multiple of tp={tp}: the world is pp x (DP x CP) x "
                                       f"tp ranks; use a world of a multiple of {tp * self.pp} ranks")
         check_tp_model(MODELS[self.model], tp, repr(self.model))
+        if self.sequence_parallel and MODELS[self.model].experts:
+            raise SequenceParallelError(f"sequence parallelism with an MoE model ({self.model!r}) is not implemented: "
+                                        "its router would see a TP rank's share of the rows; run it with --tp alone")
         unsupported = [what for what, on in (("expert parallelism", self.expert_parallel),
                                               (f"the {self.cp_exchange} exchange",
                                                comm_type(self.cp_exchange) is not None)) if on]

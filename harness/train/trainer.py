@@ -90,8 +90,10 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: step
             r = step.train_step(model, run, layout, [len(x) - 1 for x in batch], local, lcfg, cost, device=device,
                                 opt=opt, params=params, grads=grads, dtype=cfg.dtype, exchange=cfg.cp_exchange,
                                 grad_clip=cfg.grad_clip, shards=shards, probe=probe, probes=probes, step_index=k,
-                                weights=cfg.weights, hooks=step.StepHooks(token_multiple=cfg.bucket(),
-                                                                          routes=step_routes))
+                                weights=cfg.weights, hooks=step.StepHooks(
+                                    token_multiple=cfg.bucket(),
+                                    # a position's TP ranks route the same tokens alike: the first records them
+                                    routes=None if run.tp is not None and run.tp.rank else step_routes))
         except (ScheduleError, GroupAuditError, pipeline.ScheduleAgreementError, PipelineScheduleError,
                 expert_parallel.DispatchAuditError, expert_parallel.LockstepError) as e:  # raised alike on every rank
             e.step, e.layout = k, layout
