@@ -31,8 +31,8 @@ def add_arguments(c) -> None:
                         "THD, handed each micro-batch's CP group (te: --cp-exchange te:p2p unless another te: type)")
     c.add_argument("--pp", type=T.STAGES, default=1, help="pipeline stages (the world is pp stages of a DP x CP domain)")
     c.add_argument("--tp", type=T.TP, default=1,
-                   help="tensor-parallel ranks: each dense block's heads and FFN split over them (Megatron's TP); "
-                        "the world is pp x (DP x CP) x tp ranks, the reference unsplit")
+                   help="tensor-parallel ranks: each block's heads and FFN (an MoE's experts), and the vocabulary, "
+                        "split over them (Megatron's TP); the world is pp x (DP x CP) x tp ranks, the reference unsplit")
     c.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp > 1: split the token rows between the blocks' matrices over the TP ranks too "
                         "(Megatron's --sequence-parallel; the split norms' gradients summed over TP)")
