@@ -16,10 +16,9 @@ import torch
 
 from harness.jobs.launch import run_on_ranks
 from harness.parallel import tensor_parallel as tpm
-from harness.parallel.groups import DynamicGroups, ParallelLayout
 from harness.runtime.layers import ShardedCallError, tp_experts
-from harness.runtime.model import Block, ModelConfig
-from suites.dist_cpu.test_tensor_parallel import _causal
+from harness.runtime.model import ModelConfig
+from suites.dist_cpu.test_tensor_parallel import _causal, split_pair
 
 pytestmark = pytest.mark.dist_cpu
 
@@ -29,17 +28,8 @@ ROWS = 20
 def _moe_world(rank: int, world: int, fault: str | None = None) -> dict:
     from harness.faults.catalogue import get
 
-    torch.manual_seed(0)
     c = ModelConfig(experts=4, top_k=2)
-    ref, part = Block(c, moe=True, layer=1).double(), Block(c, moe=True, layer=1).double()
-    part.load_state_dict(ref.state_dict())
-    groups = DynamicGroups(ParallelLayout(dp=1, cp=1, tp=world), rank)
-    tp = tpm.TensorParallel(world, rank, groups.tp_group)
-    with torch.no_grad():
-        for name, p in part.named_parameters():
-            if (how := tpm.spec(name, c)) is not None:
-                p.data = tpm.take(p.data, how, world, rank)
-                setattr(p, tpm.MARK, True)
+    ref, part, tp, groups = split_pair(c, rank, world, moe=True, layer=1)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(ROWS, c.hidden, generator=g, dtype=torch.float64)
     w = torch.randn(ROWS, c.hidden, generator=g, dtype=torch.float64)

@@ -84,20 +84,26 @@ def _causal(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(0, 1)
 
 
-def _block_world(rank: int, world: int) -> dict:
-    """Every rank: the whole block (same seed) and its TP shard on the same tokens; outputs, whole gradients and the
-    squared norm of the sharded block's gradients, against the whole block's."""
+def split_pair(c, rank: int, world: int, **block) -> tuple:
+    """(the whole fp64 ``Block(c, **block)``, a copy keeping TP rank ``rank``'s shards, its ``TensorParallel``, the
+    groups): the same seed's weights in both."""
     torch.manual_seed(0)
-    c = ModelConfig(heads=4, kv_heads=4, ffn=128) if world == 4 else ModelConfig()
-    ref, part = Block(c, moe=False).double(), Block(c, moe=False).double()
+    ref, part = Block(c, **block).double(), Block(c, **block).double()
     part.load_state_dict(ref.state_dict())
     groups = DynamicGroups(ParallelLayout(dp=1, cp=1, tp=world), rank)
-    tp = tpm.TensorParallel(world, rank, groups.tp_group)
     with torch.no_grad():
         for name, p in part.named_parameters():
             if (how := tpm.spec(name, c)) is not None:
                 p.data = tpm.take(p.data, how, world, rank)
                 setattr(p, tpm.MARK, True)
+    return ref, part, tpm.TensorParallel(world, rank, groups.tp_group), groups
+
+
+def _block_world(rank: int, world: int) -> dict:
+    """Every rank: the whole block (same seed) and its TP shard on the same tokens; outputs, whole gradients and the
+    squared norm of the sharded block's gradients, against the whole block's."""
+    c = ModelConfig(heads=4, kv_heads=4, ffn=128) if world == 4 else ModelConfig()
+    ref, part, tp, groups = split_pair(c, rank, world, moe=False)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(12, c.hidden, generator=g, dtype=torch.float64)
     w = torch.randn(12, c.hidden, generator=g, dtype=torch.float64)
