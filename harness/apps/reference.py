@@ -55,7 +55,8 @@ def config(cfg: TrainConfig) -> TrainConfig:
     replicated optimiser (the distributed one is judged against it), no token bucket (the layouts' padding is
     judged, not shared)."""
     return replace(cfg, layouts=(REF_LAYOUT,), pp=1, vpp=1, pipeline="1f1b", schedule_delivery="broadcast",
-                   expert_parallel=False, tp=1, sequence_parallel=False, probes=True, weights="per-call", optimizer="replicated", token_bucket=0,
+                   expert_parallel=False, tp=1, sequence_parallel=False, probes=True, weights="per-call",
+                   optimizer="replicated", token_bucket=0,
                    max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest_sequence(cfg)))
 
 

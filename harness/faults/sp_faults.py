@@ -57,27 +57,12 @@ def make_gather_grad_reduce_scattered(original):
     """The stack exit's backward reduce-scatters the gradient, as if what follows were split over TP
     (``tensor_parallel_output_grad=True``): the head and the final norm are replicated, every TP rank already holds
     the whole gradient, and the sum makes every block's gradient tp times too large (slapo PR #20: the flag added for
-    exactly this gather; VeOmni PR #681: a gather's backward scaled by the group size by default)."""
-    import torch
-
-    from harness.parallel.collectives import all_gather, reduce_scatter
-
-    class GatherSummed(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, group, size):
-            ctx.group, ctx.size = group, size
-            out = x.new_empty((x.shape[0] * size, *x.shape[1:]))
-            all_gather(out, x.contiguous(), group=group)
-            return out
-
-        @staticmethod
-        def backward(ctx, grad):
-            out = grad.new_empty((grad.shape[0] // ctx.size, *grad.shape[1:]))
-            reduce_scatter(out, grad.contiguous(), group=ctx.group)
-            return out, None, None
+    exactly this gather; VeOmni PR #681: a gather's backward scaled by the group size by default). The exit becomes
+    the gather a column-parallel matrix's input takes (all-gather forward, reduce-scatter backward)."""
+    from harness.parallel.sequence_parallel import _AllGatherRows
 
     def gather(x, tp):
-        return GatherSummed.apply(x, tp.group, tp.size)
+        return _AllGatherRows.apply(x, tp.group, tp.size)
     return gather
 
 

@@ -19,9 +19,9 @@ stack exit (``gather``)   all-gather the rows                       keep this ra
 ``scatter`` runs where the model's block stack starts (after the embedding; also an MTP depth's block) and ``gather``
 where it ends (before the final norm): the embedding, the MTP combine, the final norm and the LM head see whole rows
 (replicated compute, as without sequence parallelism), while a pipeline stage hands the next its rank's share of
-the rows (``TinyLM.run_layers(split_in=, split_out=)``), as Megatron's stages do. The exit keeps its rank's rows of the gradient rather than
-reduce-scattering it: everything after it is replicated, so every TP rank already holds the whole, identical
-gradient (Megatron's ``tensor_parallel_output_grad=False``).
+the rows (``TinyLM.run_layers(split_in=, split_out=)``), as Megatron's stages do. The exit keeps its rank's rows
+of the gradient rather than reduce-scattering it: everything after it is replicated, so every TP rank already holds
+the whole, identical gradient (Megatron's ``tensor_parallel_output_grad=False``).
 
 A replicated parameter inside the split region - each block's two norms - sees only its rank's rows, so its
 gradient is a partial sum: ``reduce_grads`` all-reduces those over the TP group after the backward, before the

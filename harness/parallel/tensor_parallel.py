@@ -52,8 +52,8 @@ class TensorParallel:
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """A column-parallel matrix's input: ``enter(x, self)``, or with sequence parallelism
-        ``harness.parallel.sequence_parallel.all_gather_rows(x, self)`` - seams looked up at each call (what a model's blocks call:
-        they never import this module, the runtime sits below it)."""
+        ``harness.parallel.sequence_parallel.all_gather_rows(x, self)`` - seams looked up at each call (what a
+        model's blocks call: they never import this module, the runtime sits below it)."""
         if self.sequence_parallel:
             return seq_par.all_gather_rows(x, self)
         return enter(x, self)

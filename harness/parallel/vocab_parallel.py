@@ -5,13 +5,13 @@ TP rank ``r`` of ``tp`` keeps rows ``[r V / tp, (r + 1) V / tp)`` of the embeddi
 (``vocab_range``; ``V`` the vocabulary, a multiple of tp):
 
 - **Lookup** (``lookup``): each rank looks up the tokens of its range, zeroes the others' rows, and the partial rows
-  are summed over the TP group (``TensorParallel.partial_sums``: all-reduce forward). The mask is part of the graph, so a
-  token of another range sends no gradient into this rank's shard.
+  are summed over the TP group (``TensorParallel.partial_sums``: all-reduce forward). The mask is part of the graph,
+  so a token of another range sends no gradient into this rank's shard.
 - **Logits and loss** (``cross_entropy``): the head's input enters as a column-parallel input
-  (``TensorParallel.replicated_input``: its gradient all-reduced backward, as each rank's logits see only their columns), each rank computes the logits of its range,
-  and the cross-entropy of the whole vocabulary is assembled from three all-reduces over the rows - the maximum
-  (stability), the sum of exponentials and the target's logit (only its owner's range holds it) - with the exact
-  backward ``softmax - onehot`` on each rank's columns. Every TP rank ends with the same per-token losses.
+  (``TensorParallel.replicated_input``: its gradient all-reduced backward, as each rank's logits see only their
+  columns), each rank computes the logits of its range, and the cross-entropy of the whole vocabulary is assembled
+  from three all-reduces over the rows - the maximum (stability), the sum of exponentials and the target's logit
+  (only its owner's range holds it) - with the exact backward ``softmax - onehot`` on each rank's columns. Every TP rank ends with the same per-token losses.
 
 Both run on whole token rows (with sequence parallelism the block stack gathers its rows before the head and the
 embedding's rows are scattered after the lookup, ``harness.parallel.sequence_parallel``). ``vocab_range``, ``lookup``,

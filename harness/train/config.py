@@ -62,8 +62,8 @@ class TrainConfig:
     pp: int = 1
     """Pipeline stages (``harness.train.pipeline``); the world is pp stages of a DP x CP domain each."""
     tp: int = 1
-    """Tensor-parallel ranks (``harness.parallel.tensor_parallel``: each block's heads and FFN - an MoE's experts - split over them);
-    the world is pp stages x a DP x CP domain x tp. Dense, MTP and MoE models (each expert split, the router
+    """Tensor-parallel ranks (``harness.parallel.tensor_parallel``: each block's heads and FFN - an MoE's experts -
+    split over them); the world is pp stages x a DP x CP domain x tp. Dense, MTP and MoE models (each expert split, the router
     replicated; not with expert parallelism), the vocabulary split too; the harness's gather / ring / a2a exchanges."""
     sequence_parallel: bool = False
     """With tp > 1: the block stack's token rows split over the TP ranks too (``harness.parallel.sequence_parallel``,

@@ -12,8 +12,7 @@ tensor parallelism (``Run.tp``) all of it runs per TP coordinate, the blocks tak
 norm sums the split parameters over the TP group (``harness.parallel.tensor_parallel``); with sequence parallelism
 (``Run.sequence_parallel``) the sequences are padded so that every rank's token rows split evenly over its TP group,
 and after the passes the split region's norm gradients are summed over it (``harness.parallel.sequence_parallel``).
-In exact arithmetic every
-layout and every pipeline computes the same loss and update.
+In exact arithmetic every layout and every pipeline computes the same loss and update.
 
 ``StepHooks`` is what a benchmark adds without changing the maths: a schedule planned ahead by another process,
 phase marks for timing, the overlapped bucketed gradient reducer (``harness.parallel.grad_reduce``) in place of
@@ -363,7 +362,8 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
     samples = reroute(local, owners, sched, me, group=everyone, keys=SAMPLE_KEYS + mtp_keys(depth))
     sp = run.tp is not None and run.tp.sequence_parallel
     mbs = build_microbatches(samples, sched, me, padding=padding, fixed_length=fixed,
-                             token_multiple=hooks.token_multiple, tp_size=run.tp.size if sp else 1, sequence_parallel=sp)
+                             token_multiple=hooks.token_multiple, tp_size=run.tp.size if sp else 1,
+                             sequence_parallel=sp)
     cp_groups = [cp_group_for(groups, mb) for mb in mbs]
     audited = start_audit(groups, mbs, cp_groups, everyone)  # checked before the first CP collective, below
     total = loss_denominator(mbs, everyone)

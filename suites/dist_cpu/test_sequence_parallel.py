@@ -92,7 +92,7 @@ def _stack_world(rank: int, world: int, fault: str | None = None, stages: bool =
 def test_a_sequence_parallel_stack_equals_the_whole_stack_forward_and_backward(world, stages, tmp_path):
     for r in run_on_ranks(_stack_world, world_size=world, tmp_path=tmp_path, args=(None, stages), timeout_s=60):
         assert r["out"] < 1e-12 and r["dx"] < 1e-12, r
-        assert len(r["grads"]) == 2 * 6 and max(r["grads"].values()) < 1e-12, r["grads"]
+        assert len(r["grads"]) == 2 * 6 and all(v < 1e-12 for v in r["grads"].values()), r["grads"]  # NaN fails
 
 
 @pytest.mark.parametrize("fault", [f.name for f in sp_faults.SP_FAULTS])
@@ -100,7 +100,7 @@ def test_every_sequence_parallel_fault_breaks_the_split_stack(fault, tmp_path):
     """The check above can fail: each catalogue fault of the sequence-parallel seams leaves some whole gradient (the
     norms', or every parameter's) off the unsplit stack's."""
     got = run_on_ranks(_stack_world, world_size=2, tmp_path=tmp_path, args=(fault,), timeout_s=60)
-    assert all(max([r["dx"], *r["grads"].values()]) > 1e-3 for r in got), [r["grads"] for r in got]
+    assert all(not all(v <= 1e-3 for v in [r["dx"], *r["grads"].values()]) for r in got), [r["grads"] for r in got]
 
 
 def _uneven_world(rank: int, world: int) -> str:

@@ -126,7 +126,7 @@ def _block_world(rank: int, world: int) -> dict:
 def test_a_split_block_equals_the_whole_block_forward_and_backward(world, tmp_path):
     for r in run_on_ranks(_block_world, world_size=world, tmp_path=tmp_path, timeout_s=60):
         assert r["out"] < 1e-12 and r["dx"] < 1e-12, r
-        assert max(r["grads"].values()) < 1e-12, r["grads"]
+        assert all(v < 1e-12 for v in r["grads"].values()), r["grads"]  # NaN fails (max would skip it)
         assert r["norm"] < 1e-12, r
 
 

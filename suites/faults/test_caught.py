@@ -110,7 +110,8 @@ def _tp_wanted(seam: str, cfg: dict) -> bool:
 def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg, tmp_path):
     """The seams of the forward passes, the model's CP calls, the SSM scan, the pipeline stages, the weight paths and
     tensor parallelism: wrapped by call counters in a pipelined MTP run, a hybrid (SSM) run, a fused-weight run, a
-    distributed-optimiser run, a bf16 run's fp32 step 1, a TP run, a sequence-parallel one and a TP run with the distributed optimiser, each one is called, and the run's parameters equal those of the same run without
+    distributed-optimiser run, a bf16 run's fp32 step 1, a TP run (dense, MoE, with the distributed optimiser) and a
+    sequence-parallel one, each one is called, and the run's parameters equal those of the same run without
     pass-throughs, bit for bit."""
     seams = [s for s in SEAMS if s.startswith(MODEL_SEAM_MODULES)]
     got = run_on_ranks(sc.passthrough_world, world_size=sc.WORLD, tmp_path=tmp_path,
