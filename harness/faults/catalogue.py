@@ -31,7 +31,7 @@ LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "optimizer", "gro
 SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-pp-mtp", "train-hybrid",
              "train-reinit",
              "train-ep", "train-fused", "train-dist-opt", "train-bucketed", "train-a2a", "train-bf16", "verify-bf16",
-             "train-tp", "train-tp-moe", "train-tp-dist-opt", "train-sp", "replay", "plan", "stepwise")
+             "train-tp", "train-tp-moe", "train-tp-dist-opt", "train-sp", "train-sp-moe", "replay", "plan", "stepwise")
 
 
 class UnknownFaultError(PlanInputError):
@@ -408,6 +408,7 @@ FAULTS: tuple[Fault, ...] = (
     *tpf.TP_FAULTS,
     *vf.VOCAB_FAULTS,
     *spf.SP_FAULTS,
+    *spf.SP_MOE_FAULTS,
     Fault(name="replay-pp-offset-off-by-one", title="a PP stage replays the previous layer's routes",
           source="SkyRL PR #1335: _get_current_pp_stage_layer_range decides each stage's replay rows",
           url=SKYRL + "1335", layer="replay", seam="harness.train.replay:route_column",

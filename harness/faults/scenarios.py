@@ -15,6 +15,8 @@
 - ``train-tp-dist-opt``: ``train-tp`` with the distributed optimiser (``harness.parallel.dist_opt``).
 - ``train-sp``: ``train-tp`` with sequence parallelism (``harness.parallel.sequence_parallel``): between the blocks'
   matrices each TP rank holds half of its position's token rows.
+- ``train-sp-moe``: the tiny MoE under ``train-sp``'s split: each TP rank's router routes its half of the rows, the
+  experts (each FFN split over TP) run on both halves.
 - ``train-bucketed``: the ``train`` run with every thd / dcp micro-batch padded to a multiple of 16 tokens per rank
   (``bench step``'s token bucket, its default on CUDA): the padded step must still match the clean bshd run.
 - ``train-bf16``: the ``train`` run in bf16 for one step; each layout runs step 1 in fp32 first (the probe step of
@@ -103,6 +105,9 @@ TRAIN_CONFIGS = {"train": TRAIN,
                                        "optimizer": "distributed", "grad_bucket_elements": 30_000},
                  # the same with sequence parallelism: the blocks' token rows split over the 2 TP ranks too
                  "train-sp": {**TRAIN, "tp": 2, "sequence_parallel": True, "max_seqlen_per_rank": 256},
+                 # the tiny MoE under it: each TP rank's router routes its rows, the experts run on every rank's
+                 "train-sp-moe": {**TRAIN, "model": "tiny-moe", "tp": 2, "sequence_parallel": True,
+                                  "max_seqlen_per_rank": 256},
                  # bf16, one step: each layout runs step 1 in fp32 first (the probe step), judged by BF16_CHECKS;
                  # corpus seed 3, as seed 4 (fp32-step-of-another-model's) also draws a batch that fits 4 x 128 tokens
                  "train-bf16": {**TRAIN, "dtype": "bfloat16", "steps": 1,

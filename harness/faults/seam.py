@@ -87,6 +87,8 @@ SEAMS: dict[str, str] = {
     "harness.parallel.groups:tp_group_ranks": "the global ranks of a position's tensor-parallel group",
     "harness.runtime.layers:tp_expert_outputs": "an MoE layer's experts under TP: partial outputs summed over TP, then "
                                                 "gate-weighted",
+    "harness.runtime.layers:sp_gates": "an MoE layer's gate weights of every TP rank's rows under sequence parallelism "
+                                       "(backward: reduce-scattered)",
     "harness.parallel.vocab_parallel:vocab_range": "the token ids a TP rank's shard of the embedding and head keeps",
     "harness.parallel.vocab_parallel:lookup": "the embedding rows of a micro-batch's tokens from the TP ranks' "
                                               "vocabulary shards (masked, summed over TP)",
@@ -105,6 +107,8 @@ SEAMS: dict[str, str] = {
                                                     "for the TP sum of their gradients)",
     "harness.parallel.sequence_parallel:reduce_grads": "the TP sum of the marked parameters' gradients after the "
                                                        "backward",
+    "harness.parallel.sequence_parallel:sum_loss": "an MoE router's z-loss of a TP rank's rows summed over TP "
+                                                   "(backward: as it is)",
     "harness.parallel.ulysses:replicate_kv": "the a2a CP exchange's copies of each K/V head (GQA, kv_heads < cp)",
     "harness.parallel.ssm_cp:pack_order": "the pack position of each row the SSM's CP exchange gathers (zig-zag inverse)",
 }

@@ -1,7 +1,8 @@
 """Re-creations of sequence-parallel bugs (``harness.parallel.sequence_parallel``) and their catalogue entries, judged
 in scenario ``train-sp`` (the ``train-tp`` run with the token rows split over the TP ranks too).
 
-Each is exact without sequence parallelism, so converge's reference (one rank, no TP) and the goldens see none of
+The MoE ones (``SP_MOE_FAULTS``) run in scenario ``train-sp-moe``, the tiny MoE under the same split: its router
+routes each TP rank's rows. Each is exact without sequence parallelism, so converge's reference (one rank, no TP) and the goldens see none of
 them, and neither does ``train-tp``.
 """
 
@@ -66,6 +67,53 @@ def make_gather_grad_reduce_scattered(original):
     return gather
 
 
+def make_router_unmarked(original):
+    """The MoE router left out of the split region's marked set: the norms' gradients are summed over TP, the
+    router's - each rank's from its own rows - are not, and the TP ranks' routers drift apart (Megatron-LM issue
+    #599 / PR #619: with MoE, TP and sequence parallelism the router weights lacked the ``sequence_parallel``
+    attribute and went unsynchronised within the TP group)."""
+    def in_region(name):
+        return re.search(r"(^|\.)(blocks\.\d+|block)\.norm[12]\.weight$", name) is not None
+    return in_region
+
+
+def make_gates_gathered_detached(original):
+    """The gate weights of every TP rank's rows gathered with a plain all-gather, outside autograd: the experts' outputs
+    are weighted right, but the router gets no gradient from the loss through them - it learns from its z-loss alone
+    (NeMo Automodel PR #2995: ``GroupedExperts.forward`` gathered the routing probabilities with a non-differentiable
+    ``dist.all_gather``, silently detaching the router from the main loss)."""
+    def sp_gates(weight_TK, tp):
+        return tp.gather_choices(weight_TK.detach())
+    return sp_gates
+
+
+def make_z_loss_grad_summed(original):
+    """The TP ranks' z-loss parts added up by an all-reduce whose backward all-reduces too (what
+    ``torch.distributed.nn.functional.all_reduce`` does): every rank's part is differentiated tp times, so the
+    router's z-loss gradient grows with the TP size (Megatron-LM PR #5047: the MoE aux / z-loss gradient scaled by
+    the local token count left it depending on the TP x CP size)."""
+    import torch
+    import torch.distributed as dist
+
+    class SumBoth(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            y = x.contiguous().clone()
+            dist.all_reduce(y, group=group)
+            return y
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=ctx.group)
+            return grad, None
+
+    def sum_loss(x, tp):
+        return SumBoth.apply(x, tp.group)
+    return sum_loss
+
+
 SP_FAULTS: tuple[Fault, ...] = (
     Fault(name="sp-norm-grads-not-reduced", title="the split region's norm gradients never summed over TP",
           source="gpt-neox PR #1257: with sequence parallelism the norms' gradients were not synchronised over the TP "
@@ -95,4 +143,30 @@ SP_FAULTS: tuple[Fault, ...] = (
           seam="harness.parallel.sequence_parallel:gather", make=make_gather_grad_reduce_scattered,
           check="step1-gradients", expect=r"step-1 gradient of blocks\.", scenario="train-sp"),
 )
-"""The sequence-parallel faults, in report order (the catalogue appends them)."""
+"""The sequence-parallel faults of the dense blocks, in report order (the catalogue appends them)."""
+
+SP_MOE_FAULTS: tuple[Fault, ...] = (
+    Fault(name="sp-moe-router-unmarked", title="the MoE router left out of the split region's gradient sum",
+          source="Megatron-LM issue #599 / PR #619: with MoE, TP and sequence parallelism each TP rank's router saw "
+                 "its share of the rows and the router weights drifted apart (they lacked the sequence_parallel "
+                 "attribute)",
+          url="https://github.com/NVIDIA/Megatron-LM/pull/619", layer="gradients",
+          seam="harness.parallel.sequence_parallel:in_region", make=make_router_unmarked,
+          check="replica-consistency", expect=r"parameters differ between ranks: ranks \[1, 3\]",
+          scenario="train-sp-moe"),
+    Fault(name="sp-moe-gates-gathered-detached", title="the gate weights all-gathered outside autograd",
+          source="NeMo Automodel PR #2995: routing probabilities gathered with a non-differentiable dist.all_gather "
+                 "silently detached the router from the main loss (trainable through the auxiliary losses only)",
+          url="https://github.com/NVIDIA-NeMo/Automodel/pull/2995", layer="gradients",
+          seam="harness.runtime.layers:sp_gates", make=make_gates_gathered_detached,
+          check="step1-gradients", expect=r"step-1 gradient of blocks\.\d+\.mlp\.router\.weight",
+          scenario="train-sp-moe"),
+    Fault(name="sp-moe-z-loss-grad-summed", title="the z-loss's TP sum all-reduces its gradient too",
+          source="Megatron-LM PR #5047: the MoE aux_loss / z_loss gradient depended on the TP x CP size (scaled by the "
+                 "local token count), so otherwise identical runs with different TP trained differently",
+          url="https://github.com/NVIDIA/Megatron-LM/pull/5047", layer="gradients",
+          seam="harness.parallel.sequence_parallel:sum_loss", make=make_z_loss_grad_summed,
+          check="step1-gradients", expect=r"step-1 gradient of blocks\.\d+\.mlp\.router\.weight",
+          scenario="train-sp-moe"),
+)
+"""The sequence-parallel faults of MoE blocks (scenario ``train-sp-moe``)."""

@@ -23,15 +23,22 @@ the rows (``TinyLM.run_layers(split_in=, split_out=)``), as Megatron's stages do
 of the gradient rather than reduce-scattering it: everything after it is replicated, so every TP rank already holds
 the whole, identical gradient (Megatron's ``tensor_parallel_output_grad=False``).
 
-A replicated parameter inside the split region - each block's two norms - sees only its rank's rows, so its
-gradient is a partial sum: ``reduce_grads`` all-reduces those over the TP group after the backward, before the
+A replicated parameter inside the split region - each block's two norms, and an MoE block's router - sees only its
+rank's rows, so its gradient is a partial sum: ``reduce_grads`` all-reduces those over the TP group after the backward, before the
 gradient reduction, the norm and the optimiser (Megatron's ``allreduce_sequence_parallel_grads``; the parameters
 carry ``MARK`` as Megatron's carry ``sequence_parallel``).
+
+An MoE block routes its rank's rows (Megatron's router under sequence parallelism): the router's logits, top-k
+choices and gate weights are of those rows; the experts, each keeping a TP shard of its FFN, run on every rank's rows
+(``harness.runtime.layers.tp_expert_outputs``: the rows, the choices and the gate weights all-gathered, the gate
+weights' gradient reduce-scattered) and their gate-weighted partial outputs are reduce-scattered back to the rank's
+rows. The router's z-loss is a sum over the rank's real rows, and ``sum_loss`` adds the TP ranks' parts (all-reduce
+forward, identity backward: each part's gradient reaches its own rows and the router once).
 
 The rows split evenly: every sequence is padded to a multiple of ``tp`` times its CP divisor
 (``harness.plan.thd.padding_divisor(sequence_parallel=True)``, Megatron's rule), so a rank's ``T`` is a multiple of
 ``tp``; ``SequenceParallelError`` names any other count. ``scatter``, ``gather``, ``all_gather_rows``,
-``reduce_scatter_rows``, ``in_region`` and ``reduce_grads`` are seams (``harness.faults``).
+``reduce_scatter_rows``, ``in_region``, ``reduce_grads`` and ``sum_loss`` are seams (``harness.faults``).
 """
 
 from __future__ import annotations
@@ -49,9 +56,9 @@ MARK = "sequence_parallel"
 
 
 def in_region(name: str) -> bool:
-    """Whether parameter ``name`` of a ``TinyLM`` is a replicated parameter inside the sequence-split region: a dense
-    block's norms (trunk blocks and MTP depths' blocks). A seam."""
-    return re.search(r"(^|\.)(blocks\.\d+|block)\.norm[12]\.weight$", name) is not None
+    """Whether parameter ``name`` of a ``TinyLM`` is a replicated parameter inside the sequence-split region: a
+    block's norms (trunk blocks and MTP depths' blocks) and an MoE block's router. A seam."""
+    return re.search(r"(^|\.)(blocks\.\d+|block)\.(norm[12]|mlp\.router)\.weight$", name) is not None
 
 
 def mark(model) -> list[str]:
@@ -165,6 +172,24 @@ def gather(x: torch.Tensor, tp) -> torch.Tensor:
 def all_gather_rows(x: torch.Tensor, tp) -> torch.Tensor:
     """A column-parallel matrix's input: every rank's rows gathered; the gradient reduce-scattered (a seam)."""
     return _AllGatherRows.apply(x, tp.group, tp.size)
+
+
+def own_rows(x: torch.Tensor, tp) -> torch.Tensor:
+    """This TP rank's rows of a whole-rows tensor that carries no gradient (a mask)."""
+    _check_rows(x, tp.size, "micro-batch's")
+    return x.chunk(tp.size, 0)[tp.rank]
+
+
+def gather_choices(idx: torch.Tensor, tp) -> torch.Tensor:
+    """Every TP rank's rows of a tensor that carries no gradient (an MoE block's expert choices), in rank order."""
+    return _gathered(idx, tp.group, tp.size)
+
+
+def sum_loss(x: torch.Tensor, tp) -> torch.Tensor:
+    """A loss term summed over this TP rank's rows (an MoE router's z-loss), added up over the TP group: the whole
+    rows' term on every rank forward; its gradient as it is backward, so each rank's part is differentiated once, on
+    the rank that holds its rows (a seam; ``TensorParallel.partial_sums``' all-reduce)."""
+    return tp.partial_sums(x)
 
 
 def reduce_scatter_rows(x: torch.Tensor, tp) -> torch.Tensor:

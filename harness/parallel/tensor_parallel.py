@@ -73,6 +73,31 @@ class TensorParallel:
         """Where a block stack ends: every rank's rows gathered with sequence parallelism, else ``x``."""
         return seq_par.gather(x, self) if self.sequence_parallel else x
 
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of ``x`` (this rank's rows of a sequence-split tensor), the gradient reduce-scattered
+        (``harness.parallel.sequence_parallel.all_gather_rows``): an MoE block's gate weights, whose gradient on each
+        rank is a partial sum over the experts' shards."""
+        return seq_par.all_gather_rows(x, self)
+
+    def own_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a whole-rows tensor that carries no gradient (a mask), with sequence parallelism; else
+        ``x``."""
+        if not self.sequence_parallel:
+            return x
+        return seq_par.own_rows(x, self)
+
+    def gather_choices(self, idx: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of a tensor that carries no gradient (an MoE block's expert choices), with sequence
+        parallelism; else ``idx``."""
+        if not self.sequence_parallel:
+            return idx
+        return seq_par.gather_choices(idx, self)
+
+    def sum_loss(self, x: torch.Tensor) -> torch.Tensor:
+        """A loss term of this rank's rows summed over the group with sequence parallelism
+        (``harness.parallel.sequence_parallel.sum_loss``); else ``x`` (every rank computed the whole)."""
+        return seq_par.sum_loss(x, self) if self.sequence_parallel else x
+
     def replicated_input(self, x: torch.Tensor) -> torch.Tensor:
         """``enter(x, self)`` whether or not the rows are split: a column-parallel matrix's input of whole rows."""
         return enter(x, self)

@@ -42,9 +42,12 @@ class TensorParallelOps:
     ``gather(x)`` where a block stack starts and ends (this rank's token rows / every rank's rows with sequence
     parallelism; ``x`` itself without); with the vocabulary split, ``lookup`` (embedding rows from this rank's shard of
     the table), ``head_input`` (the head's input: its gradient all-reduced) and ``cross_entropy`` (per-token losses
-    from this rank's logits of its vocabulary range)."""
+    from this rank's logits of its vocabulary range). An MoE block under sequence parallelism also calls
+    ``own_rows`` (a mask's rows of this rank), ``gather_choices`` (every rank's expert choices), ``gather_rows`` (every
+    rank's gate weights, the gradient reduce-scattered) and ``sum_loss`` (its z-loss summed over the ranks)."""
 
     size: int
+    sequence_parallel: bool
 
     def enter(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -59,6 +62,14 @@ class TensorParallelOps:
     def head_input(self, h: torch.Tensor) -> torch.Tensor: ...
 
     def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor: ...
+
+    def own_rows(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_choices(self, idx: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def sum_loss(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class ShardedCallError(TypeError):
@@ -159,7 +170,11 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(dense_mlp(c) for _ in range(c.experts))
         self.top_k, self.z_coef, self.num_experts = c.top_k, c.z_loss, c.experts
 
-    def forward(self, x_TE, real_T, routing=None, experts: Experts | None = None):
+    def forward(self, x_TE, real_T, routing=None, experts: Experts | None = None, rows=None):
+        """(output, z-loss) of the tokens ``x_TE``. ``rows``: the step's ``TensorParallelOps`` when ``x_TE`` holds
+        this TP rank's share of the rows (sequence parallelism): the router routes those rows (its logits, choices,
+        gate weights and z-loss are theirs; ``routing`` sees them alone), ``experts`` gets every rank's choices
+        (``tp_expert_outputs``) and the z-loss is summed over the TP ranks (``sum_loss``)."""
         # the router runs in at least fp32, also under bf16 autocast (Megatron's moe_router_dtype=fp32):
         # autocast would otherwise run F.linear in bf16 whatever its inputs' dtype. An fp64 model keeps
         # fp64, so the router of an fp64 run is not rounded to fp32 (whose result depends on the batch's
@@ -172,32 +187,43 @@ class MoE(nn.Module):
         else:
             idx_TK = routing.select(self.layer, logits_TX, self.top_k)
         weight_TK = logits_TX.gather(1, idx_TK).softmax(-1).to(x_TE.dtype)  # live scores: router gets gradients
+        split = rows is not None and rows.sequence_parallel
+        if split:
+            real_T, idx_TK = rows.own_rows(real_T), rows.gather_choices(idx_TK)
         out = (local_experts if experts is None else experts)(self, x_TE, idx_TK, weight_TK)
         z = (torch.logsumexp(logits_TX, dim=-1).pow(2) * real_T).sum() * self.z_coef  # real tokens only
-        return out, z
+        return out, rows.sum_loss(z) if split else z
 
 
 def tp_experts(tp) -> Experts:
-    """Every expert of an MoE layer on this process, each keeping a tensor-parallel shard of its FFN: the experts read
-    ``tp.enter(x)`` (their input's gradient summed over TP), their partial outputs are summed over TP in one
-    ``tp.leave`` and only then weighted by the gate. The router stays outside the split: it reads the plain rows, so its
-    gradient (and the gate's) is the same whole one on every TP rank and enters the rows' gradient once. Not with
-    sequence parallelism (the router would see a TP rank's rows only)."""
-    if getattr(tp, "sequence_parallel", False):
-        raise ShardedCallError("an MoE layer under sequence parallelism is not implemented: the router would route a TP "
-                               "rank's share of the rows; run MoE models with tensor parallelism alone")
-
+    """Every expert of an MoE layer on this process, each keeping a tensor-parallel shard of its FFN
+    (``tp_expert_outputs``)."""
     def experts(moe: MoE, x_TE, idx_TK, weight_TK):
         return tp_expert_outputs(moe, x_TE, idx_TK, weight_TK, tp)  # the seam, looked up at each call
     return experts
 
 
 def tp_expert_outputs(moe: MoE, x_TE, idx_TK, weight_TK, tp):
-    """``tp_experts``' work for one call: the chosen experts' partial outputs summed over TP, then gate-weighted and
-    added per token (a seam: ``harness.faults`` re-creates the gate applied to the partial sums)."""
+    """``tp_experts``' work for one call (a seam: ``harness.faults`` re-creates the gate applied to the partial sums).
+
+    Tensor parallelism alone: the experts read ``tp.enter(x)`` (their input's gradient summed over TP), their partial
+    outputs are summed over TP in one ``tp.leave`` and only then weighted by the gate. The router reads the plain rows,
+    so its gradient (and the gate's) is the same whole one on every TP rank and enters the rows' gradient once.
+
+    With sequence parallelism ``x_TE`` and ``weight_TK`` hold this rank's rows and ``idx_TK`` every rank's
+    (``MoE.forward(rows=)``): the experts run on every rank's rows (``tp.enter``: all-gathered), each output is
+    weighted by the all-gathered gate weights (``sp_gates``) and added per token, and the sums are reduce-scattered
+    back to this rank's rows (``tp.leave``). Weighting the partial outputs is right here, as the gate weights'
+    gather sums their gradient's partial parts over TP on its way back (Megatron's all-gather token dispatcher)."""
     xin = tp.enter(x_TE)
     chosen = [(e, *(idx_TK == e).nonzero(as_tuple=True)) for e in range(moe.num_experts)]
     chosen = [(e, tok, slot) for e, tok, slot in chosen if tok.numel()]  # the same on every TP rank
+    if getattr(tp, "sequence_parallel", False):
+        gates = sp_gates(weight_TK, tp)
+        out = xin.new_zeros(xin.shape)
+        for e, tok, slot in chosen:
+            out = out.index_add(0, tok, moe.experts[e](xin[tok]) * gates[tok, slot, None])
+        return tp.leave(out)
     out = torch.zeros_like(x_TE)
     if not chosen:
         return out
@@ -206,6 +232,12 @@ def tp_expert_outputs(moe: MoE, x_TE, idx_TK, weight_TK, tp):
     for y, (_, tok, slot) in zip(whole, chosen):
         out = out.index_add(0, tok, y * weight_TK[tok, slot, None])
     return out
+
+
+def sp_gates(weight_TK, tp):
+    """Every TP rank's gate weights from this rank's rows (sequence parallelism), their gradient reduce-scattered:
+    each rank's gradient of them is a partial sum over the experts' shards (a seam)."""
+    return tp.gather_rows(weight_TK)
 
 
 def local_experts(moe: MoE, x_TE, idx_TK, weight_TK):

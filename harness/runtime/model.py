@@ -171,7 +171,7 @@ class Block(nn.Module):
                 if experts is not None:
                     raise ValueError("an MoE block takes either expert parallelism's dispatch or tensor parallelism")
                 experts = layers.tp_experts(tp)
-            h, z = self.mlp(self.norm2(x_TE), real_T, routing, experts)
+            h, z = self.mlp(self.norm2(x_TE), real_T, routing, experts, rows=tp)
             return x_TE + h, z
         if tp is None:
             return x_TE + self.mlp(self.norm2(x_TE)), x_TE.new_zeros((), dtype=torch.float32)

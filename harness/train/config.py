@@ -67,7 +67,8 @@ class TrainConfig:
     replicated; not with expert parallelism), the vocabulary split too; the harness's gather / ring / a2a exchanges."""
     sequence_parallel: bool = False
     """With tp > 1: the block stack's token rows split over the TP ranks too (``harness.parallel.sequence_parallel``,
-    Megatron's ``--sequence-parallel``); every sequence is padded to a multiple of tp times its CP divisor."""
+    Megatron's ``--sequence-parallel``); every sequence is padded to a multiple of tp times its CP divisor. An MoE
+    model's routers route each TP rank's rows (``harness.runtime.layers.tp_expert_outputs``)."""
     vpp: int = 1
     """Virtual chunks per stage (the interleaved 1F1B schedule when > 1)."""
     pipeline: str = "1f1b"
@@ -198,9 +199,6 @@ class TrainConfig:
             raise TensorParallelError(f"world size {world} is not a multiple of tp={tp}: the world is pp x (DP x CP) x "
                                       f"tp ranks; use a world of a multiple of {tp * self.pp} ranks")
         check_tp_model(MODELS[self.model], tp, repr(self.model))
-        if self.sequence_parallel and MODELS[self.model].experts:
-            raise SequenceParallelError(f"sequence parallelism with an MoE model ({self.model!r}) is not implemented: "
-                                        "its router would see a TP rank's share of the rows; run it with --tp alone")
         unsupported = [what for what, on in (("expert parallelism", self.expert_parallel),
                                               (f"the {self.cp_exchange} exchange",
                                                comm_type(self.cp_exchange) is not None)) if on]

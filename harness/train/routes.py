@@ -51,9 +51,14 @@ class StepRoutes:
         self.digest = torch.zeros(layers, cells, dtype=torch.int64, device=device)
         self.margin = torch.full((layers, cells), float("inf"), dtype=torch.float64, device=device)
 
-    def recorder(self, mb) -> RouteRecorder:
-        """The routing object a micro-batch's forward hands the model (``harness.runtime.layers.MoE``)."""
-        return RouteRecorder(self, mb.data["seq"], mb.data["position_ids"], mb.data["loss_mask"].bool())
+    def recorder(self, mb, tp=None) -> RouteRecorder:
+        """The routing object a micro-batch's forward hands the model (``harness.runtime.layers.MoE``). With sequence
+        parallelism (``tp``) the router routes this TP rank's rows only, and the recorder records those (every TP rank
+        records its own; without it the TP ranks route every row alike and the first records them)."""
+        cols = mb.data["seq"], mb.data["position_ids"], mb.data["loss_mask"].bool()
+        if tp is not None and tp.sequence_parallel:
+            cols = tuple(tp.own_rows(t) for t in cols)
+        return RouteRecorder(self, *cols)
 
     def add(self, layer: int, idx_TK: torch.Tensor, logits_TX: torch.Tensor, seq_T, pos_T, real_T) -> None:
         if not 0 <= layer < self.digest.shape[0]:

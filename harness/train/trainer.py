@@ -92,8 +92,10 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: step
                                 grad_clip=cfg.grad_clip, shards=shards, probe=probe, probes=probes, step_index=k,
                                 weights=cfg.weights, hooks=step.StepHooks(
                                     token_multiple=cfg.bucket(),
-                                    # a position's TP ranks route the same tokens alike: the first records them
-                                    routes=None if run.tp is not None and run.tp.rank else step_routes))
+                                    # a position's TP ranks route the same tokens alike: the first records them;
+                                    # with sequence parallelism each routes (and records) its own rows
+                                    routes=None if run.tp is not None and run.tp.rank and not run.tp.sequence_parallel
+                                    else step_routes))
         except (ScheduleError, GroupAuditError, pipeline.ScheduleAgreementError, PipelineScheduleError,
                 expert_parallel.DispatchAuditError, expert_parallel.LockstepError) as e:  # raised alike on every rank
             e.step, e.layout = k, layout

@@ -5,7 +5,7 @@ Judged against the unsplit MoE block in one process (the same seed's weights, to
 matrices): a real gloo world of 2 TP ranks runs the block forward and backward in fp64, and the output, the z-loss,
 the input's gradient and every whole gradient - the router's included, which must be the same whole gradient on
 every TP rank - equal the unsplit block's. The catalogue fault of the seam (the gate applied to the partial sums)
-breaks it. Training runs are in ``suites/convergence/test_tensor_parallel_parity.py``."""
+breaks it. Sequence parallelism's MoE blocks are in ``suites/dist_cpu/test_sequence_parallel.py``, training runs in ``suites/convergence/test_tensor_parallel_parity.py``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import torch
 
 from harness.jobs.launch import run_on_ranks
 from harness.parallel import tensor_parallel as tpm
-from harness.runtime.layers import ShardedCallError, tp_experts
 from harness.runtime.model import ModelConfig
 from suites.dist_cpu.test_tensor_parallel import _causal, split_pair
 
@@ -61,8 +60,3 @@ def test_the_gate_applied_to_partial_sums_breaks_the_router_gradient(tmp_path):
                           timeout_s=60):
         assert r["out"] < 1e-12, r  # the same forward
         assert r["grads"]["mlp.router.weight"] > 1e-6, r["grads"]
-
-
-def test_an_moe_layer_under_sequence_parallelism_is_refused():
-    with pytest.raises(ShardedCallError, match="MoE layer under sequence parallelism is not implemented"):
-        tp_experts(tpm.TensorParallel(2, 0, None, sequence_parallel=True))

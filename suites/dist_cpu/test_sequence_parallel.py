@@ -15,6 +15,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from harness.faults import sp_faults
 from harness.jobs.launch import run_on_ranks
@@ -50,15 +51,18 @@ def test_configurations_sequence_parallelism_cannot_run_are_refused_with_the_fix
         TrainConfig(**cfg).validate(world)
 
 
-def _stack_world(rank: int, world: int, fault: str | None = None, stages: bool = False) -> dict:
+def _stack_world(rank: int, world: int, fault: str | None = None, stages: bool = False, moe: bool = False) -> dict:
     """Every rank: the whole two-block stack (same seed) and its TP shard with sequence parallelism on the same rows;
     the output, the input's gradient and every whole gradient (split norms summed over TP) against the whole
     stack's. ``stages``: the split stack runs as two pipeline chunks of one block each, the first handing on its
-    rank's rows (``split_out``) and the second taking them (``split_in``)."""
+    rank's rows (``split_out``) and the second taking them (``split_in``). ``moe``: the second block is an MoE block
+    (experts split over TP, the router routing each rank's rows), its z-loss in the loss (weighted up so that its
+    gradient counts) and compared too."""
     from harness.faults.catalogue import get
 
     torch.manual_seed(0)
-    c = ModelConfig(layers=2, heads=4, kv_heads=4 if world == 4 else 2, ffn=128)
+    c = ModelConfig(layers=2, heads=4, kv_heads=4 if world == 4 else 2, ffn=128,
+                    **({"experts": 4, "top_k": 2, "z_loss": 0.05} if moe else {}))
     ref = TinyLM(c).double()
     part = TinyLM(c).double()
     part.load_state_dict(ref.state_dict())
@@ -69,42 +73,55 @@ def _stack_world(rank: int, world: int, fault: str | None = None, stages: bool =
     w = torch.randn(ROWS, c.hidden, generator=g, dtype=torch.float64)
     pos, real = torch.arange(ROWS), torch.ones(ROWS)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ya, _ = ref.run_layers(xa, pos, real, _causal)
-    (ya * w).sum().backward()
+    real[-3:] = 0  # padding rows: outside the z-loss
+    ya, za = ref.run_layers(xa, pos, real, _causal)
+    ((ya * w).sum() + za).backward()
     with get(fault).applied() if fault else nullcontext():
         tpm.shard_model(part, tp)
         if stages:
-            mid, _ = part.run_layers(xb, pos, real, _causal, layers=[0], tp=tp, split_out=True)
+            mid, z0 = part.run_layers(xb, pos, real, _causal, layers=[0], tp=tp, split_out=True)
             assert mid.shape[0] == ROWS // world  # a stage hands on this rank's share of the rows
-            yb, _ = part.run_layers(mid, pos, real, _causal, layers=[1], tp=tp, split_in=True)
+            yb, z1 = part.run_layers(mid, pos, real, _causal, layers=[1], tp=tp, split_in=True)
+            zb = z0 + z1
         else:
-            yb, _ = part.run_layers(xb, pos, real, _causal, tp=tp)
-        (yb * w).sum().backward()
+            yb, zb = part.run_layers(xb, pos, real, _causal, tp=tp)
+        ((yb * w).sum() + zb).backward()
         spm.reduce_grads(list(part.parameters()), tp)
     whole = dict(ref.named_parameters())
     grads = {n: (tpm.whole(n, p.grad, c, tp) - whole[n].grad).abs().max().item()
              for n, p in part.named_parameters() if p.grad is not None}
     groups.destroy()
-    return {"out": (ya - yb).abs().max().item(), "dx": (xa.grad - xb.grad).abs().max().item(), "grads": grads}
+    return {"out": (ya - yb).abs().max().item(), "dx": (xa.grad - xb.grad).abs().max().item(), "grads": grads,
+            "z": abs(float(za - zb)), "z_value": float(za)}
 
 
-@pytest.mark.parametrize("world, stages", [(2, False), (4, False), (2, True)], ids=["tp2", "tp4", "tp2-two-chunks"])
-def test_a_sequence_parallel_stack_equals_the_whole_stack_forward_and_backward(world, stages, tmp_path):
-    for r in run_on_ranks(_stack_world, world_size=world, tmp_path=tmp_path, args=(None, stages), timeout_s=60):
-        assert r["out"] < 1e-12 and r["dx"] < 1e-12, r
-        assert len(r["grads"]) == 2 * 6 and all(v < 1e-12 for v in r["grads"].values()), r["grads"]  # NaN fails
+@pytest.mark.parametrize("world, stages, moe", [(2, False, False), (4, False, False), (2, True, False),
+                                                (2, False, True), (4, False, True), (2, True, True)],
+                         ids=["tp2", "tp4", "tp2-two-chunks", "moe-tp2", "moe-tp4", "moe-tp2-two-chunks"])
+def test_a_sequence_parallel_stack_equals_the_whole_stack_forward_and_backward(world, stages, moe, tmp_path):
+    """The MoE cases: the router's logits, choices, gate weights and z-loss come from each rank's rows, the experts
+    run on every rank's rows, and the router's gradient - whole after the TP sum - equals the unsplit block's."""
+    for r in run_on_ranks(_stack_world, world_size=world, tmp_path=tmp_path, args=(None, stages, moe),
+                          timeout_s=60):
+        assert r["out"] < 1e-12 and r["dx"] < 1e-12 and r["z"] < 1e-12, r
+        assert len(r["grads"]) == (19 if moe else 12), sorted(r["grads"])  # MoE: + the router, 4 experts x 2
+        assert all(v < 1e-12 for v in r["grads"].values()), r["grads"]  # NaN fails
+        assert r["z_value"] > 0.1 if moe else r["z_value"] == 0, r  # the z-loss is there to be wrong
 
 
-@pytest.mark.parametrize("fault", [f.name for f in sp_faults.SP_FAULTS])
+@pytest.mark.parametrize("fault", [f.name for f in (*sp_faults.SP_FAULTS, *sp_faults.SP_MOE_FAULTS)])
 def test_every_sequence_parallel_fault_breaks_the_split_stack(fault, tmp_path):
     """The check above can fail: each catalogue fault of the sequence-parallel seams leaves some whole gradient (the
-    norms', or every parameter's) off the unsplit stack's."""
-    got = run_on_ranks(_stack_world, world_size=2, tmp_path=tmp_path, args=(fault,), timeout_s=60)
-    assert all(not all(v <= 1e-3 for v in [r["dx"], *r["grads"].values()]) for r in got), [r["grads"] for r in got]
+    norms', the router's, or every parameter's) or the z-loss off the unsplit stack's."""
+    moe = fault in {f.name for f in sp_faults.SP_MOE_FAULTS}
+    got = run_on_ranks(_stack_world, world_size=2, tmp_path=tmp_path, args=(fault, False, moe), timeout_s=60)
+    assert all(not all(v <= 1e-6 for v in [r["dx"], r["z"], *r["grads"].values()]) for r in got), \
+        [(r["z"], r["grads"]) for r in got]
 
 
 def _uneven_world(rank: int, world: int) -> str:
     groups = DynamicGroups(ParallelLayout(dp=1, cp=1, tp=world), rank)
+    dist.barrier()  # no rank leaves (closing its sockets) while another still connects its groups
     tp = tpm.TensorParallel(world, rank, groups.tp_group, sequence_parallel=True)
     try:
         tp.scatter(torch.zeros(7, 4))

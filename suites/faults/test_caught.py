@@ -35,7 +35,7 @@ def _outcomes(scenario, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("scenario", ["train", "train-small-batch", "train-pp-mtp", "train-dist-opt", "train-bucketed",
                                       "train-bf16", "verify-bf16", "train-tp", "train-tp-moe", "train-tp-dist-opt",
-                                      "train-sp", "replay", "plan", "stepwise"])
+                                      "train-sp", "train-sp-moe", "replay", "plan", "stepwise"])
 def test_clean_runs_raise_no_alarm(scenario, tmp_path_factory):
     clean = _outcomes(scenario, tmp_path_factory)[None]
     assert clean["alarms"] == [] and clean["error"] is None, clean
@@ -81,14 +81,17 @@ MODEL_SEAM_MODULES = ("harness.train.passes", "harness.runtime", "harness.train.
 
 def _tp_wanted(seam: str, cfg: dict) -> bool:
     """Whether a run of ``cfg`` calls ``seam`` as far as tensor and sequence parallelism decide: the sequence-parallel
-    seams with sequence parallelism only, the distributed optimiser's TP norm with both, the split experts' with an
-    MoE model under TP, TP's all-reduce collectives with TP without it (sequence parallelism
+    seams with sequence parallelism only (the MoE router's with an MoE model), the distributed optimiser's TP norm with
+    both, the split experts' with an MoE model under TP, TP's all-reduce collectives with TP without it (sequence parallelism
     gathers and reduce-scatters instead), the TP norm and the TP groups with TP."""
     tp, sp = cfg.get("tp", 1) > 1, bool(cfg.get("sequence_parallel"))
     if seam.endswith("dist_opt:tp_square_norm"):  # the distributed optimiser's norm under TP
         return tp and cfg.get("optimizer") == "distributed"
+    moe = cfg["model"] == "tiny-moe"
     if seam.endswith("layers:tp_expert_outputs"):  # an MoE layer's experts split over TP
-        return tp and cfg["model"] == "tiny-moe"
+        return tp and moe
+    if seam.endswith(("layers:sp_gates", "sequence_parallel:sum_loss")):  # an MoE layer's router under SP
+        return sp and moe
     if "sequence_parallel:" in seam:
         return sp
     if seam.endswith(("tensor_parallel:enter", "tensor_parallel:leave")):
@@ -106,7 +109,8 @@ def _tp_wanted(seam: str, cfg: dict) -> bool:
     {**sc.TRAIN_CONFIGS["train-sp"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-tp-dist-opt"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-tp-moe"], "layouts": ["dcp"]},
-], ids=["mtp-pp2", "hybrid", "fused", "dist-opt", "bf16", "tp", "sp", "tp-dist-opt", "tp-moe"])
+    {**sc.TRAIN_CONFIGS["train-sp-moe"], "layouts": ["dcp"]},
+], ids=["mtp-pp2", "hybrid", "fused", "dist-opt", "bf16", "tp", "sp", "tp-dist-opt", "tp-moe", "sp-moe"])
 def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg, tmp_path):
     """The seams of the forward passes, the model's CP calls, the SSM scan, the pipeline stages, the weight paths and
     tensor parallelism: wrapped by call counters in a pipelined MTP run, a hybrid (SSM) run, a fused-weight run, a
