@@ -31,7 +31,7 @@ LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "optimizer", "gro
 SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-pp-mtp", "train-hybrid",
              "train-reinit",
              "train-ep", "train-fused", "train-dist-opt", "train-bucketed", "train-a2a", "train-bf16", "verify-bf16",
-             "train-tp", "train-tp-moe", "train-tp-dist-opt", "train-sp", "train-sp-moe", "replay", "plan", "stepwise")
+             "train-tp", "train-tp-moe", "train-tp-dist-opt", "train-sp", "train-sp-moe", "replay", "replay-sp", "plan", "stepwise")
 
 
 class UnknownFaultError(PlanInputError):
@@ -419,6 +419,12 @@ FAULTS: tuple[Fault, ...] = (
           url=SKYRL + "1335", layer="replay", seam="harness.train.replay:thd_routes",
           make=rl.make_swapped_cp_halves, check="replay-routes", expect=r"tokens replayed other experts",
           scenario="replay"),
+    Fault(name="replay-sp-rows-strided", title="a TP rank replays every tp-th row instead of its block of rows",
+          source="miles PR #3146: routing replay rows flattened in another order than the router's tokens (matching "
+                 "shapes did not detect it); under sequence parallelism a TP rank routes one consecutive block",
+          url="https://github.com/radixark/miles/pull/3146", layer="replay", seam="harness.train.replay:sp_rows",
+          make=rl.make_sp_rows_strided, check="replay-routes", expect=r"tokens replayed other experts",
+          scenario="replay-sp"),
     Fault(name="stepwise-cumsum-interleaved", title="cumsum advantage broadcast on interleaved trajectories",
           source="SkyRL PR #1281: step-wise validation; the cumsum broadcast assumes contiguous trajectories",
           url=SKYRL + "1281", layer="step-wise", seam="harness.plan.generator_output:check_step_wise_fields",

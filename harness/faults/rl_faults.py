@@ -17,6 +17,18 @@ def make_stage_offset_off_by_one(original):
     return route_column
 
 
+def make_sp_rows_strided(original):
+    """Under sequence parallelism a TP rank's replay rows taken as every tp-th row of its CP rank's rows instead of
+    its consecutive ``T / tp`` block (the block the stack scatters to it): the same shape, so no check of shapes
+    notices, and most tokens replay another token's experts (miles PR #3146: replay rows flattened in another token
+    order than the router's, "matching tensor shapes do not detect this"; SkyRL's batch-major flatten, spec A.8)."""
+    def sp_rows(rows, tp, tp_rank):
+        if not 0 <= tp_rank < tp:
+            return original(rows, tp, tp_rank)
+        return rows[tp_rank::tp]
+    return sp_rows
+
+
 def make_swapped_cp_halves(original):
     """Replayed rows of a CP rank taken as [back, front] per sequence instead of TE's [front, back]
     (chunk 2cp - 1 - r before chunk r): SkyRL's CP slicing before PR #1335 got the halves of the

@@ -24,7 +24,7 @@ ORDER = {name: i for i, name in enumerate(CHECKS)}
 
 def _outcomes(scenario: str, names: list[str], work: Path) -> dict:
     """``{None: clean, name: fault}`` outcomes (``alarms``, ``seconds``, ``error``) of one scenario."""
-    if scenario.startswith("train") or scenario == "replay":
+    if scenario.startswith(("train", "replay")):
         return sc.run_batch(scenario, names, work)
     runner = {"plan": sc.run_plan, "stepwise": sc.run_stepwise, "verify-bf16": sc.run_verify}[scenario]
     out = {}

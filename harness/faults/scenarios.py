@@ -27,6 +27,8 @@
   (``harness.stack.checks.SHARP_SCALE``), and the one-rank reference; judged by ``harness.stack.checks``: every failing
   line is an alarm, ``sharp-took-effect`` for the sharp step's own line, ``verify-checks`` for the rest.
 - ``replay``: router replay under PP 2 x CP 2 (``harness.train.replay.replay_check``).
+- ``replay-sp``: router replay under CP 2 x TP 2 with sequence parallelism: each TP rank's router replays its block of
+  its CP rank's rows.
 - ``plan``: PR #2000's scheduler on the input that triggers the vacuous room check (N = 10,
   [8000, 7000] at 2048 tokens per rank), run as upstream's driver runs it, and ``balanced`` under the
   synchronous model (the rows by levels) on a batch whose 2-rank blocks fill up; judged by ``check_schedule``.
@@ -114,7 +116,8 @@ TRAIN_CONFIGS = {"train": TRAIN,
                                 "corpus": {"sequences_per_batch": 16, "seed": 3}}}
 FAULT_LAYOUTS = {"train-reinit": ["thd", "dcp"]}
 """The layouts a fault run trains (default: dcp only); the checks judge its dcp layout."""
-REPLAY = {"pp": 2, "cp": 2}
+REPLAY_CONFIGS = {"replay": {"pp": 2, "cp": 2}, "replay-sp": {"pp": 1, "cp": 2, "tp": 2, "sp": True}}
+REPLAY = REPLAY_CONFIGS["replay"]
 WORLD_TIMEOUT_S = 60.0
 
 
@@ -163,8 +166,8 @@ def batch_world(rank: int, world: int, spec: dict) -> list[dict]:
     scenario, out = spec["scenario"], []
     for fault in spec["runs"]:
         t = time.perf_counter()
-        if scenario == "replay":
-            res = _replay_run(rank, world, REPLAY, fault)
+        if scenario in REPLAY_CONFIGS:
+            res = _replay_run(rank, world, REPLAY_CONFIGS[scenario], fault)
         else:
             layouts = ["bshd", "dcp"] if fault is None else FAULT_LAYOUTS.get(scenario, ["dcp"])
             res = _train_run(rank, world, {**TRAIN_CONFIGS[scenario], "layouts": layouts}, fault)
@@ -242,10 +245,11 @@ def run_batch(scenario: str, faults: list[str], workdir) -> dict:
     ref = results[0]
     out = {}
     for fault, ranks, err in zip(runs, results, errors):
-        if ranks is None or (ref is None and scenario != "replay"):
+        if ranks is None or (ref is None and scenario not in REPLAY_CONFIGS):
             out[fault] = {"alarms": [], "seconds": 0.0, "error": err or "the clean run failed"}
             continue
-        alarms = judge_replay(ranks) if scenario == "replay" else judge_train(ref, ranks, checks=checks_of(scenario))
+        alarms = judge_replay(ranks) if scenario in REPLAY_CONFIGS else judge_train(ref, ranks,
+                                                                                    checks=checks_of(scenario))
         out[fault] = {"alarms": alarms, "seconds": max(r["seconds"] for r in ranks), "error": None}
     return out
 

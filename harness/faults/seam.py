@@ -109,6 +109,7 @@ SEAMS: dict[str, str] = {
                                                        "backward",
     "harness.parallel.sequence_parallel:sum_loss": "an MoE router's z-loss of a TP rank's rows summed over TP "
                                                    "(backward: as it is)",
+    "harness.train.replay:sp_rows": "a TP rank's rows of its CP rank's replay rows under sequence parallelism",
     "harness.parallel.ulysses:replicate_kv": "the a2a CP exchange's copies of each K/V head (GQA, kv_heads < cp)",
     "harness.parallel.ssm_cp:pack_order": "the pack position of each row the SSM's CP exchange gathers (zig-zag inverse)",
 }

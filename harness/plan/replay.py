@@ -16,7 +16,8 @@ then sends fewer than tokens x K assignments); the padding itself stays out of t
 * ``thd_routes``: the rows one CP rank's router sees for a THD micro-batch: each sample's real rows,
   padded to its padded length with ``padding_rows``, then TransformerEngine's zig-zag slice (the same index rule as the
   tokens, ``harness.plan.thd``). ``packed_routes`` applies Megatron's packing rule (pad each sample to
-  ``tp * cp * 2``, or ``tp`` without CP), the CP slice, then the sequence-parallel TP split.
+  ``tp * cp * 2``, or ``tp`` without CP), the CP slice, then the sequence-parallel TP split (``sp_rows``: a TP
+  rank's ``T / tp`` consecutive rows, what its router routes under sequence parallelism).
 * ``unpacked_routes``: the non-packed path, flattened *sequence-major* (``s * b + i``) as Megatron's
   router sees ``[s, b, h]`` tokens (upstream flattened batch-major: wrong for micro-batches > 1).
 
@@ -113,7 +114,19 @@ def packed_routes(routes: np.ndarray, attention_mask: np.ndarray, *, tp: int = 1
     mask = np.asarray(attention_mask).astype(bool)
     samples = [np.asarray(routes)[i][mask[i]] for i in range(mask.shape[0])]
     p = pack([len(s) for s in samples], align)
-    rows = thd_routes(samples, p.cu_seqlens_padded, cp, cp_rank)
+    return sp_rows(thd_routes(samples, p.cu_seqlens_padded, cp, cp_rank), tp, tp_rank)
+
+
+def sp_rows(rows: np.ndarray, tp: int, tp_rank: int):
+    """TP rank ``tp_rank``'s rows of a CP rank's packed rows under sequence parallelism: the ``T / tp`` consecutive
+    rows its router routes (``harness.runtime.layers.MoE``: the rows the block stack scatters to it). Only with
+    sequence parallelism: without it every TP rank routes every row (SkyRL splits unconditionally - a wrong split when
+    sequence parallelism is off). A seam (``harness.faults``)."""
+    if not 0 <= tp_rank < tp:
+        raise PlanInputError(f"tp_rank={tp_rank} outside tp={tp}")
+    if len(rows) % tp:
+        raise PlanInputError(f"{len(rows)} packed rows do not split over tp={tp} ranks: pad every sequence to a "
+                             f"multiple of tp x its CP divisor (padding_divisor(..., sequence_parallel=True))")
     chunk = len(rows) // tp
     return rows[tp_rank * chunk:(tp_rank + 1) * chunk]
 

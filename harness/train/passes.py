@@ -163,9 +163,10 @@ def model_passes(model, stage: pipeline.Stage, ops: MicroBatchOps, dtype: str, t
             if first:
                 x = model.embed_tokens(mb.data["tokens"], ops.tp)
             # sequence parallelism: between model chunks (pipeline stages) a rank's share of the rows travels
+            routing = None if routes is None else routes.recorder(mb, ops.tp)
             h, aux = model.run_layers(x, rot, real, attention, layers=stage.chunks[v], mixing=mixing,
-                                      experts=ops.experts(m), routing=None if routes is None else routes.recorder(mb, ops.tp),
-                                      tp=ops.tp, split_in=not first, split_out=not last)
+                                      experts=ops.experts(m), routing=routing, tp=ops.tp, split_in=not first,
+                                      split_out=not last)
             if last:
                 h = _losses(model, mb, h, rot, real, attention, mixing, sums, probe, mtp_scales, ops.tp)
         sums["aux"].add_(aux.detach().double())

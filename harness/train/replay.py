@@ -1,6 +1,6 @@
 """Router replay under pipeline and context parallelism, checked end to end on every rank.
 
-``replay_check(rank, world, cfg)`` (world = pp x cp, Megatron order: CP fastest, then PP):
+``replay_check(rank, world, cfg)`` (world = pp x cp x tp, Megatron order: TP fastest, then CP, then PP):
 
 1. Rollout, single process on every rank: the tiny MoE with router weights W0 runs each sample alone
    in ``record`` mode; its routes, ``[tokens, layers, top_k]`` with zero rows for the dense layer, are
@@ -12,12 +12,17 @@
    each THD micro-batch and run CP attention in their stage's group. The replay store of a rank is
    filled with ``harness.plan.replay.thd_routes`` for the routers of its stage, keyed by global layer.
    With ``ep`` the experts are sharded over the stage's CP ranks (``harness.parallel.expert_parallel``): the
-   tokens go to their replayed experts' owners and back, all-to-all, in every MoE layer.
+   tokens go to their replayed experts' owners and back, all-to-all, in every MoE layer. With ``tp`` each block's
+   heads and FFN, every expert's FFN and the vocabulary are split over the TP ranks
+   (``harness.parallel.tensor_parallel``); with ``sp`` (the default under TP, as SkyRL sets it) the token rows are
+   split over them too, each TP rank's router routes its ``T / tp`` rows and its store holds those
+   (``harness.plan.replay.sp_rows``); without ``sp`` every TP rank routes, and replays, every row.
 3. Checks: (a) in ``replay`` mode every real token's chosen experts at every MoE layer equal the
-   rollout's for that (sample, position) - looked up independently through the token's position id;
+   rollout's for that (sample, position) - looked up independently through the token's position id (under sequence
+   parallelism, the rank's rows' ids);
    (b) in ``free`` mode the perturbed routers choose differently for some tokens; (c) the replayed loss
-   and every parameter gradient equal a single-process replayed reference (no PP, no CP, no EP; under EP
-   each expert's gradient is compared on its owner).
+   and every parameter gradient equal a single-process replayed reference (no PP, no CP, no EP, no TP; under EP
+   each expert's gradient is compared on its owner, under TP the whole gradient gathered from the shards).
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ import torch.distributed as dist
 
 from harness.data.corpus import CorpusConfig, global_batch
 from harness.heartbeat import Heartbeat
+from harness.parallel import sequence_parallel as seq_par
+from harness.parallel import tensor_parallel as tpm
 from harness.parallel.cp_attention import CPAttentionPlan, cp_attention
 from harness.parallel.expert_parallel import ExpertDispatch, ExpertShard, TokenSlice, is_expert_param, shard_experts
 from harness.parallel.groups import DynamicGroups, ParallelLayout
 from harness.plan.pipeline import layer_ranges, routers_on_stage
-from harness.plan.replay import thd_routes
+from harness.plan.replay import sp_rows, thd_routes
 from harness.plan.thd import pack, padding_divisor, zigzag_index_array
 from harness.runtime.attention import thd_attention
 from harness.runtime.model import ModelConfig, TinyLM
@@ -40,7 +47,7 @@ from harness.runtime.replay import ReplayStore, Routing
 from harness.train import pipeline
 
 MODEL = ModelConfig(experts=4, top_k=2, layers=4, seed=3)
-DEFAULT = {"pp": 2, "cp": 2, "ep": False, "sequences": 6, "microbatches": 2, "lengths": "uniform:min=8,max=120",
+DEFAULT = {"pp": 2, "cp": 2, "tp": 1, "sp": None, "ep": False, "sequences": 6, "microbatches": 2, "lengths": "uniform:min=8,max=120",
            "perturb": 0.05, "seed": 0, "device": "cpu", "dtype": "float32"}
 
 
@@ -87,9 +94,14 @@ def training_model(cfg) -> TinyLM:
     return model.to(_device(cfg))
 
 
-def _microbatch(seqs, gids, cp):
+def _sp(cfg) -> bool:
+    """Whether the token rows are split over the TP ranks (``sp``; None: whenever tp > 1, as SkyRL sets it)."""
+    return cfg["tp"] > 1 if cfg["sp"] is None else bool(cfg["sp"]) and cfg["tp"] > 1
+
+
+def _microbatch(seqs, gids, cp, tp=1, sp=False):
     lens = [len(seqs[g]) - 1 for g in gids]
-    p = pack(lens, padding_divisor(cp_size=cp))
+    p = pack(lens, padding_divisor(cp_size=cp, tp_size=tp, sequence_parallel=sp))
     T = p.total_tokens
     tok, lab, pos, real, owner = (np.zeros(T, np.int64) for _ in range(5))
     for i, g in enumerate(gids):
@@ -126,18 +138,22 @@ def _reference(cfg, seqs, mbs, routes, total):
     return loss / total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _microbatch_inputs(cfg, seqs, gids, m, c_rank, routes, stage_ranges, model, mode, dev):
-    """One rank's slice of micro-batch m and its routing (the replay store filled for its routers)."""
-    cp = cfg["cp"]
-    p, tok, lab, pos, real, owner = _microbatch(seqs, gids, cp)
+def _microbatch_inputs(cfg, seqs, gids, m, c_rank, routes, stage_ranges, model, mode, dev, t_rank=0):
+    """One rank's slice of micro-batch m and its routing (the replay store filled for its routers: under sequence
+    parallelism TP rank ``t_rank``'s rows of the CP rank's)."""
+    cp, tp, sp = cfg["cp"], cfg["tp"], _sp(cfg)
+    p, tok, lab, pos, real, owner = _microbatch(seqs, gids, cp, tp, sp)
     idx = zigzag_index_array(p.cu_seqlens_padded, cp, c_rank)
     t = {k: torch.as_tensor(v[idx], device=dev) for k, v in (("tok", tok), ("lab", lab), ("pos", pos), ("real", real))}
     store = ReplayStore()
     rows = thd_routes([routes[g] for g in gids], p.cu_seqlens_padded, cp, c_rank)
+    routed = np.arange(len(idx))  # the rows this rank's routers route
+    if sp:
+        rows, routed = sp_rows(rows, tp, t_rank), np.array_split(routed, tp)[t_rank]
     for layer in routers_on_stage(stage_ranges, model.moe_layers()):
         store.put(layer, m, c_rank, torch.as_tensor(rows[:, route_column(layer, stage_ranges[0])], device=dev))
     routing = Routing(mode, store if mode == "replay" else None, microbatch=m, cp_rank=c_rank)
-    return {"t": t, "owner": owner[idx], "routing": routing, "plan": CPAttentionPlan.build(p.cu_seqlens_padded, cp,
+    return {"t": t, "owner": owner[idx], "routed": routed, "routing": routing, "plan": CPAttentionPlan.build(p.cu_seqlens_padded, cp,
                                                                                            c_rank, dev),
             "tokens": TokenSlice(tuple(p.cu_seqlens_padded), cp, c_rank)}
 
@@ -145,10 +161,11 @@ def _microbatch_inputs(cfg, seqs, gids, m, c_rank, routes, stage_ranges, model, 
 def _mismatches(inp, routes) -> tuple[int, int]:
     """Tokens whose chosen experts differ from the rollout's, looked up independently through each
     token's (sample, position); and the tokens checked."""
-    t, bad, checked = inp["t"], 0, 0
-    keep = t["real"].bool().cpu().numpy()
+    t, rows, bad, checked = inp["t"], inp["routed"], 0, 0
+    keep = t["real"].bool().cpu().numpy()[rows]
+    owner, pos = inp["owner"][rows][keep], t["pos"].cpu().numpy()[rows][keep]
     for layer, chosen in inp["routing"].chosen.items():
-        want = np.stack([routes[g][q, layer] for g, q in zip(inp["owner"][keep], t["pos"].cpu().numpy()[keep])])
+        want = np.stack([routes[g][q, layer] for g, q in zip(owner, pos)])
         got = chosen.cpu().numpy()[keep]
         bad += int((np.sort(got, 1) != np.sort(want, 1)).any(1).sum())
         checked += int(keep.sum())
@@ -158,9 +175,9 @@ def _mismatches(inp, routes) -> tuple[int, int]:
 def _run(mode, cfg, rank, seqs, mbs, routes, total, groups):
     """Replayed (or free) training of the micro-batches through the pipeline runtime
     (``harness.train.pipeline``: the stages' passes in 1F1B order, CP attention in each stage's group)."""
-    pp, cp = cfg["pp"], cfg["cp"]
+    pp, cp, tp = cfg["pp"], cfg["cp"], cfg["tp"]
     layout = groups.layout
-    p_rank, c_rank = layout.stage(rank), layout.position(rank)
+    p_rank, c_rank, t_rank = layout.stage(rank), layout.position(rank), layout.tp_rank(rank)
     stage = pipeline.Stage.of(MODEL.layers, pp, 1, p_rank)
     stage_ranges = layer_ranges(MODEL.layers, pp)[p_rank]
     model, dev = training_model(cfg), _device(cfg)
@@ -168,7 +185,10 @@ def _run(mode, cfg, rank, seqs, mbs, routes, total, groups):
     shard = ExpertShard(MODEL.experts, cp, c_rank) if cfg["ep"] else None
     if shard is not None:
         shard_experts(model, shard)
-    inputs = [_microbatch_inputs(cfg, seqs, gids, m, c_rank, routes, stage_ranges, model, mode, dev)
+    tp_ops = tpm.TensorParallel(tp, t_rank, groups.tp_group, sequence_parallel=_sp(cfg)) if tp > 1 else None
+    if tp_ops is not None:
+        tpm.shard_model(model, tp_ops)
+    inputs = [_microbatch_inputs(cfg, seqs, gids, m, c_rank, routes, stage_ranges, model, mode, dev, t_rank)
               for m, gids in enumerate(mbs)]
     sums = {"loss": torch.zeros((), dtype=torch.float64, device=dev)}
 
@@ -178,43 +198,55 @@ def _run(mode, cfg, rank, seqs, mbs, routes, total, groups):
         attn = lambda q, k, v_, p=inp["plan"]: cp_attention(q, k, v_, p, group)  # noqa: E731
         with _autocast(cfg):
             experts = None if shard is None else ExpertDispatch(shard, group, inp["tokens"])
-            h, aux = model.run_layers(model.embed(t["tok"]) if x is None else x, t["pos"], realf, attn,
-                                      layers=stage.chunks[v], routing=inp["routing"], experts=experts)
+            h, aux = model.run_layers(model.embed_tokens(t["tok"], tp_ops) if x is None else x, t["pos"], realf, attn,
+                                      layers=stage.chunks[v], routing=inp["routing"], experts=experts, tp=tp_ops,
+                                      split_in=x is not None, split_out=not stage.last)
             if stage.last:
-                h = model.loss_from_hidden(h, t["lab"], realf)
+                h = model.token_ce(h, t["lab"], realf, tp_ops).sum() if tp_ops else model.loss_from_hidden(h, t["lab"],
+                                                                                                          realf)
         sums["loss"] += float((h + aux).detach()) if stage.last else float(aux.detach())
         return h, aux
 
-    passes = pipeline.ChunkPasses(forward=forward, num_tokens=lambda m: inputs[m]["t"]["tok"].numel(), total=total,
-                                  hidden=MODEL.hidden, device=dev)
+    rows = tp if _sp(cfg) else 1  # under sequence parallelism a stage hands on its TP rank's share of the rows
+    passes = pipeline.ChunkPasses(forward=forward, num_tokens=lambda m: inputs[m]["t"]["tok"].numel() // rows,
+                                  total=total, hidden=MODEL.hidden, device=dev)
     actions = pipeline.actions_for(pipeline.PipelineConfig(pp=pp), p_rank, len(mbs)) if pp > 1 else \
         pipeline.single_stage_passes(len(mbs))
     pipeline.run_passes(stage, actions, passes, pipeline.P2P(layout, rank, stage.num_chunks) if pp > 1 else None)
     mismatches, checked = (sum(x) for x in zip(*(_mismatches(inp, routes) for inp in inputs)))
     loss = sums["loss"]
+    if tp_ops is not None and tp_ops.sequence_parallel:  # the norms' and routers' gradients of each rank's rows
+        seq_par.reduce_grads(list(model.parameters()), tp_ops)
     grads = {n: q.grad for n, q in model.named_parameters() if stage.owns(n) and q.grad is not None}
     for n, g in grads.items():
         if cp > 1 and not (shard is not None and is_expert_param(n)):  # an expert's gradient is whole on its owner
             dist.all_reduce(g, group=group)
+    grads = {n: tpm.whole(n, g, MODEL, tp_ops) for n, g in grads.items()}  # TP shards gathered (same order on each)
     dist.all_reduce(loss)
-    return float(loss) / total, grads, mismatches, checked  # CP ranks hold disjoint tokens: the sum is the loss
+    # CP ranks hold disjoint tokens: the sum is the loss; each TP rank holds its position's whole loss
+    return float(loss) / total / tp, grads, mismatches, checked
 
 
 def replay_check(rank: int, world: int, cfg: dict | None = None) -> dict:
     cfg = {**DEFAULT, **(cfg or {})}
     Heartbeat.from_cfg(cfg, rank).beat(force=True, phase="replay check")
-    if cfg["pp"] * cfg["cp"] != world:
-        raise ValueError(f"pp={cfg['pp']} x cp={cfg['cp']} needs {cfg['pp'] * cfg['cp']} ranks, the world has {world}")
+    n = cfg["pp"] * cfg["cp"] * cfg["tp"]
+    if n != world:
+        raise ValueError(f"pp={cfg['pp']} x cp={cfg['cp']} x tp={cfg['tp']} needs {n} ranks, the world has {world}")
+    if cfg["tp"] > 1 and cfg["ep"]:
+        raise ValueError("router replay's check runs tensor parallelism without expert parallelism: use tp=1 with ep")
     torch.manual_seed(0)
     seqs, mbs = _batch(cfg)
     routes = rollout_routes(TinyLM(MODEL).to(_device(cfg)), seqs, cfg)
     total = float(sum(len(s) - 1 for s in seqs))
-    groups = DynamicGroups(ParallelLayout(dp=1, cp=cfg["cp"], pp=cfg["pp"]), rank)
+    groups = DynamicGroups(ParallelLayout(dp=1, cp=cfg["cp"], pp=cfg["pp"], tp=cfg["tp"]), rank)
+    lay = groups.layout
     ref_loss, ref_grads = _reference(cfg, seqs, mbs, routes, total)
     loss, grads, mism, checked = _run("replay", cfg, rank, seqs, mbs, routes, total, groups)
     _, _, free_mism, free_checked = _run("free", cfg, rank, seqs, mbs, routes, total, groups)
     rel = {n: float((g - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30)) for n, g in grads.items()}
-    return {"rank": rank, "pp_rank": rank // cfg["cp"], "cp_rank": rank % cfg["cp"], "dtype": cfg["dtype"], "ep": cfg["ep"],
+    return {"rank": rank, "pp_rank": lay.stage(rank), "cp_rank": lay.position(rank), "tp_rank": lay.tp_rank(rank),
+            "sp": _sp(cfg), "dtype": cfg["dtype"], "ep": cfg["ep"],
             "replay_mismatches": mism,
             "tokens_checked": checked, "free_mismatches": free_mism, "free_checked": free_checked,
             "loss": loss, "ref_loss": ref_loss, "grad_rel": rel}

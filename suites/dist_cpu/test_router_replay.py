@@ -1,4 +1,5 @@
-"""Router replay end to end on gloo: PP=2, CP=2 and PP=2 x CP=2 (``harness.train.replay``)."""
+"""Router replay end to end on gloo: PP=2, CP=2, PP=2 x CP=2, and CP or PP with 2 TP ranks, with and without sequence
+parallelism (``harness.train.replay``)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,18 @@ from harness.train.replay import replay_check
 pytestmark = pytest.mark.dist_cpu
 
 
-@pytest.mark.parametrize("pp, cp", [(2, 1), (1, 2), (2, 2)], ids=["pp2", "cp2", "pp2_cp2"])
-def test_replay_under_pp_and_cp(pp, cp, tmp_path):
-    results = run_on_ranks(replay_check, world_size=pp * cp, tmp_path=tmp_path, args=({"pp": pp, "cp": cp},),
-                           timeout_s=300)
-    assert {(r["pp_rank"], r["cp_rank"]) for r in results} == {(p, c) for p in range(pp) for c in range(cp)}
+@pytest.mark.parametrize("pp, cp, tp, sp", [(2, 1, 1, None), (1, 2, 1, None), (2, 2, 1, None), (1, 2, 2, True),
+                                           (2, 1, 2, True), (1, 2, 2, False)],
+                         ids=["pp2", "cp2", "pp2_cp2", "cp2_tp2_sp", "pp2_tp2_sp", "cp2_tp2"])
+def test_replay_under_pp_cp_and_tp(pp, cp, tp, sp, tmp_path):
+    """With TP (blocks, experts and vocabulary split) and sequence parallelism each TP rank's router routes, and
+    replays, its share of the CP rank's rows (``harness.plan.replay.sp_rows``); without SP every TP rank replays every
+    row. Every token's experts are the rollout's and the loss and whole gradients equal the unsplit reference."""
+    results = run_on_ranks(replay_check, world_size=pp * cp * tp, tmp_path=tmp_path,
+                           args=({"pp": pp, "cp": cp, "tp": tp, "sp": sp},), timeout_s=300)
+    assert {(r["pp_rank"], r["cp_rank"], r["tp_rank"]) for r in results} == \
+        {(p, c, t) for p in range(pp) for c in range(cp) for t in range(tp)}
+    assert all(r["sp"] == (tp > 1 and sp is not False) for r in results)
     for r in results:
         assert r["tokens_checked"] > 0 and r["replay_mismatches"] == 0, r   # every token: the recorded experts
         assert r["free_mismatches"] > 0, r                                   # without replay: other experts

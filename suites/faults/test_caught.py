@@ -35,7 +35,8 @@ def _outcomes(scenario, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("scenario", ["train", "train-small-batch", "train-pp-mtp", "train-dist-opt", "train-bucketed",
                                       "train-bf16", "verify-bf16", "train-tp", "train-tp-moe", "train-tp-dist-opt",
-                                      "train-sp", "train-sp-moe", "replay", "plan", "stepwise"])
+                                      "train-sp", "train-sp-moe", "replay", "replay-sp", "plan",
+                                      "stepwise"])
 def test_clean_runs_raise_no_alarm(scenario, tmp_path_factory):
     clean = _outcomes(scenario, tmp_path_factory)[None]
     assert clean["alarms"] == [] and clean["error"] is None, clean
@@ -67,10 +68,13 @@ def test_every_seam_is_live_and_a_passthrough_changes_nothing(tmp_path):
     assert all(got[0]["counts"].get(s, 0) > 0 for s in train_seams), got[0]["counts"]
     for r in got:  # the same run without the pass-throughs went first in the same world
         assert r["out"]["probes"]["dcp"]["digests"] == r["clean"]["probes"]["dcp"]["digests"]
-    rep = run_on_ranks(sc.passthrough_world, world_size=sc.WORLD, tmp_path=tmp_path / "r",
-                       args=({"kind": "replay", "cfg": sc.REPLAY, "seams": replay_seams},), timeout_s=120)
-    assert all(rep[0]["counts"].get(s, 0) > 0 for s in replay_seams), rep[0]["counts"]
-    assert all(r["out"]["replay_mismatches"] == 0 for r in rep)
+    counts = {}
+    for name, cfg in sc.REPLAY_CONFIGS.items():  # the sequence-parallel split runs in replay-sp only
+        rep = run_on_ranks(sc.passthrough_world, world_size=sc.WORLD, tmp_path=tmp_path / name,
+                           args=({"kind": "replay", "cfg": cfg, "seams": replay_seams},), timeout_s=120)
+        assert all(r["out"]["replay_mismatches"] == 0 for r in rep)
+        counts.update({s: counts.get(s, 0) + n for s, n in rep[0]["counts"].items()})
+    assert all(counts.get(s, 0) > 0 for s in replay_seams), counts
 
 
 MODEL_SEAM_MODULES = ("harness.train.passes", "harness.runtime", "harness.train.pipeline", "harness.train.step",

@@ -14,6 +14,7 @@ from harness.plan.replay import (
     align_routes,
     narrow_dtype,
     packed_routes,
+    sp_rows,
     thd_routes,
     unpacked_routes,
     validate_replay_config,
@@ -65,6 +66,15 @@ def test_slicing_matches_the_token_packing_and_gathers_back(lengths, tp, cp):
         assert all(len(x) == p.total_tokens // (cp * tp) for x in parts)  # invariant 1: rows = router tokens
         per_cp.append(np.concatenate(parts))
     assert zigzag_gather(per_cp, p.cu_seqlens_padded, cp).tolist() == packed_tokens.tolist()
+
+
+def test_sp_rows_are_each_tp_ranks_consecutive_block_and_uneven_rows_are_refused():
+    rows = np.arange(12)[:, None, None]
+    assert [sp_rows(rows, 3, t)[:, 0, 0].tolist() for t in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    with pytest.raises(PlanInputError, match=r"10 packed rows do not split over tp=4 ranks: pad every sequence"):
+        sp_rows(np.zeros((10, 1, 1)), 4, 0)
+    with pytest.raises(PlanInputError, match=r"tp_rank=2 outside tp=2"):
+        sp_rows(rows, 2, 2)
 
 
 def test_align_routes_captured_prefix_and_dtype():
