@@ -107,9 +107,10 @@ TRAIN_CONFIGS = {"train": TRAIN,
                                        "optimizer": "distributed", "grad_bucket_elements": 30_000},
                  # the same with sequence parallelism: the blocks' token rows split over the 2 TP ranks too
                  "train-sp": {**TRAIN, "tp": 2, "sequence_parallel": True, "max_seqlen_per_rank": 256},
-                 # the tiny MoE under it: each TP rank's router routes its rows, the experts run on every rank's
+                 # the tiny MoE under it: each TP rank's router routes its rows, the experts run on every rank's;
+                 # one step (its faults show in step 1's gradients or in the replicas after step 1's update)
                  "train-sp-moe": {**TRAIN, "model": "tiny-moe", "tp": 2, "sequence_parallel": True,
-                                  "max_seqlen_per_rank": 256},
+                                  "max_seqlen_per_rank": 256, "steps": 1},
                  # bf16, one step: each layout runs step 1 in fp32 first (the probe step), judged by BF16_CHECKS;
                  # corpus seed 3, as seed 4 (fp32-step-of-another-model's) also draws a batch that fits 4 x 128 tokens
                  "train-bf16": {**TRAIN, "dtype": "bfloat16", "steps": 1,

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from harness.parallel.audit import GroupAuditError
 from harness.parallel.options import COMM_TYPES, INSTALL, TEUnavailableError, comm_type, require_te  # noqa: F401
+from harness.runtime.te_env import prefer_torch_cudnn
 
 _MODULES: dict[tuple, object] = {}
 _STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -29,6 +30,7 @@ def te_module(heads: int, kv_heads: int, head_dim: int, scale, device):
     as a model keeps its attention modules, so the CP group it holds must be reset per call."""
     key = (heads, kv_heads, head_dim, scale, str(device))
     if key not in _MODULES:
+        prefer_torch_cudnn()  # before TE's first import: TE then loads the cuDNN torch runs
         import transformer_engine.pytorch as te  # lazy: an optional CUDA package
 
         _MODULES[key] = te.DotProductAttention(heads, head_dim, num_gqa_groups=kv_heads, qkv_format="thd",

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.plan.thd import ChunkPlan, whole_chunks
+from harness.runtime.te_env import prefer_torch_cudnn
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ _TE_MODULES: dict = {}
 
 
 def _te(q_TQ, k_TK, v_TK, chunks: DeviceChunks, scale):
+    prefer_torch_cudnn()  # before TE's first import: TE then loads the cuDNN torch runs
     import transformer_engine.pytorch as te
 
     kp, vp = _gathered(k_TK, v_TK, chunks)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from harness.plan.thd import zigzag_index_array
+from harness.runtime.te_env import prefer_torch_cudnn
 from harness.stack.protocol import StackContext, StackError, StepReport, StepRequest
 
 INSTALL = ('pip install "transformer-engine[pytorch]==2.20.2" "megatron-core==0.19.2" on a CUDA machine with '
@@ -154,6 +155,7 @@ class MegatronCoreStack:
         if ctx.dtype != "bfloat16":
             raise StackError(f"megatron-core's THD CP attention (TransformerEngine) runs in bf16, not {ctx.dtype}; "
                              "pass --dtype bfloat16")
+        prefer_torch_cudnn()  # before megatron-core imports TE: TE then loads the cuDNN torch runs
         from megatron.core import parallel_state  # lazy: an optional GPU package (preflight named it)
 
         self.ctx, self.fixes = ctx, _workarounds(workarounds)
