@@ -110,11 +110,10 @@ def _tp_wanted(seam: str, cfg: dict) -> bool:
     {**sc.TRAIN_CONFIGS["train-dist-opt"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-bf16"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-tp"], "layouts": ["dcp"]},
-    {**sc.TRAIN_CONFIGS["train-sp"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-tp-dist-opt"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-tp-moe"], "layouts": ["dcp"]},
-    {**sc.TRAIN_CONFIGS["train-sp-moe"], "layouts": ["dcp"]},
-], ids=["mtp-pp2", "hybrid", "fused", "dist-opt", "bf16", "tp", "sp", "tp-dist-opt", "tp-moe", "sp-moe"])
+    {**sc.TRAIN_CONFIGS["train-sp-moe"], "layouts": ["dcp"]},  # the dense blocks' SP seams too (layer 0, attention)
+], ids=["mtp-pp2", "hybrid", "fused", "dist-opt", "bf16", "tp", "tp-dist-opt", "tp-moe", "sp-moe"])
 def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg, tmp_path):
     """The seams of the forward passes, the model's CP calls, the SSM scan, the pipeline stages, the weight paths and
     tensor parallelism: wrapped by call counters in a pipelined MTP run, a hybrid (SSM) run, a fused-weight run, a
