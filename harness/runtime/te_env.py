@@ -7,13 +7,24 @@ package). Where the machine's CUDA toolkit carries another cuDNN, the process en
 installed apart from torch, ``import transformer_engine.pytorch`` stopped with ``libcudnn_heuristic.so.9: undefined
 symbol ... libcudnn_graph.so.9`` (system cuDNN 9.14 against torch's 9.19; ``reports/recorded/te_backend.h100.log``).
 
-``prefer_torch_cudnn`` points ``CUDNN_PATH`` at torch's cuDNN before TE is imported, when neither ``CUDNN_HOME`` nor
-``CUDNN_PATH`` is set (a user's own choice wins) and ``DCP_HARNESS_TE_CUDNN`` is not ``system``. Every place that
-imports TE or megatron-core calls it first.
+``CUDNN_PATH`` alone does not settle it: on one H100 (2026-12-07, ``reports/recorded/te_cudnn.h100.log``) the
+system's cuDNN sat in ``/lib/x86_64-linux-gnu`` (the loader's cache), TE's own search then took torch's
+``libcudnn.so.9``, but loading TE's core library resolved ``libcudnn_heuristic.so.9`` - not yet loaded by torch -
+through the cache to the system's 9.14 build, against torch's 9.19 ``libcudnn_graph.so.9`` (the same undefined
+symbol). ``LD_LIBRARY_PATH`` at torch's directory fixes that but is read once, at process start. So
+``prefer_torch_cudnn`` also loads every ``libcudnn*.so.N`` of torch's directory, ``libcudnn_graph`` first, with
+``RTLD_GLOBAL`` (as TE itself does for a cuDNN package when no CUDA toolkit is found): the loader then finds each
+sub-library by its name among the loaded ones. With that, TE's attention ran and matched fp32 sdpa on that machine
+with ``CUDNN_PATH`` and ``LD_LIBRARY_PATH`` unset; without it, it failed.
+
+``prefer_torch_cudnn`` does both before TE is imported, when neither ``CUDNN_HOME`` nor ``CUDNN_PATH`` is set (a
+user's own choice wins) and ``DCP_HARNESS_TE_CUDNN`` is not ``system``. Every place that imports TE or megatron-core
+calls it first.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import glob
 import importlib.util
@@ -56,12 +67,23 @@ def torch_cudnn_dir() -> str | None:
     return _loaded_cudnn_dir() or _package_cudnn_dir()
 
 
+def cudnn_libraries(directory: str) -> list[str]:
+    """The cuDNN libraries of ``directory`` (``libcudnn*.so.N``) in the order they are loaded: ``libcudnn_graph``
+    first (the others need it), then by name."""
+    return sorted(glob.glob(os.path.join(directory, "libcudnn*.so.*[0-9]")),
+                  key=lambda p: ("libcudnn_graph" not in os.path.basename(p), os.path.basename(p)))
+
+
 @functools.lru_cache(maxsize=1)
 def prefer_torch_cudnn() -> str | None:
-    """Set ``CUDNN_PATH`` to torch's cuDNN for TE's loader, unless the user set ``CUDNN_HOME`` / ``CUDNN_PATH`` or opted
-    out; returns the directory set, or None. Call it before the first import of TransformerEngine (later it changes
-    nothing: TE has loaded its cuDNN)."""
-    return choose(os.environ, torch_cudnn_dir())
+    """Set ``CUDNN_PATH`` to torch's cuDNN for TE's loader and load torch's cuDNN libraries into the process's global
+    namespace, unless the user set ``CUDNN_HOME`` / ``CUDNN_PATH`` or opted out; returns the directory, or None. Call it
+    before the first import of TransformerEngine (later it changes nothing: TE has loaded its cuDNN)."""
+    directory = choose(os.environ, torch_cudnn_dir())
+    if directory:
+        for path in cudnn_libraries(directory):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    return directory
 
 
 def choose(environ, found: str | None) -> str | None:

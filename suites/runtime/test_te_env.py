@@ -49,3 +49,13 @@ def test_the_nvidia_cudnn_package_s_lib_is_found_when_it_holds_the_library(tmp_p
     assert te_env._package_cudnn_dir() is None  # the package without the library
     (lib / "libcudnn.so.9").write_bytes(b"")
     assert te_env._package_cudnn_dir() == str(lib)
+
+
+def test_torch_s_cudnn_libraries_load_graph_first(tmp_path):
+    """``prefer_torch_cudnn`` loads these RTLD_GLOBAL so that TE's core library finds every cuDNN sub-library among the
+    loaded ones (``reports/recorded/te_cudnn.h100.log``); the others need ``libcudnn_graph``."""
+    for name in ["libcudnn.so.9", "libcudnn_heuristic.so.9", "libcudnn_graph.so.9", "libcudnn_ops.so.9",
+                 "libcudnn.so", "libcudnn_graph.so.9.19.0.headers", "libnccl.so.2"]:
+        (tmp_path / name).write_bytes(b"")
+    got = [p.rsplit("/", 1)[-1] for p in te_env.cudnn_libraries(str(tmp_path))]
+    assert got == ["libcudnn_graph.so.9", "libcudnn.so.9", "libcudnn_heuristic.so.9", "libcudnn_ops.so.9"]
