@@ -31,7 +31,7 @@ LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "optimizer", "gro
 SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-pp-mtp", "train-hybrid",
              "train-reinit",
              "train-ep", "train-fused", "train-dist-opt", "train-bucketed", "train-a2a", "train-bf16", "verify-bf16",
-             "train-tp", "train-tp-moe", "train-tp-dist-opt", "train-sp", "train-sp-moe", "replay", "replay-sp", "plan", "stepwise")
+             "train-tp", "train-tp-moe", "train-tp-dist-opt", "train-sp", "replay", "replay-sp", "plan", "stepwise")
 
 
 class UnknownFaultError(PlanInputError):

@@ -13,10 +13,9 @@
   whole gradients, gathered from the shards.
 - ``train-tp-moe``: the tiny MoE with 2 TP ranks a position: every expert's FFN split, the router replicated.
 - ``train-tp-dist-opt``: ``train-tp`` with the distributed optimiser (``harness.parallel.dist_opt``).
-- ``train-sp``: ``train-tp`` with sequence parallelism (``harness.parallel.sequence_parallel``): between the blocks'
-  matrices each TP rank holds half of its position's token rows.
-- ``train-sp-moe``: the tiny MoE under ``train-sp``'s split: each TP rank's router routes its half of the rows, the
-  experts (each FFN split over TP) run on both halves.
+- ``train-sp``: the tiny MoE with 2 TP ranks a position and sequence parallelism (``harness.parallel.sequence_parallel``):
+  between the blocks' matrices each TP rank holds half of its position's token rows, each TP rank's router routes its
+  half, the experts (each FFN split over TP) run on both halves; one step.
 - ``train-bucketed``: the ``train`` run with every thd / dcp micro-batch padded to a multiple of 16 tokens per rank
   (``bench step``'s token bucket, its default on CUDA): the padded step must still match the clean bshd run.
 - ``train-bf16``: the ``train`` run in bf16 for one step; each layout runs step 1 in fp32 first (the probe step of
@@ -105,12 +104,11 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  # split and replicated parameters sharing buckets of 30,000 elements
                  "train-tp-dist-opt": {**TRAIN, "model": "tiny-gpt-mtp", "tp": 2, "max_seqlen_per_rank": 256,
                                        "optimizer": "distributed", "grad_bucket_elements": 30_000},
-                 # the same with sequence parallelism: the blocks' token rows split over the 2 TP ranks too
-                 "train-sp": {**TRAIN, "tp": 2, "sequence_parallel": True, "max_seqlen_per_rank": 256},
-                 # the tiny MoE under it: each TP rank's router routes its rows, the experts run on every rank's;
-                 # one step (its faults show in step 1's gradients or in the replicas after step 1's update)
-                 "train-sp-moe": {**TRAIN, "model": "tiny-moe", "tp": 2, "sequence_parallel": True,
-                                  "max_seqlen_per_rank": 256, "steps": 1},
+                 # sequence parallelism: the blocks' token rows split over the 2 TP ranks too, the tiny MoE (a dense
+                 # block, then MoE blocks whose routers route each TP rank's rows); one step (its faults show in step
+                 # 1's gradients or in the replicas after step 1's update)
+                 "train-sp": {**TRAIN, "model": "tiny-moe", "tp": 2, "sequence_parallel": True,
+                              "max_seqlen_per_rank": 256, "steps": 1},
                  # bf16, one step: each layout runs step 1 in fp32 first (the probe step), judged by BF16_CHECKS;
                  # corpus seed 3, as seed 4 (fp32-step-of-another-model's) also draws a batch that fits 4 x 128 tokens
                  "train-bf16": {**TRAIN, "dtype": "bfloat16", "steps": 1,

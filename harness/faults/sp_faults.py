@@ -1,8 +1,7 @@
 """Re-creations of sequence-parallel bugs (``harness.parallel.sequence_parallel``) and their catalogue entries, judged
-in scenario ``train-sp`` (the ``train-tp`` run with the token rows split over the TP ranks too).
-
-The MoE ones (``SP_MOE_FAULTS``) run in scenario ``train-sp-moe``, the tiny MoE under the same split: its router
-routes each TP rank's rows. Each is exact without sequence parallelism, so converge's reference (one rank, no TP) and the goldens see none of
+in scenario ``train-sp``: the tiny MoE (a dense block, then MoE blocks) with 2 TP ranks a position and the token rows
+split over them, each TP rank's router routing its rows (``SP_MOE_FAULTS``: the MoE blocks' own). Each is exact
+without sequence parallelism, so converge's reference (one rank, no TP) and the goldens see none of
 them, and neither does ``train-tp``.
 """
 
@@ -153,20 +152,20 @@ SP_MOE_FAULTS: tuple[Fault, ...] = (
           url="https://github.com/NVIDIA/Megatron-LM/pull/619", layer="gradients",
           seam="harness.parallel.sequence_parallel:in_region", make=make_router_unmarked,
           check="replica-consistency", expect=r"parameters differ between ranks: ranks \[1, 3\]",
-          scenario="train-sp-moe"),
+          scenario="train-sp"),
     Fault(name="sp-moe-gates-gathered-detached", title="the gate weights all-gathered outside autograd",
           source="NeMo Automodel PR #2995: routing probabilities gathered with a non-differentiable dist.all_gather "
                  "silently detached the router from the main loss (trainable through the auxiliary losses only)",
           url="https://github.com/NVIDIA-NeMo/Automodel/pull/2995", layer="gradients",
           seam="harness.runtime.layers:sp_gates", make=make_gates_gathered_detached,
           check="step1-gradients", expect=r"step-1 gradient of blocks\.\d+\.mlp\.router\.weight",
-          scenario="train-sp-moe"),
+          scenario="train-sp"),
     Fault(name="sp-moe-z-loss-grad-summed", title="the z-loss's TP sum all-reduces its gradient too",
           source="Megatron-LM PR #5047: the MoE aux_loss / z_loss gradient depended on the TP x CP size (scaled by the "
                  "local token count), so otherwise identical runs with different TP trained differently",
           url="https://github.com/NVIDIA/Megatron-LM/pull/5047", layer="gradients",
           seam="harness.parallel.sequence_parallel:sum_loss", make=make_z_loss_grad_summed,
           check="step1-gradients", expect=r"step-1 gradient of blocks\.\d+\.mlp\.router\.weight",
-          scenario="train-sp-moe"),
+          scenario="train-sp"),
 )
-"""The sequence-parallel faults of MoE blocks (scenario ``train-sp-moe``)."""
+"""The sequence-parallel faults of MoE blocks."""

@@ -35,7 +35,7 @@ def _outcomes(scenario, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("scenario", ["train", "train-small-batch", "train-pp-mtp", "train-dist-opt", "train-bucketed",
                                       "train-bf16", "verify-bf16", "train-tp", "train-tp-moe", "train-tp-dist-opt",
-                                      "train-sp", "train-sp-moe", "replay", "replay-sp", "plan",
+                                      "train-sp", "replay", "replay-sp", "plan",
                                       "stepwise"])
 def test_clean_runs_raise_no_alarm(scenario, tmp_path_factory):
     clean = _outcomes(scenario, tmp_path_factory)[None]
@@ -112,7 +112,7 @@ def _tp_wanted(seam: str, cfg: dict) -> bool:
     {**sc.TRAIN_CONFIGS["train-tp"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-tp-dist-opt"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-tp-moe"], "layouts": ["dcp"]},
-    {**sc.TRAIN_CONFIGS["train-sp-moe"], "layouts": ["dcp"]},  # the dense blocks' SP seams too (layer 0, attention)
+    {**sc.TRAIN_CONFIGS["train-sp"], "layouts": ["dcp"]},  # the MoE model: its dense block and attention call every SP seam
 ], ids=["mtp-pp2", "hybrid", "fused", "dist-opt", "bf16", "tp", "tp-dist-opt", "tp-moe", "sp-moe"])
 def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg, tmp_path):
     """The seams of the forward passes, the model's CP calls, the SSM scan, the pipeline stages, the weight paths and
