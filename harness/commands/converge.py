@@ -35,8 +35,8 @@ def add_arguments(c) -> None:
                         "split over them (Megatron's TP); the world is pp x (DP x CP) x tp ranks, the reference unsplit")
     c.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp > 1: split the token rows between the blocks' matrices over the TP ranks too "
-                        "(Megatron's --sequence-parallel; the split norms' and MoE routers' gradients summed over TP, each "
-                        "TP rank's router routing its rows)")
+                        "(Megatron's --sequence-parallel; the split norms' and MoE routers' gradients summed over TP, "
+                        "each TP rank's router routing its rows)")
     c.add_argument("--vpp", type=T.CHUNKS, default=1, help="virtual chunks per stage (interleaved 1F1B when > 1)")
     c.add_argument("--pipeline", choices=["1f1b", "afab"], default="1f1b",
                    help="pipeline schedule (1f1b, or afab: all forwards, then all backwards)")

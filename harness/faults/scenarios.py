@@ -13,9 +13,9 @@
   whole gradients, gathered from the shards.
 - ``train-tp-moe``: the tiny MoE with 2 TP ranks a position: every expert's FFN split, the router replicated.
 - ``train-tp-dist-opt``: ``train-tp`` with the distributed optimiser (``harness.parallel.dist_opt``).
-- ``train-sp``: the tiny MoE with 2 TP ranks a position and sequence parallelism (``harness.parallel.sequence_parallel``):
-  between the blocks' matrices each TP rank holds half of its position's token rows, each TP rank's router routes its
-  half, the experts (each FFN split over TP) run on both halves; one step.
+- ``train-sp``: the tiny MoE with 2 TP ranks a position and sequence parallelism
+  (``harness.parallel.sequence_parallel``): between the blocks' matrices each TP rank holds half of its position's
+  token rows, each TP rank's router routes its half, the experts (each FFN split over TP) run on both halves; one step.
 - ``train-bucketed``: the ``train`` run with every thd / dcp micro-batch padded to a multiple of 16 tokens per rank
   (``bench step``'s token bucket, its default on CUDA): the padded step must still match the clean bshd run.
 - ``train-bf16``: the ``train`` run in bf16 for one step; each layout runs step 1 in fp32 first (the probe step of

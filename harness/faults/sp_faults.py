@@ -90,26 +90,10 @@ def make_z_loss_grad_summed(original):
     """The TP ranks' z-loss parts added up by an all-reduce whose backward all-reduces too (what
     ``torch.distributed.nn.functional.all_reduce`` does): every rank's part is differentiated tp times, so the
     router's z-loss gradient grows with the TP size (Megatron-LM PR #5047: the MoE aux / z-loss gradient scaled by
-    the local token count left it depending on the TP x CP size)."""
-    import torch
-    import torch.distributed as dist
-
-    class SumBoth(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, group):
-            ctx.group = group
-            y = x.contiguous().clone()
-            dist.all_reduce(y, group=group)
-            return y
-
-        @staticmethod
-        def backward(ctx, grad):
-            grad = grad.contiguous().clone()
-            dist.all_reduce(grad, group=ctx.group)
-            return grad, None
-
+    the local token count left it depending on the TP x CP size). Built from TP's two collectives: the replicated
+    input's (its gradient all-reduced) under the partial sums' (all-reduced forward)."""
     def sum_loss(x, tp):
-        return SumBoth.apply(x, tp.group)
+        return tp.partial_sums(tp.replicated_input(x))
     return sum_loss
 
 

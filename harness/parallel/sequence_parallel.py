@@ -24,9 +24,9 @@ of the gradient rather than reduce-scattering it: everything after it is replica
 the whole, identical gradient (Megatron's ``tensor_parallel_output_grad=False``).
 
 A replicated parameter inside the split region - each block's two norms, and an MoE block's router - sees only its
-rank's rows, so its gradient is a partial sum: ``reduce_grads`` all-reduces those over the TP group after the backward, before the
-gradient reduction, the norm and the optimiser (Megatron's ``allreduce_sequence_parallel_grads``; the parameters
-carry ``MARK`` as Megatron's carry ``sequence_parallel``).
+rank's rows, so its gradient is a partial sum: ``reduce_grads`` all-reduces those over the TP group after the
+backward, before the gradient reduction, the norm and the optimiser (Megatron's ``allreduce_sequence_parallel_grads``;
+the parameters carry ``MARK`` as Megatron's carry ``sequence_parallel``).
 
 An MoE block routes its rank's rows (Megatron's router under sequence parallelism): the router's logits, top-k
 choices and gate weights are of those rows; the experts, each keeping a TP shard of its FFN, run on every rank's rows

@@ -47,8 +47,8 @@ from harness.runtime.replay import ReplayStore, Routing
 from harness.train import pipeline
 
 MODEL = ModelConfig(experts=4, top_k=2, layers=4, seed=3)
-DEFAULT = {"pp": 2, "cp": 2, "tp": 1, "sp": None, "ep": False, "sequences": 6, "microbatches": 2, "lengths": "uniform:min=8,max=120",
-           "perturb": 0.05, "seed": 0, "device": "cpu", "dtype": "float32"}
+DEFAULT = {"pp": 2, "cp": 2, "tp": 1, "sp": None, "ep": False, "sequences": 6, "microbatches": 2,
+           "lengths": "uniform:min=8,max=120", "perturb": 0.05, "seed": 0, "device": "cpu", "dtype": "float32"}
 
 
 def _device(cfg) -> torch.device:
@@ -153,8 +153,8 @@ def _microbatch_inputs(cfg, seqs, gids, m, c_rank, routes, stage_ranges, model, 
     for layer in routers_on_stage(stage_ranges, model.moe_layers()):
         store.put(layer, m, c_rank, torch.as_tensor(rows[:, route_column(layer, stage_ranges[0])], device=dev))
     routing = Routing(mode, store if mode == "replay" else None, microbatch=m, cp_rank=c_rank)
-    return {"t": t, "owner": owner[idx], "routed": routed, "routing": routing, "plan": CPAttentionPlan.build(p.cu_seqlens_padded, cp,
-                                                                                           c_rank, dev),
+    return {"t": t, "owner": owner[idx], "routed": routed, "routing": routing,
+            "plan": CPAttentionPlan.build(p.cu_seqlens_padded, cp, c_rank, dev),
             "tokens": TokenSlice(tuple(p.cu_seqlens_padded), cp, c_rank)}
 
 
@@ -202,8 +202,7 @@ def _run(mode, cfg, rank, seqs, mbs, routes, total, groups):
                                       layers=stage.chunks[v], routing=inp["routing"], experts=experts, tp=tp_ops,
                                       split_in=x is not None, split_out=not stage.last)
             if stage.last:
-                h = model.token_ce(h, t["lab"], realf, tp_ops).sum() if tp_ops else model.loss_from_hidden(h, t["lab"],
-                                                                                                          realf)
+                h = model.token_ce(h, t["lab"], realf, tp_ops).sum()
         sums["loss"] += float((h + aux).detach()) if stage.last else float(aux.detach())
         return h, aux
 
@@ -235,6 +234,8 @@ def replay_check(rank: int, world: int, cfg: dict | None = None) -> dict:
         raise ValueError(f"pp={cfg['pp']} x cp={cfg['cp']} x tp={cfg['tp']} needs {n} ranks, the world has {world}")
     if cfg["tp"] > 1 and cfg["ep"]:
         raise ValueError("router replay's check runs tensor parallelism without expert parallelism: use tp=1 with ep")
+    if cfg["sp"] and cfg["tp"] == 1:
+        raise ValueError("sp=True splits the token rows over the TP ranks and tp=1: use tp >= 2 with it, or sp=None")
     torch.manual_seed(0)
     seqs, mbs = _batch(cfg)
     routes = rollout_routes(TinyLM(MODEL).to(_device(cfg)), seqs, cfg)

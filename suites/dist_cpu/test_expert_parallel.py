@@ -128,7 +128,7 @@ def test_router_replay_holds_with_expert_parallelism(pp, cp, tmp_path):
         assert r["ep"] and r["tokens_checked"] > 0 and r["replay_mismatches"] == 0, r  # the recorded experts
         assert r["free_mismatches"] > 0, r                                            # without replay: others
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"])
-        assert r["grad_rel"] and max(r["grad_rel"].values()) <= 1e-5, r["grad_rel"]
+        assert r["grad_rel"] and all(v <= 1e-5 for v in r["grad_rel"].values()), r["grad_rel"]  # NaN fails
     experts = [n for r in results for n in r["grad_rel"] if is_expert_param(n)]
     assert experts and len(experts) == len(set(experts))  # each expert's gradient checked once, on its owner
 

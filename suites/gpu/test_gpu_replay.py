@@ -22,4 +22,4 @@ def test_replay_pp2_cp2_bf16(tmp_path):
         assert r["tokens_checked"] > 0 and r["replay_mismatches"] == 0
         assert r["free_mismatches"] > 0
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-2 * abs(r["ref_loss"])  # bf16, different partitions
-        assert max(r["grad_rel"].values()) <= 5e-2
+        assert all(v <= 5e-2 for v in r["grad_rel"].values()), r["grad_rel"]  # NaN fails
