@@ -11,10 +11,23 @@ def make_stage_offset_off_by_one(original):
     """Routes of a later PP stage read one layer too early: the stage's layer offset is off by one
     (SkyRL ``_get_current_pp_stage_layer_range``; the offset and the count of dense layers on a stage
     decide which rows each router replays)."""
-    def route_column(layer, stage_range):
-        col = original(layer, stage_range)
-        return col - 1 if stage_range[0] > 0 else col
-    return route_column
+    def route_columns(stage_ranges, routers):
+        starts = [next(a for a, n in stage_ranges if a <= layer < a + n) for layer in routers]
+        return [col - 1 if a > 0 else col for col, a in zip(original(stage_ranges, routers), starts, strict=True)]
+    return route_columns
+
+
+def make_vpp_contiguous_offset(original):
+    """Under the interleaved pipeline a stage's routers replay the routes of the layers a stage *without* virtual
+    chunks would build: the i-th router the stage builds (construction order, chunk after chunk) takes the column of
+    layer ``offset + i``, ``offset`` the stage's first layer times its chunk count (SkyRL: replay targets assigned to
+    ``RouterReplay`` instances in construction order from ``get_transformer_layer_offset(pp_rank)``, which knows no
+    ``vp_stage``; spec A.4). Without VPP it is the right column, which is why only a VPP run can catch it."""
+    def route_columns(stage_ranges, routers):
+        offset = stage_ranges[0][0] * len(stage_ranges)
+        built = [layer for a, n in stage_ranges for layer in range(a, a + n)]
+        return [offset + built.index(layer) for layer in routers]
+    return route_columns
 
 
 def make_sp_rows_strided(original):

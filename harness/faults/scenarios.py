@@ -25,7 +25,8 @@
   bf16, the dcp layout's step 1 (8 sequences, CP blocks of 1 and 2) and its sharp step 1
   (``harness.stack.checks.SHARP_SCALE``), and the one-rank reference; judged by ``harness.stack.checks``: every failing
   line is an alarm, ``sharp-took-effect`` for the sharp step's own line, ``verify-checks`` for the rest.
-- ``replay``: router replay under PP 2 x CP 2 (``harness.train.replay.replay_check``).
+- ``replay``: router replay under PP 2 (2 virtual chunks a stage, interleaved) x CP 2
+  (``harness.train.replay.replay_check``).
 - ``replay-sp``: router replay under CP 2 x TP 2 with sequence parallelism: each TP rank's router replays its block of
   its CP rank's rows.
 - ``plan``: PR #2000's scheduler on the input that triggers the vacuous room check (N = 10,
@@ -115,7 +116,7 @@ TRAIN_CONFIGS = {"train": TRAIN,
                                 "corpus": {"sequences_per_batch": 16, "seed": 3}}}
 FAULT_LAYOUTS = {"train-reinit": ["thd", "dcp"]}
 """The layouts a fault run trains (default: dcp only); the checks judge its dcp layout."""
-REPLAY_CONFIGS = {"replay": {"pp": 2, "cp": 2}, "replay-sp": {"pp": 1, "cp": 2, "tp": 2, "sp": True}}
+REPLAY_CONFIGS = {"replay": {"pp": 2, "vpp": 2, "cp": 2}, "replay-sp": {"pp": 1, "cp": 2, "tp": 2, "sp": True}}
 REPLAY = REPLAY_CONFIGS["replay"]
 WORLD_TIMEOUT_S = 60.0
 

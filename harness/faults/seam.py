@@ -66,7 +66,7 @@ SEAMS: dict[str, str] = {
                                     "a micro-batch's capacity)",
     "harness.parallel.expert_parallel:dispatch_routes": "the experts each local token is sent to (expert parallelism)",
     "harness.parallel.expert_parallel:announced_counts": "the per-expert token counts a rank announces to the experts' owners",
-    "harness.train.replay:route_column": "which layer of the rollout's routes feeds a router on a PP stage",
+    "harness.train.replay:route_columns": "which layers of the rollout's routes feed the routers of a PP stage",
     "harness.train.replay:thd_routes": "the replayed route rows of one CP rank (zig-zag front / back halves)",
     "harness.plan.generator_output:check_step_wise_fields": "step-wise validation of a generator's output",
     "harness.train.pipeline:split": "the global layers of every stage's virtual chunks (the layer offsets)",

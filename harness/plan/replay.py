@@ -176,7 +176,9 @@ def validate_replay_config(*, enable_replay: bool, return_routes: bool, cp_size:
     vpp = kw.get("virtual_pipeline_model_parallel_size", vpp_size)
     if effective and vpp is not None and vpp > 1:
         raise ReplayConfigError(f"router replay is refused with virtual_pipeline_model_parallel_size={vpp}: the "
-                                f"interleaved schedule visits chunks out of layer order; use vpp 1")
+                                f"interleaved schedule visits chunks out of layer order and upstream's replay targets "
+                                f"follow construction order; use vpp 1, or a store keyed by global layer "
+                                f"(harness.runtime.replay.ReplayStore, which runs under VPP)")
     if effective and kw.get("moe_router_fusion"):
         raise ReplayConfigError("moe_router_fusion bypasses router replay: disable it")
     return effective

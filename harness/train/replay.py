@@ -6,11 +6,13 @@
    in ``record`` mode; its routes, ``[tokens, layers, top_k]`` with zero rows for the dense layer, are
    what an inference engine returns.
 2. The training model is the same model with its routers perturbed (the rollout/training mismatch
-   R3 exists for). Each rank builds its PP stage (``harness.plan.pipeline.layer_ranges``) and runs
-   through the pipeline runtime of training (``harness.train.pipeline``: 1F1B, activations and
-   gradients point to point); the CP ranks of a stage hold zig-zag slices of
+   R3 exists for). Each rank builds its PP stage (``harness.plan.pipeline.layer_ranges``; with ``vpp`` > 1 its
+   virtual chunks, interleaved) and runs through the pipeline runtime of training (``harness.train.pipeline``: 1F1B
+   or interleaved 1F1B, activations and gradients point to point); the CP ranks of a stage hold zig-zag slices of
    each THD micro-batch and run CP attention in their stage's group. The replay store of a rank is
-   filled with ``harness.plan.replay.thd_routes`` for the routers of its stage, keyed by global layer.
+   filled with ``harness.plan.replay.thd_routes`` for the routers of its stage, keyed by global layer, so the order in
+   which the interleaved schedule visits a rank's chunks does not matter (SkyRL refuses VPP: its replay targets go to
+   the rank's routers in construction order, from a layer offset that knows no virtual chunk).
    With ``ep`` the experts are sharded over the stage's CP ranks (``harness.parallel.expert_parallel``): the
    tokens go to their replayed experts' owners and back, all-to-all, in every MoE layer. With ``tp`` each block's
    heads and FFN, every expert's FFN and the vocabulary are split over the TP ranks
@@ -47,7 +49,7 @@ from harness.runtime.replay import ReplayStore, Routing
 from harness.train import pipeline
 
 MODEL = ModelConfig(experts=4, top_k=2, layers=4, seed=3)
-DEFAULT = {"pp": 2, "cp": 2, "tp": 1, "sp": None, "ep": False, "sequences": 6, "microbatches": 2,
+DEFAULT = {"pp": 2, "vpp": 1, "cp": 2, "tp": 1, "sp": None, "ep": False, "sequences": 6, "microbatches": 2,
            "lengths": "uniform:min=8,max=120", "perturb": 0.05, "seed": 0, "device": "cpu", "dtype": "float32"}
 
 
@@ -111,12 +113,12 @@ def _microbatch(seqs, gids, cp, tp=1, sp=False):
     return p, tok, lab, pos, real, owner
 
 
-def route_column(layer: int, stage_range: tuple[int, int]) -> int:
-    """The column of the rollout's ``[tokens, layers, top_k]`` routes that feeds the router of global
-    ``layer`` on a stage building ``stage_range`` = (first layer, count): the layer number itself, since
-    the routes hold every layer (a seam that ``harness.faults`` replaces to re-create an off-by-one
-    stage offset)."""
-    return layer
+def route_columns(stage_ranges: list[tuple[int, int]], routers: list[int]) -> list[int]:
+    """The columns of the rollout's ``[tokens, layers, top_k]`` routes that feed a stage's ``routers`` (global layer
+    numbers in construction order; the stage builds ``stage_ranges``, one (first layer, count) per virtual chunk): the
+    layer numbers themselves, since the routes hold every layer. A seam: ``harness.faults`` re-creates a stage offset
+    off by one, and the offset SkyRL derives without the virtual chunk (contiguous layers per stage)."""
+    return list(routers)
 
 
 def _reference(cfg, seqs, mbs, routes, total):
@@ -135,7 +137,13 @@ def _reference(cfg, seqs, mbs, routes, total):
                                          routing=Routing("replay", store, microbatch=m))
         ((ce + aux) / total).backward()
         loss += float((ce + aux).detach())
-    return loss / total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss / total, {n: _grad(p).clone() for n, p in model.named_parameters()}
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s gradient, zeros where it has none (an expert no token of a rank reached): every rank then reduces the
+    same parameters in the same order, and a parameter the run leaves untouched is compared, not skipped."""
+    return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
 def _microbatch_inputs(cfg, seqs, gids, m, c_rank, routes, stage_ranges, model, mode, dev, t_rank=0):
@@ -150,8 +158,9 @@ def _microbatch_inputs(cfg, seqs, gids, m, c_rank, routes, stage_ranges, model, 
     routed = np.arange(len(idx))  # the rows this rank's routers route
     if sp:
         rows, routed = sp_rows(rows, tp, t_rank), np.array_split(routed, tp)[t_rank]
-    for layer in routers_on_stage(stage_ranges, model.moe_layers()):
-        store.put(layer, m, c_rank, torch.as_tensor(rows[:, route_column(layer, stage_ranges[0])], device=dev))
+    routers = routers_on_stage(stage_ranges, model.moe_layers())
+    for layer, col in zip(routers, route_columns(stage_ranges, routers), strict=True):
+        store.put(layer, m, c_rank, torch.as_tensor(rows[:, col], device=dev))
     routing = Routing(mode, store if mode == "replay" else None, microbatch=m, cp_rank=c_rank)
     return {"t": t, "owner": owner[idx], "routed": routed, "routing": routing,
             "plan": CPAttentionPlan.build(p.cu_seqlens_padded, cp, c_rank, dev),
@@ -175,11 +184,11 @@ def _mismatches(inp, routes) -> tuple[int, int]:
 def _run(mode, cfg, rank, seqs, mbs, routes, total, groups):
     """Replayed (or free) training of the micro-batches through the pipeline runtime
     (``harness.train.pipeline``: the stages' passes in 1F1B order, CP attention in each stage's group)."""
-    pp, cp, tp = cfg["pp"], cfg["cp"], cfg["tp"]
+    pp, vpp, cp, tp = cfg["pp"], cfg["vpp"], cfg["cp"], cfg["tp"]
     layout = groups.layout
     p_rank, c_rank, t_rank = layout.stage(rank), layout.position(rank), layout.tp_rank(rank)
-    stage = pipeline.Stage.of(MODEL.layers, pp, 1, p_rank)
-    stage_ranges = layer_ranges(MODEL.layers, pp)[p_rank]
+    stage = pipeline.Stage.of(MODEL.layers, pp, vpp, p_rank)
+    stage_ranges = layer_ranges(MODEL.layers, pp, vpp_size=vpp)[p_rank]
     model, dev = training_model(cfg), _device(cfg)
     group = groups.group(cp)
     shard = ExpertShard(MODEL.experts, cp, c_rank) if cfg["ep"] else None
@@ -196,27 +205,28 @@ def _run(mode, cfg, rank, seqs, mbs, routes, total, groups):
         inp = inputs[m]
         t, realf = inp["t"], inp["t"]["real"].float()
         attn = lambda q, k, v_, p=inp["plan"]: cp_attention(q, k, v_, p, group)  # noqa: E731
+        last = stage.index(v) == stage.num_chunks - 1  # the model's last chunk (under VPP: the last stage's last)
         with _autocast(cfg):
             experts = None if shard is None else ExpertDispatch(shard, group, inp["tokens"])
             h, aux = model.run_layers(model.embed_tokens(t["tok"], tp_ops) if x is None else x, t["pos"], realf, attn,
                                       layers=stage.chunks[v], routing=inp["routing"], experts=experts, tp=tp_ops,
-                                      split_in=x is not None, split_out=not stage.last)
-            if stage.last:
+                                      split_in=x is not None, split_out=not last)
+            if last:
                 h = model.token_ce(h, t["lab"], realf, tp_ops).sum()
-        sums["loss"] += float((h + aux).detach()) if stage.last else float(aux.detach())
+        sums["loss"] += float((h + aux).detach()) if last else float(aux.detach())
         return h, aux
 
     rows = tp if _sp(cfg) else 1  # under sequence parallelism a stage hands on its TP rank's share of the rows
     passes = pipeline.ChunkPasses(forward=forward, num_tokens=lambda m: inputs[m]["t"]["tok"].numel() // rows,
                                   total=total, hidden=MODEL.hidden, device=dev)
-    actions = pipeline.actions_for(pipeline.PipelineConfig(pp=pp), p_rank, len(mbs)) if pp > 1 else \
+    actions = pipeline.actions_for(pipeline.PipelineConfig(pp=pp, vpp=vpp), p_rank, len(mbs)) if pp > 1 else \
         pipeline.single_stage_passes(len(mbs))
     pipeline.run_passes(stage, actions, passes, pipeline.P2P(layout, rank, stage.num_chunks) if pp > 1 else None)
     mismatches, checked = (sum(x) for x in zip(*(_mismatches(inp, routes) for inp in inputs)))
     loss = sums["loss"]
     if tp_ops is not None and tp_ops.sequence_parallel:  # the norms' and routers' gradients of each rank's rows
         seq_par.reduce_grads(list(model.parameters()), tp_ops)
-    grads = {n: q.grad for n, q in model.named_parameters() if stage.owns(n) and q.grad is not None}
+    grads = {n: _grad(q) for n, q in model.named_parameters() if stage.owns(n)}
     for n, g in grads.items():
         if cp > 1 and not (shard is not None and is_expert_param(n)):  # an expert's gradient is whole on its owner
             dist.all_reduce(g, group=group)
@@ -234,6 +244,9 @@ def replay_check(rank: int, world: int, cfg: dict | None = None) -> dict:
         raise ValueError(f"pp={cfg['pp']} x cp={cfg['cp']} x tp={cfg['tp']} needs {n} ranks, the world has {world}")
     if cfg["tp"] > 1 and cfg["ep"]:
         raise ValueError("router replay's check runs tensor parallelism without expert parallelism: use tp=1 with ep")
+    vpp = cfg["vpp"]
+    if not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 1 or (vpp > 1 and cfg["pp"] == 1):
+        raise ValueError(f"vpp={vpp!r}: virtual pipeline chunks need an int >= 1, and pp >= 2 when > 1")
     if cfg["sp"] and cfg["tp"] == 1:
         raise ValueError("sp=True splits the token rows over the TP ranks and tp=1: use tp >= 2 with it, or sp=None")
     torch.manual_seed(0)
