@@ -174,6 +174,10 @@ class DynamicGroups:
                     self._created.append(group)
                     if rank in ranks:
                         self.pipeline = group
+        if dist.get_backend() == "gloo":
+            # gloo connects a group's full mesh in new_group: a rank that left right after (an error before any
+            # collective) would close its sockets while a peer still connects, failing the peer's new_group
+            dist.barrier()
 
     def group(self, size: int):
         return lookup(self, size)
