@@ -128,6 +128,7 @@ def TOKEN_BUCKET(text: str) -> int | str:  # noqa: N802 - a type like the others
     return TOKEN_COUNT_BUCKET(text)
 STALL_S = real(MIN_STALL_S, MAX_STALL_S, "ranks report progress at most every 0.5 s, so less fails healthy jobs",
                "a day; the collectives time out at twice this")
+AUX_COEF = real(0.0, 1e3, "0 turns it off", "a balance loss this strong drowns the language-modelling loss")
 FLOPS_PER_BYTE = real(0.0, 1e12, "a price is not negative", "1e12 FLOPs per byte prices K/V exchange out entirely")
 
 

@@ -76,9 +76,9 @@ DEFAULT_SEED = TrainConfig().corpus.seed
 
 
 def case_id(cfg: TrainConfig, world: int) -> str:
-    """``converge__<model>__w<world>[_pp<P>[_vpp<V>][_afab]][_ep][_tp<T>[_sp]][__m<tokens per rank>][__b<sequences>][__<lengths>][__seed<corpus seed>]__<dtype>``:
-    the pipeline, expert parallelism, a non-default ``max_seqlen_per_rank``, batch, length spec and corpus seed are
-    part of the case. The step count is not: step k's batch and learning rate do not depend on how many steps
+    """``converge__<model>[_aux<coef>]__w<world>[_pp<P>[_vpp<V>][_afab]][_ep][_tp<T>[_sp]][__m<tokens per rank>][__b<sequences>][__<lengths>][__seed<corpus seed>]__<dtype>``:
+    a load-balancing loss, the pipeline, expert parallelism, a non-default ``max_seqlen_per_rank``, batch, length spec
+    and corpus seed are part of the case. The step count is not: step k's batch and learning rate do not depend on how many steps
     follow, so a golden of N steps serves every run of the case with at most N steps (its prefix)."""
     dtype = {"float32": "fp32", "bfloat16": "bf16"}[cfg.dtype]
     pipe = "" if cfg.pp == 1 else f"_pp{cfg.pp}" + (f"_vpp{cfg.vpp}" if cfg.vpp > 1 else "") + \
@@ -90,7 +90,8 @@ def case_id(cfg: TrainConfig, world: int) -> str:
     b = "" if cfg.corpus.sequences_per_batch == DEFAULT_BATCH else f"__b{cfg.corpus.sequences_per_batch}"
     L = "" if cfg.corpus.lengths == DEFAULT_LENGTHS else "__" + _lengths_tag(cfg.corpus.lengths)
     L += "" if cfg.corpus.seed == DEFAULT_SEED else f"__seed{cfg.corpus.seed}"
-    return f"converge__{cfg.model.replace('-', '_')}__w{world}{pipe}{m}{b}{L}__{dtype}"
+    aux = f"_aux{cfg.moe_aux_loss:g}" if cfg.moe_aux_loss else ""
+    return f"converge__{cfg.model.replace('-', '_')}{aux}__w{world}{pipe}{m}{b}{L}__{dtype}"
 
 
 def _lengths_tag(spec: str) -> str:
@@ -527,7 +528,8 @@ def config_from_args(a) -> TrainConfig:
                       weights=getattr(a, "weights", None) or "cached",
                       optimizer=getattr(a, "optimizer", None) or "replicated",
                       token_bucket=_given(getattr(a, "token_bucket", None), "auto"),
-                      fp32_probe=getattr(a, "fp32_probe", "on") != "off")
+                      fp32_probe=getattr(a, "fp32_probe", "on") != "off",
+                      moe_aux_loss=getattr(a, "moe_aux_loss", None))
     if a.max_seqlen_per_rank:
         cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank)
     return cfg

@@ -37,6 +37,10 @@ def add_arguments(c) -> None:
                    help="with --tp > 1: split the token rows between the blocks' matrices over the TP ranks too "
                         "(Megatron's --sequence-parallel; the split norms' and MoE routers' gradients summed over TP, "
                         "each TP rank's router routing its rows)")
+    c.add_argument("--moe-aux-loss", type=T.AUX_COEF, default=None, metavar="COEF",
+                   help="MoE models: the routers' sequence-level load-balancing loss with this coefficient (Megatron's "
+                        "seq_aux_loss, e.g. 1e-2; each sequence balanced over its own tokens, its counts summed over "
+                        "its CP block and, under --sequence-parallel, the TP ranks); default: none")
     c.add_argument("--vpp", type=T.CHUNKS, default=1, help="virtual chunks per stage (interleaved 1F1B when > 1)")
     c.add_argument("--pipeline", choices=["1f1b", "afab"], default="1f1b",
                    help="pipeline schedule (1f1b, or afab: all forwards, then all backwards)")

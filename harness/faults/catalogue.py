@@ -10,6 +10,7 @@ then runs it (``suites/faults``) and ``dcp-harness faults`` reports it.
 
 from __future__ import annotations
 
+from harness.faults import balance_faults as bf
 from harness.faults import ep_faults as ep
 from harness.faults import model_faults as mf
 from harness.faults import optim_faults as of
@@ -405,6 +406,7 @@ FAULTS: tuple[Fault, ...] = (
           url="https://github.com/NVIDIA/Megatron-LM/issues/950", layer="optimizer",
           seam="harness.parallel.dist_opt:gather_params", make=of.make_first_bucket_not_gathered,
           check="replica-consistency", expect=r"parameters differ between ranks", scenario="train-dist-opt"),
+    *bf.BALANCE_FAULTS,
     *tpf.TP_FAULTS,
     *vf.VOCAB_FAULTS,
     *spf.SP_FAULTS,

@@ -85,8 +85,9 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  "train-hybrid": {**TRAIN, "model": "tiny-hybrid"},
                  # two layouts in one run: the dynamic groups are destroyed and created again in between
                  "train-reinit": TRAIN,
-                 # the tiny MoE with expert parallelism over the 4-rank domain (one expert per rank)
-                 "train-ep": {**TRAIN, "model": "tiny-moe", "expert_parallel": True},
+                 # the tiny MoE with expert parallelism over the 4-rank domain (one expert per rank) and the routers'
+                 # sequence-level balance loss (Megatron's default coefficient)
+                 "train-ep": {**TRAIN, "model": "tiny-moe", "expert_parallel": True, "moe_aux_loss": 1e-2},
                  # the step's weight copies with the weight-gradient GEMM accumulating into .grad itself
                  "train-fused": {**TRAIN, "weights": "fused"},
                  # the distributed optimiser, its tiny-GPT buffers in 4 buckets of whole parameters
@@ -106,10 +107,10 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  "train-tp-dist-opt": {**TRAIN, "model": "tiny-gpt-mtp", "tp": 2, "max_seqlen_per_rank": 256,
                                        "optimizer": "distributed", "grad_bucket_elements": 30_000},
                  # sequence parallelism: the blocks' token rows split over the 2 TP ranks too, the tiny MoE (a dense
-                 # block, then MoE blocks whose routers route each TP rank's rows); one step (its faults show in step
-                 # 1's gradients or in the replicas after step 1's update)
+                 # block, then MoE blocks whose routers route each TP rank's rows, their balance counts summed over TP
+                 # too); one step (its faults show in step 1's gradients or in the replicas after step 1's update)
                  "train-sp": {**TRAIN, "model": "tiny-moe", "tp": 2, "sequence_parallel": True,
-                              "max_seqlen_per_rank": 256, "steps": 1},
+                              "max_seqlen_per_rank": 256, "steps": 1, "moe_aux_loss": 1e-2},
                  # bf16, one step: each layout runs step 1 in fp32 first (the probe step), judged by BF16_CHECKS;
                  # corpus seed 3, as seed 4 (fp32-step-of-another-model's) also draws a batch that fits 4 x 128 tokens
                  "train-bf16": {**TRAIN, "dtype": "bfloat16", "steps": 1,

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness.runtime.balance import BalanceError, seq_aux_loss
 from harness.runtime.model_config import ModelConfig
 from harness.runtime.weight_cache import linear, weight
 
@@ -169,12 +170,15 @@ class MoE(nn.Module):
         self.router = nn.Linear(c.hidden, c.experts, bias=False)
         self.experts = nn.ModuleList(dense_mlp(c) for _ in range(c.experts))
         self.top_k, self.z_coef, self.num_experts = c.top_k, c.z_loss, c.experts
+        self.aux_coef = c.aux_loss
 
-    def forward(self, x_TE, real_T, routing=None, experts: Experts | None = None, rows=None):
-        """(output, z-loss) of the tokens ``x_TE``. ``rows``: the step's ``TensorParallelOps`` when ``x_TE`` holds
-        this TP rank's share of the rows (sequence parallelism): the router routes those rows (its logits, choices,
-        gate weights and z-loss are theirs; ``routing`` sees them alone), ``experts`` gets every rank's choices
-        (``tp_expert_outputs``) and the z-loss is summed over the TP ranks (``sum_loss``)."""
+    def forward(self, x_TE, real_T, routing=None, experts: Experts | None = None, rows=None, balance=None):
+        """(output, z-loss + balance loss) of the tokens ``x_TE``. ``rows``: the step's ``TensorParallelOps`` when
+        ``x_TE`` holds this TP rank's share of the rows (sequence parallelism): the router routes those rows (its
+        logits, choices, gate weights, z-loss and balance statistics are theirs; ``routing`` sees them alone),
+        ``experts`` gets every rank's choices (``tp_expert_outputs``) and the losses are summed over the TP ranks
+        (``sum_loss``). ``balance``: the micro-batch's sequences (``harness.runtime.balance.SequenceBalance``), needed
+        when the model has a load-balancing loss (``ModelConfig.aux_loss``)."""
         # the router runs in at least fp32, also under bf16 autocast (Megatron's moe_router_dtype=fp32):
         # autocast would otherwise run F.linear in bf16 whatever its inputs' dtype. An fp64 model keeps
         # fp64, so the router of an fp64 run is not rounded to fp32 (whose result depends on the batch's
@@ -189,9 +193,17 @@ class MoE(nn.Module):
         weight_TK = logits_TX.gather(1, idx_TK).softmax(-1).to(x_TE.dtype)  # live scores: router gets gradients
         split = rows is not None and rows.sequence_parallel
         if split:
-            real_T, idx_TK = rows.own_rows(real_T), rows.gather_choices(idx_TK)
-        out = (local_experts if experts is None else experts)(self, x_TE, idx_TK, weight_TK)
+            real_T = rows.own_rows(real_T)
         z = (torch.logsumexp(logits_TX, dim=-1).pow(2) * real_T).sum() * self.z_coef  # real tokens only
+        if self.aux_coef:
+            if balance is None:
+                raise BalanceError(f"MoE layer {self.layer} has a load-balancing loss (aux_loss={self.aux_coef}) and "
+                                   "was not given its micro-batch's sequences: pass balance=SequenceBalance(...)")
+            z = z + seq_aux_loss(logits_TX, idx_TK, real_T, balance.own_rows(rows) if split else balance,
+                                 self.aux_coef, self.top_k)
+        if split:
+            idx_TK = rows.gather_choices(idx_TK)
+        out = (local_experts if experts is None else experts)(self, x_TE, idx_TK, weight_TK)
         return out, rows.sum_loss(z) if split else z
 
 

@@ -154,10 +154,12 @@ class Block(nn.Module):
         self.compile_mode: str | None = None
         self.compile_scope: str = "segments"
 
-    def forward(self, x_TE, pos_T, real_T, attention: Attention, routing=None, mixing=None, experts=None, tp=None):
+    def forward(self, x_TE, pos_T, real_T, attention: Attention, routing=None, mixing=None, experts=None, tp=None,
+                balance=None):
         """``pos_T``: global position ids, or a ``Rotary`` of them (shared by the layers). ``experts``: the
         micro-batch's expert dispatch (``layers.Experts``; None: every expert here). ``tp``: the step's tensor
-        parallelism (``layers.TensorParallelOps``) when the block keeps a shard of its heads and FFN."""
+        parallelism (``layers.TensorParallelOps``) when the block keeps a shard of its heads and FFN. ``balance``: the
+        micro-batch's sequences for an MoE block's load-balancing loss (``harness.runtime.balance``)."""
         c, D = self.c, self.c.hidden // self.c.heads
         rot = pos_T if isinstance(pos_T, Rotary) else Rotary(pos_T, D, c.rope_base)
         attention, _ = layers.cp_ops(self, attention, mixing)
@@ -171,7 +173,7 @@ class Block(nn.Module):
                 if experts is not None:
                     raise ValueError("an MoE block takes either expert parallelism's dispatch or tensor parallelism")
                 experts = layers.tp_experts(tp)
-            h, z = self.mlp(self.norm2(x_TE), real_T, routing, experts, rows=tp)
+            h, z = self.mlp(self.norm2(x_TE), real_T, routing, experts, rows=tp, balance=balance)
             return x_TE + h, z
         if tp is None:
             return x_TE + self.mlp(self.norm2(x_TE)), x_TE.new_zeros((), dtype=torch.float32)
@@ -268,7 +270,7 @@ class TinyLM(nn.Module):
         return self.c.moe_layers()
 
     def run_layers(self, x, pos_T, real_T, attention: Attention, layers=None, routing=None, mixing=None,
-                   experts=None, tp=None, split_in: bool = False, split_out: bool = False):
+                   experts=None, tp=None, split_in: bool = False, split_out: bool = False, balance=None):
         """Apply blocks ``layers`` (global numbers; default all) to hidden states ``x``; returns
         (hidden states, aux loss of those blocks). Pipeline stages call this with their range.
         ``mixing``: the micro-batch's SSM mixing (hybrid models). ``experts``: the micro-batch's expert
@@ -277,7 +279,8 @@ class TinyLM(nn.Module):
         ``harness.parallel.tensor_parallel.shard_model``). With sequence parallelism the blocks run on this rank's
         token rows: ``x`` whole rows, scattered here, unless ``split_in`` (it already holds this rank's rows: a
         pipeline stage's input from the previous stage); the output gathered to whole rows unless ``split_out`` (a
-        stage that hands its rows on). Without sequence parallelism both are ignored."""
+        stage that hands its rows on). Without sequence parallelism both are ignored. ``balance``: the micro-batch's
+        sequences (``harness.runtime.balance.SequenceBalance``; MoE models with a load-balancing loss)."""
         aux = torch.zeros((), device=x.device)
         if not isinstance(pos_T, Rotary):
             pos_T = Rotary(pos_T, self.c.hidden // self.c.heads, self.c.rope_base)
@@ -288,6 +291,8 @@ class TinyLM(nn.Module):
             return compiled_chain([self.blocks[i] for i in layers], x, pos_T, attention, self.compiled,
                                   self.compile_mode, scope=self.compile_scope), aux
         extra = {} if experts is None else {"experts": experts}  # MoE blocks only (hybrid layers have no experts)
+        if balance is not None:
+            extra["balance"] = balance
         if tp is not None:  # dense blocks only (a hybrid's layers are never split)
             extra["tp"] = tp
             x = x if split_in else tp.scatter(x)  # sequence parallelism: this rank's token rows between the matrices

@@ -31,6 +31,9 @@ class ModelConfig:
     """Experts per token."""
     z_loss: float = 1e-3
     """Router z-loss coefficient (MoE only)."""
+    aux_loss: float = 0.0
+    """Coefficient of the routers' sequence-level load-balancing loss (MoE only; Megatron's ``seq_aux_loss``:
+    ``harness.runtime.balance``); 0 = none."""
     rope_base: float = 10000.0
     seed: int = 0
     """Parameter initialisation seed (same on every rank)."""
@@ -62,6 +65,11 @@ class ModelConfig:
             raise ValueError(f"top_k={self.top_k} must be in [1, experts={self.experts}]")
         if not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
             raise ValueError(f"mtp_depth={self.mtp_depth!r} must be an int >= 0 (0 = no multi-token prediction)")
+        if not (isinstance(self.aux_loss, (int, float)) and self.aux_loss >= 0):
+            raise ValueError(f"aux_loss={self.aux_loss!r} must be a number >= 0 (0 = no load-balancing loss)")
+        if self.aux_loss and not self.experts:
+            raise ValueError(f"aux_loss={self.aux_loss} balances MoE routers and this model has none: use experts > 0 "
+                             f"or aux_loss=0")
         if not self.mtp_weight >= 0:
             raise ValueError(f"mtp_weight={self.mtp_weight!r} must be >= 0")
         small = {k: getattr(self, k) for k in ("ssm_heads", "ssm_head_dim", "ssm_state", "ssm_chunk")

@@ -3,7 +3,7 @@ domain's scheduling, the pipeline, precision and the corpus."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from harness.data.corpus import CorpusConfig, batch_lengths
 from harness.parallel.options import (
@@ -82,6 +82,10 @@ class TrainConfig:
     every micro-batch sends its tokens to the experts' owners and back (all-to-alls over the domain), so
     the domain's ranks run their micro-batches in lockstep: the dcp schedule is made for the
     ``synchronous`` execution model."""
+    moe_aux_loss: float | None = None
+    """MoE models: the routers' sequence-level load-balancing loss coefficient (``ModelConfig.aux_loss``, Megatron's
+    ``seq_aux_loss``: ``harness.runtime.balance``; each sequence balanced over its own tokens, whichever ranks hold
+    them); None: the model's own (0: none, for every named model)."""
     weights: str = "cached"
     """How a step's layers take their matrix weights (``harness.runtime.weight_cache``): ``cached`` (a copy in the
     compute dtype made once per step, gradients added into ``.grad`` in place), ``fused`` (the copies, and the
@@ -119,6 +123,11 @@ class TrainConfig:
         what = "MoE without expert parallelism" if MODELS[self.model].experts else "dense model"
         return INDEPENDENT, f"{what}: CP blocks synchronise only their own ranks"
 
+    def model_config(self):
+        """The ``ModelConfig`` this run trains: the named model, with ``moe_aux_loss`` when given."""
+        m = MODELS[self.model]
+        return m if self.moe_aux_loss is None else replace(m, aux_loss=float(self.moe_aux_loss))
+
     def pipeline_config(self):
         return PipelineConfig(pp=self.pp, vpp=self.vpp, schedule=self.pipeline, delivery=self.schedule_delivery)
 
@@ -137,6 +146,13 @@ class TrainConfig:
         bad = [x for x in self.layouts if x not in LAYOUTS]
         if bad or not self.layouts:
             raise LayoutError(f"unknown layout(s) {bad or self.layouts!r}; choose from {', '.join(LAYOUTS)}")
+        if self.moe_aux_loss is not None:
+            a = self.moe_aux_loss
+            if isinstance(a, bool) or not isinstance(a, (int, float)) or not a >= 0:
+                raise LayoutError(f"moe_aux_loss must be a number >= 0 (or None: the model's own), got {a!r}")
+            if a and not MODELS[self.model].experts:
+                raise LayoutError(f"moe_aux_loss={a} balances MoE routers and model {self.model!r} has none: use an "
+                                  f"MoE model (tiny-moe) or leave it out")
         self._check_tp(world)
         self.pipeline_config().validate(world // self.tp, MODELS[self.model].layers)
         self._check_mixer(world)

@@ -17,12 +17,14 @@ length of a run to re-create a real integration bug.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from harness.parallel.audit import CallAuditError, block_ranks
 from harness.parallel.cp_attention import CPAttentionPlan, cp_attention
 from harness.parallel.expert_parallel import ExpertDispatch, TokenSlice
 from harness.parallel.reroute import ThdMicroBatch
 from harness.parallel.ssm_cp import CPChannelExchange
+from harness.runtime.balance import SequenceBalance
 from harness.runtime.model import Rotary
 from harness.runtime.ssm import SequenceLayout
 from harness.train import pipeline
@@ -73,6 +75,23 @@ def ssm_sequences(mb: ThdMicroBatch) -> SequenceLayout:
     return SequenceLayout(tuple(mb.cu_seqlens_padded))
 
 
+def balance_sequences(mb: ThdMicroBatch) -> tuple[torch.Tensor, int]:
+    """Each of the rank's tokens' sequence in the pack (``0 .. S - 1``, pack order) and S: the sequences an MoE
+    router's load-balancing loss balances one by one (a seam: ``harness.faults`` re-creates the pack taken for one
+    sequence, Megatron-LM issue #6108)."""
+    seq = mb.data["seq"]
+    gids = torch.as_tensor(mb.gids, dtype=seq.dtype, device=seq.device)
+    order = torch.argsort(gids)
+    return order[torch.searchsorted(gids[order], seq)], len(mb.gids)
+
+
+def balance_group(ops: MicroBatchOps, m: int):
+    """The group over which the routers' balance counts of micro-batch m are summed: the micro-batch's CP block, whose
+    ranks hold its sequences' other tokens; None on one rank (a seam: ``harness.faults`` re-creates the static TP x CP
+    group Megatron's routers summed over until its dynamic CP's fix, PR #3791)."""
+    return ops.cp_groups[m] if ops.mbs[m].local_cp_size > 1 else None
+
+
 # ---------------------------------------------------------------------------------- operations
 class MicroBatchOps:
     """The CP operations of every micro-batch of one step on one rank, built once per micro-batch,
@@ -82,9 +101,30 @@ class MicroBatchOps:
         self.model, self.groups, self.mbs, self.cp_groups = model, groups, mbs, cp_groups
         self.device, self.exchange, self.current, self._cache = device, exchange, None, {}
         self.shard, self._dispatch = experts, {}  # expert parallelism: this rank's ExpertShard (else None)
+        self._balance: dict[int, SequenceBalance] = {}
         self.tp = tp
         """The step's tensor parallelism (``harness.parallel.tensor_parallel.TensorParallel``), or None: the same
         for every micro-batch (its group is the rank's TP coordinate's, not a CP block's)."""
+
+    def balance(self, m: int) -> SequenceBalance | None:
+        """Micro-batch m's sequences for the MoE routers' load-balancing loss (``harness.runtime.balance``): the counts
+        are summed over ``balance_group`` and, under sequence parallelism, the TP group; None when the model has no
+        such loss."""
+        if not self.model.c.aux_loss:
+            return None
+        if m not in self._balance:
+            seq, n = balance_sequences(self.mbs[m])
+            group = balance_group(self, m)
+            tp = self.tp.group if self.tp is not None and self.tp.sequence_parallel else None
+
+            def reduce(stats, m=m, group=group, tp=tp):
+                self._audit(m)
+                for g in (group, tp):
+                    if g is not None:
+                        dist.all_reduce(stats, group=g)
+                return stats
+            self._balance[m] = SequenceBalance(seq, n, reduce if group is not None or tp is not None else None)
+        return self._balance[m]
 
     def experts(self, m: int):
         """The expert dispatch of micro-batch m over the stage's DP x CP group (``harness.parallel.expert_parallel``),
@@ -166,7 +206,7 @@ def model_passes(model, stage: pipeline.Stage, ops: MicroBatchOps, dtype: str, t
             routing = None if routes is None else routes.recorder(mb, ops.tp)
             h, aux = model.run_layers(x, rot, real, attention, layers=stage.chunks[v], mixing=mixing,
                                       experts=ops.experts(m), routing=routing, tp=ops.tp, split_in=not first,
-                                      split_out=not last)
+                                      split_out=not last, balance=ops.balance(m))
             if last:
                 h = _losses(model, mb, h, rot, real, attention, mixing, sums, probe, mtp_scales, ops.tp)
         sums["aux"].add_(aux.detach().double())

@@ -62,7 +62,7 @@ def train_layout(layout: str, rank: int, world: int, cfg: TrainConfig, run: step
     """Train ``layout`` for ``cfg.steps`` steps; rank 0's metrics rows. ``routes``: where an MoE model's routes of
     every step go (``harness.train.routes``; each row then carries ``route_digest`` and ``route_margin``)."""
     torch.manual_seed(cfg.corpus.seed)
-    model = TinyLM(MODELS[cfg.model]).to(device)
+    model = TinyLM(cfg.model_config()).to(device)
     if run.tp is not None:  # the same whole model everywhere; each rank keeps its heads' and FFN's shard
         tensor_parallel.shard_model(model, run.tp)
     shards = None

@@ -43,8 +43,9 @@ def test_the_tiny_moe_with_expert_tensor_parallelism_equals_the_unsplit_run(tmp_
     """Every expert's FFN split over 2 TP ranks, the router replicated (reading the plain rows), dcp (bshd and thd: the
     dense TP cases): losses and gradient norms within 1e-5 of the TP = 1 run (its routes the same: the runs pass the
     loss rule's 1e-5)."""
-    got = _rows("tiny-moe", 4, tmp_path_factory, "moe-tp2", layouts=["dcp"], tp=2)
-    _agree(got, {"dcp": _rows("tiny-moe", 2, tmp_path_factory, "moe-ref")["dcp"]}, layouts=("dcp",))
+    got = _rows("tiny-moe", 4, tmp_path_factory, "moe-tp2", layouts=["dcp"], tp=2, moe_aux_loss=1e-2)
+    ref = _rows("tiny-moe", 2, tmp_path_factory, "moe-ref", moe_aux_loss=1e-2)
+    _agree(got, {"dcp": ref["dcp"]}, layouts=("dcp",))
 
 
 def test_the_distributed_optimiser_with_tensor_parallelism_equals_the_unsplit_replicated_run(tmp_path_factory):
@@ -103,10 +104,12 @@ def test_sequence_parallelism_equals_the_unsplit_run_every_layout(tmp_path_facto
 
 def test_the_tiny_moe_under_sequence_parallelism_equals_the_unsplit_run(tmp_path_factory):
     """Each TP rank's router routes its half of the rows (the router marked for the TP sum of its gradient, the z-loss
-    summed over TP), the split experts run on both halves; dcp against the TP = 1 run, losses, gradient
+    summed over TP, the balance loss's counts summed over TP and the CP block), the split experts run on both halves; dcp against the TP = 1 run, losses, gradient
     norms and the z-loss within 1e-5, and the routes - recorded by each TP rank for its own rows - the same."""
-    got = _rows("tiny-moe", 4, tmp_path_factory, "moe-tp2-sp", layouts=["dcp"], tp=2, sequence_parallel=True)
-    ref = {"dcp": _rows("tiny-moe", 2, tmp_path_factory, "moe-ref")["dcp"]}  # bshd / thd: the dense SP cases above
+    got = _rows("tiny-moe", 4, tmp_path_factory, "moe-tp2-sp", layouts=["dcp"], tp=2, sequence_parallel=True,
+                moe_aux_loss=1e-2)
+    # bshd / thd: the dense SP cases above
+    ref = {"dcp": _rows("tiny-moe", 2, tmp_path_factory, "moe-ref", moe_aux_loss=1e-2)["dcp"]}
     _agree(got, ref, layouts=("dcp",))
     for layout in ref:
         for a, b in zip(got[layout], ref[layout], strict=True):

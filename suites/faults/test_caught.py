@@ -135,6 +135,8 @@ def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg
               and ("weight_cache:accumulate" in s) == (cfg.get("weights") != "fused")
               and ("dist_opt" in s) == (cfg.get("optimizer") == "distributed")
               and ("probe_config" in s) == (cfg.get("dtype") == "bfloat16")
+              # the routers' balance loss: MoE runs that have one (train-sp's)
+              and ("passes:balance_" in s) == bool(cfg.get("moe_aux_loss"))
               and _tp_wanted(s, cfg)]
     assert all(counts[s] > 0 for s in wanted), {s: counts[s] for s in wanted}
     for r in got:
