@@ -63,6 +63,7 @@ def test_split_over_ranks_the_parts_add_up_to_the_whole(parts):
     logits, idx, real, seq = _batch([7, 2, 11], seed=1)
     whole = seq_aux_loss(logits, idx, real, SequenceBalance(seq, 3), COEF, K)
     (g_whole,) = torch.autograd.grad(whole, logits)
+    whole = whole.detach()
     shares = torch.randperm(len(seq), generator=torch.Generator().manual_seed(2)).chunk(parts)
     stats = []
 
@@ -79,7 +80,7 @@ def test_split_over_ranks_the_parts_add_up_to_the_whole(parts):
         total += float(loss.detach())
     assert abs(total - float(whole)) <= 1e-12 * float(whole)
     assert torch.allclose(grad, g_whole, rtol=1e-10, atol=1e-15)
-    alone = sum(float(seq_aux_loss(logits[r], idx[r], real[r], SequenceBalance(seq[r], 3), COEF, K)) for r in shares)
+    alone = sum(float(seq_aux_loss(logits[r].detach(), idx[r], real[r], SequenceBalance(seq[r], 3), COEF, K)) for r in shares)
     assert abs(alone - float(whole)) > 1e-3 * float(whole)
 
 
@@ -89,6 +90,7 @@ def test_a_pack_balances_each_of_its_sequences_on_its_own(lengths, seed):
     """The pack's loss is the sum of its sequences' losses, each computed alone (Megatron-LM issue #6108 took the
     pack for one sequence: that differs once two sequences route differently)."""
     logits, idx, real, seq = _batch(lengths, seed=seed)
+    logits = logits.detach()
     packed = float(seq_aux_loss(logits, idx, real, SequenceBalance(seq, len(lengths)), COEF, K))
     alone = sum(float(seq_aux_loss(logits[seq == s], idx[seq == s], real[seq == s],
                                    SequenceBalance(torch.zeros(int((seq == s).sum()), dtype=torch.long), 1), COEF, K))
