@@ -1,7 +1,8 @@
 """Re-creations of MoE load-balancing loss bugs (``harness.runtime.balance``: the routers' sequence-level balance loss)
-and their catalogue entries, judged in scenario ``train-ep``: the tiny MoE with its experts over the 4-rank domain and
-a balance loss, dynamic CP with blocks of 1, 2 and 4 ranks. Both are exact where a rank holds each of its micro-batch's
-sequences alone (one sequence, CP 1), so only packs of several sequences and CP blocks of several ranks show them.
+and their catalogue entries, judged in scenario ``train-ep`` (the tiny MoE with its experts over the 4-rank domain and
+a balance loss, dynamic CP with blocks of 1, 2 and 4 ranks) and ``train-sp`` (2 TP ranks a position, their token rows
+split). Each is exact where a rank holds each of its micro-batch's sequences alone (one sequence, CP 1, no sequence
+parallelism), so only packs of several sequences, CP blocks of several ranks and split rows show them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ def make_static_group(original):
     return balance_group
 
 
+def make_sp_rows_alone(original):
+    """Under sequence parallelism each TP rank balances the sequences' tokens of its own rows: the counts not summed
+    over the TP group, so a sequence whose rows the split cuts is balanced by halves (Megatron-LM PR #5996: the
+    sequence-parallel scatter splits the flat pack into shards that straddle samples, and a local reshape "cannot
+    reconstruct a sample that SP has split across ranks"; the fix scatters each token to its global sample)."""
+    def balance_tp_group(ops):
+        return None
+    return balance_tp_group
+
+
 BALANCE_FAULTS = [
     Fault(name="moe-balance-pack-as-one-sequence", title="the balance loss takes a THD pack for one sequence",
           source="Megatron-LM issue #6108 / PR #6115: seq_aux_loss on variable-length packs (no tokens_per_sample) "
@@ -47,4 +58,10 @@ BALANCE_FAULTS = [
           url="https://github.com/NVIDIA/Megatron-LM/pull/3791", layer="model",
           seam="harness.train.passes:balance_group", make=make_static_group, check="step1-gradients",
           expect=r"step-1 gradient of .* differs", scenario="train-ep"),
+    Fault(name="moe-balance-sp-rows-alone", title="under SP each TP rank balances its own rows' tokens",
+          source="Megatron-LM PR #5996: seq_aux_loss with packed sequences and sequence parallelism; the SP shards "
+                 "straddle samples and a local reshape cannot rebuild a sample split across TP ranks",
+          url="https://github.com/NVIDIA/Megatron-LM/pull/5996", layer="model",
+          seam="harness.train.passes:balance_tp_group", make=make_sp_rows_alone, check="step1-gradients",
+          expect=r"step-1 gradient of .* differs", scenario="train-sp"),
 ]

@@ -92,6 +92,13 @@ def balance_group(ops: MicroBatchOps, m: int):
     return ops.cp_groups[m] if ops.mbs[m].local_cp_size > 1 else None
 
 
+def balance_tp_group(ops: MicroBatchOps):
+    """Under sequence parallelism the TP group, over which the routers' balance counts are summed too: a sequence's
+    rows are split over the TP ranks (a seam: ``harness.faults`` re-creates each TP rank balancing the sequences' tokens
+    of its own rows, Megatron-LM PR #5996); None otherwise (every TP rank routes every row)."""
+    return ops.tp.group if ops.tp is not None and ops.tp.sequence_parallel else None
+
+
 # ---------------------------------------------------------------------------------- operations
 class MicroBatchOps:
     """The CP operations of every micro-batch of one step on one rank, built once per micro-batch,
@@ -108,14 +115,13 @@ class MicroBatchOps:
 
     def balance(self, m: int) -> SequenceBalance | None:
         """Micro-batch m's sequences for the MoE routers' load-balancing loss (``harness.runtime.balance``): the counts
-        are summed over ``balance_group`` and, under sequence parallelism, the TP group; None when the model has no
-        such loss."""
+        are summed over ``balance_group`` and ``balance_tp_group``; None when the model has no such loss."""
         if not self.model.c.aux_loss:
             return None
         if m not in self._balance:
             seq, n = balance_sequences(self.mbs[m])
             group = balance_group(self, m)
-            tp = self.tp.group if self.tp is not None and self.tp.sequence_parallel else None
+            tp = balance_tp_group(self)
 
             def reduce(stats, m=m, group=group, tp=tp):
                 self._audit(m)
