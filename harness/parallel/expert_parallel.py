@@ -26,8 +26,10 @@ experts or no tokens at all, so the ranks of a domain must run the same number o
 synchronous execution model (``harness.plan.execution``); ``check_lockstep`` verifies it per step. The
 layouts' schedules give it by construction (every micro-batch spans every position).
 
-Not modelled: a capacity factor or token dropping, a load-balancing loss (the router's z-loss is per
-token), expert tensor parallelism, EP across pipeline stages.
+The routers' losses are computed before the dispatch, on the rank's own tokens: the z-loss per token, the
+sequence-level balance loss (``harness.runtime.balance``) with its counts summed over the micro-batch's CP block.
+Not modelled: a capacity factor or token dropping, expert tensor parallelism together with EP, EP across pipeline
+stages.
 
 Shape legend: ``T`` local tokens, ``E`` hidden size, ``X`` experts, ``K`` top-k, ``P`` the (token, k)
 pairs (T * K), ``R`` ranks of the domain, ``Q`` rows received from all ranks.
