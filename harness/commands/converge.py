@@ -50,7 +50,8 @@ def add_arguments(c) -> None:
     c.add_argument("--ep", action="store_true",
                    help="expert parallelism (MoE models): shard the experts over each stage's DP x CP domain, "
                         "tokens dispatched to them by all-to-all; the dcp schedule is made for the synchronous "
-                        "execution model")
+                        "execution model (with --tp: each TP coordinate's domain, every expert split over TP; "
+                        "needs --sequence-parallel)")
     c.add_argument("--weights", choices=["cached", "fused", "per-call"], default="cached",
                    help="how the layouts' steps take their matrix weights: cached (a compute-dtype copy made once per "
                         "step, gradients added into .grad in place; default), fused (the copies, and the weight-"

@@ -32,7 +32,8 @@ LAYERS = ("plan", "reroute", "attention", "loss", "gradients", "optimizer", "gro
 SCENARIOS = ("train", "train-small-batch", "train-pp", "train-pp-vpp", "train-mtp", "train-pp-mtp", "train-hybrid",
              "train-reinit",
              "train-ep", "train-fused", "train-dist-opt", "train-bucketed", "train-a2a", "train-bf16", "verify-bf16",
-             "train-tp", "train-tp-moe", "train-tp-dist-opt", "train-sp", "replay", "replay-sp", "plan", "stepwise")
+             "train-tp", "train-tp-moe", "train-tp-dist-opt", "train-sp", "train-ep-tp", "replay", "replay-sp", "plan",
+             "stepwise")
 
 
 class UnknownFaultError(PlanInputError):
@@ -254,6 +255,12 @@ FAULTS: tuple[Fault, ...] = (
           url=MEGATRON + "2000", layer="model", seam="harness.parallel.expert_parallel:dispatch_routes",
           make=ep.make_dispatch_other_chunk, check="step1-gradients", expect=r"step-1 gradient of .* differs",
           scenario="train-ep"),
+    Fault(name="ep-tp-expert-norm-undercounted", title="with EP and TP the experts' norm misses the other TP shards",
+          source="Megatron-LM PR #5916: with EP > 1 and TP > 1 the gradient norm omitted some experts' gradients, so "
+                 "clipping applied less than expected",
+          url="https://github.com/NVIDIA/Megatron-LM/pull/5916", layer="gradients",
+          seam="harness.train.step:expert_square_norm", make=ep.make_expert_norm_not_summed_over_tp,
+          check="replica-consistency", expect=r"parameters differ between ranks", scenario="train-ep-tp"),
     Fault(name="ep-expert-counts-off-by-one", title="per-expert token counts off by one expert between ranks",
           source="Megatron-core MoEAlltoAllTokenDispatcher: output splits come from the counts the other ranks "
                  "send (num_global_tokens_per_local_expert); they must match what each rank sends",

@@ -70,3 +70,15 @@ def make_expert_grads_times_ep(original):
             p.grad.mul_(lcfg.n_ranks)
         return (norm ** 2 + (lcfg.n_ranks ** 2 - 1) * sq) ** 0.5
     return reduce_gradients
+
+
+def make_expert_norm_not_summed_over_tp(original):
+    """With expert and tensor parallelism the experts' part of the gradient norm taken from this TP rank's shards only:
+    their squares summed over the DP x CP group but not over TP, so the norm misses the other TP ranks' halves of every
+    expert and clipping applies less than it should (Megatron-LM PR #5916: "if EP > 1 and TP > 1, then the gradient
+    norm calculations omit some experts")."""
+    from harness.parallel import expert_parallel
+
+    def expert_square_norm(shards, tp=None):
+        return expert_parallel.shard_square_norm(shards[0], shards[1])
+    return expert_square_norm

@@ -111,6 +111,10 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  # too); one step (its faults show in step 1's gradients or in the replicas after step 1's update)
                  "train-sp": {**TRAIN, "model": "tiny-moe", "tp": 2, "sequence_parallel": True,
                               "max_seqlen_per_rank": 256, "steps": 1, "moe_aux_loss": 1e-2},
+                 # expert parallelism with tensor and sequence parallelism: the tiny MoE's experts over each TP
+                 # coordinate's 2-rank domain, every expert's FFN split over the 2 TP ranks; one step
+                 "train-ep-tp": {**TRAIN, "model": "tiny-moe", "tp": 2, "sequence_parallel": True,
+                                 "expert_parallel": True, "max_seqlen_per_rank": 256, "steps": 1},
                  # bf16, one step: each layout runs step 1 in fp32 first (the probe step), judged by BF16_CHECKS;
                  # corpus seed 3, as seed 4 (fp32-step-of-another-model's) also draws a batch that fits 4 x 128 tokens
                  "train-bf16": {**TRAIN, "dtype": "bfloat16", "steps": 1,

@@ -70,6 +70,8 @@ SEAMS: dict[str, str] = {
     "harness.train.passes:balance_group": "the group a micro-batch's balance counts are summed over (its CP block)",
     "harness.train.passes:balance_tp_group": "the TP group the balance counts are summed over too (sequence "
                                              "parallelism)",
+    "harness.train.step:expert_square_norm": "the experts' part of the gradient norm (expert parallelism; summed "
+                                             "over TP too)",
     "harness.train.replay:route_columns": "which layers of the rollout's routes feed the routers of a PP stage",
     "harness.train.replay:thd_routes": "the replayed route rows of one CP rank (zig-zag front / back halves)",
     "harness.plan.generator_output:check_step_wise_fields": "step-wise validation of a generator's output",

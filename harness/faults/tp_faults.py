@@ -68,7 +68,9 @@ def make_gate_on_partial_expert_outputs(original):
     the scores applied after the experts, gate.weight's gradient was Partial and marked Replicate)."""
     import torch
 
-    def tp_expert_outputs(moe, x_TE, idx_TK, weight_TK, tp):
+    def tp_expert_outputs(moe, x_TE, idx_TK, weight_TK, tp, dispatch=None):
+        if dispatch is not None or getattr(tp, "sequence_parallel", False):
+            return original(moe, x_TE, idx_TK, weight_TK, tp, dispatch)
         xin = tp.enter(x_TE)
         out = torch.zeros_like(x_TE)
         for e, expert in enumerate(moe.experts):

@@ -28,8 +28,9 @@ layouts' schedules give it by construction (every micro-batch spans every positi
 
 The routers' losses are computed before the dispatch, on the rank's own tokens: the z-loss per token, the
 sequence-level balance loss (``harness.runtime.balance``) with its counts summed over the micro-batch's CP block.
-Not modelled: a capacity factor or token dropping, expert tensor parallelism together with EP, EP across pipeline
-stages.
+With tensor parallelism (under sequence parallelism) the dispatch runs in each TP coordinate's domain on the
+position's gathered rows, each owner running its TP shard of the expert (``harness.runtime.layers.tp_experts``).
+Not modelled: a capacity factor or token dropping, EP across pipeline stages.
 
 Shape legend: ``T`` local tokens, ``E`` hidden size, ``X`` experts, ``K`` top-k, ``P`` the (token, k)
 pairs (T * K), ``R`` ranks of the domain, ``Q`` rows received from all ranks.

@@ -207,15 +207,20 @@ class MoE(nn.Module):
         return out, rows.sum_loss(z) if split else z
 
 
-def tp_experts(tp) -> Experts:
-    """Every expert of an MoE layer on this process, each keeping a tensor-parallel shard of its FFN
-    (``tp_expert_outputs``)."""
+def tp_experts(tp, dispatch: Experts | None = None) -> Experts:
+    """An MoE layer's experts, each keeping a tensor-parallel shard of its FFN (``tp_expert_outputs``): every expert on
+    this process, or with ``dispatch`` (expert parallelism's, ``harness.parallel.expert_parallel``; sequence
+    parallelism only) those of the experts' owners in this TP rank's DP x CP domain."""
+    if dispatch is not None and not getattr(tp, "sequence_parallel", False):
+        raise ValueError("expert parallelism under tensor parallelism needs sequence parallelism (Megatron's rule for "
+                         "MoE with TP): each TP rank's gate weights are gathered with a reduce-scattered gradient")
+
     def experts(moe: MoE, x_TE, idx_TK, weight_TK):
-        return tp_expert_outputs(moe, x_TE, idx_TK, weight_TK, tp)  # the seam, looked up at each call
+        return tp_expert_outputs(moe, x_TE, idx_TK, weight_TK, tp, dispatch)  # the seam, looked up at each call
     return experts
 
 
-def tp_expert_outputs(moe: MoE, x_TE, idx_TK, weight_TK, tp):
+def tp_expert_outputs(moe: MoE, x_TE, idx_TK, weight_TK, tp, dispatch: Experts | None = None):
     """``tp_experts``' work for one call (a seam: ``harness.faults`` re-creates the gate applied to the partial sums).
 
     Tensor parallelism alone: the experts read ``tp.enter(x)`` (their input's gradient summed over TP), their partial
@@ -226,8 +231,14 @@ def tp_expert_outputs(moe: MoE, x_TE, idx_TK, weight_TK, tp):
     (``MoE.forward(rows=)``): the experts run on every rank's rows (``tp.enter``: all-gathered), each output is
     weighted by the all-gathered gate weights (``sp_gates``) and added per token, and the sums are reduce-scattered
     back to this rank's rows (``tp.leave``). Weighting the partial outputs is right here, as the gate weights'
-    gather sums their gradient's partial parts over TP on its way back (Megatron's all-gather token dispatcher)."""
+    gather sums their gradient's partial parts over TP on its way back (Megatron's all-gather token dispatcher).
+
+    With expert parallelism (``dispatch``) the gathered rows go to their experts' owners in this TP rank's domain and
+    come back weighted (``ExpertDispatch``): each TP rank's owner runs its shard of the expert on the same rows, so the
+    weighted partial outputs reduce-scatter to the whole as above."""
     xin = tp.enter(x_TE)
+    if dispatch is not None:
+        return tp.leave(dispatch(moe, xin, idx_TK, sp_gates(weight_TK, tp)))
     chosen = [(e, *(idx_TK == e).nonzero(as_tuple=True)) for e in range(moe.num_experts)]
     chosen = [(e, tok, slot) for e, tok, slot in chosen if tok.numel()]  # the same on every TP rank
     if getattr(tp, "sequence_parallel", False):

@@ -170,9 +170,7 @@ class Block(nn.Module):
         x_TE = self_attention(self, c, x_TE, rot, attention, tp)
         if isinstance(self.mlp, MoE):
             if tp is not None:  # expert tensor parallelism: each expert's FFN split over the TP ranks
-                if experts is not None:
-                    raise ValueError("an MoE block takes either expert parallelism's dispatch or tensor parallelism")
-                experts = layers.tp_experts(tp)
+                experts = layers.tp_experts(tp, experts)
             h, z = self.mlp(self.norm2(x_TE), real_T, routing, experts, rows=tp, balance=balance)
             return x_TE + h, z
         if tp is None:

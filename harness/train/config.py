@@ -64,7 +64,8 @@ class TrainConfig:
     tp: int = 1
     """Tensor-parallel ranks (``harness.parallel.tensor_parallel``: each block's heads and FFN - an MoE's experts -
     split over them); the world is pp stages x a DP x CP domain x tp. Dense, MTP and MoE models (each expert split, the router
-    replicated; not with expert parallelism), the vocabulary split too; the harness's gather / ring / a2a exchanges."""
+    replicated; with expert parallelism under sequence parallelism only), the vocabulary split too; the harness's
+    gather / ring / a2a exchanges."""
     sequence_parallel: bool = False
     """With tp > 1: the block stack's token rows split over the TP ranks too (``harness.parallel.sequence_parallel``,
     Megatron's ``--sequence-parallel``); every sequence is padded to a multiple of tp times its CP divisor. An MoE
@@ -215,12 +216,13 @@ class TrainConfig:
             raise TensorParallelError(f"world size {world} is not a multiple of tp={tp}: the world is pp x (DP x CP) x "
                                       f"tp ranks; use a world of a multiple of {tp * self.pp} ranks")
         check_tp_model(MODELS[self.model], tp, repr(self.model))
-        unsupported = [what for what, on in (("expert parallelism", self.expert_parallel),
-                                              (f"the {self.cp_exchange} exchange",
-                                               comm_type(self.cp_exchange) is not None)) if on]
-        if unsupported:
-            raise TensorParallelError(f"tensor parallelism (tp={tp}) does not run with {' or '.join(unsupported)} yet: "
-                                      "use tp=1 for it, or the gather / ring / a2a exchange")
+        if self.expert_parallel and not self.sequence_parallel:
+            raise TensorParallelError(f"expert parallelism with tensor parallelism (tp={tp}) needs sequence parallelism, "
+                                      "as Megatron requires for MoE with TP (each TP rank dispatches the rows it "
+                                      "routes): add --sequence-parallel, or use tp=1 with expert parallelism")
+        if comm_type(self.cp_exchange) is not None:
+            raise TensorParallelError(f"tensor parallelism (tp={tp}) does not run with the {self.cp_exchange} exchange "
+                                      "yet: use tp=1 for it, or the gather / ring / a2a exchange")
 
     def _check_mixer(self, world: int) -> None:
         """SSM mixer layers shard their heads over a CP block's ranks; dynamic CP forms blocks as large as

@@ -91,7 +91,7 @@ class Probes:
         if self.shared:
             self.embedding.append(param_digest(model, skip=lambda name: name != "embed.weight"))
         if self.sharded:
-            self.digests.append(param_digest(model, skip=is_expert_param))
+            self.digests.append(param_digest(model, skip=is_expert_param, tp=tp))
         else:
             self.digests.append(param_digest(model, tp=tp))
 

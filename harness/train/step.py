@@ -132,6 +132,33 @@ def reduce_gradients(model, groups: DynamicGroups, lcfg: LayoutConfig):
     return (norm ** 2 + expert_parallel.shard_square_norm(shards, group).to(norm)) ** 0.5
 
 
+def stage_square_norm(params, tp=None, shards=None) -> torch.Tensor:
+    """The squared gradient norm (fp64, 0-d) of a stage's ``params``: ``tp``'s split parameters' squares summed over the
+    TP group, the replicated ones counted once (``tensor_parallel.square_norm``); ``shards`` (expert parallelism's
+    parameters, their DP x CP group): summed over that group, and under TP (each expert's FFN split) over TP too."""
+    sharded = {id(p) for p in shards[0]} if shards is not None else set()
+    rest = [p for p in params if id(p) not in sharded]
+    if tp is not None:
+        sq = tensor_parallel.square_norm(rest, tp)
+    else:
+        mine = [p.grad for p in rest if p.grad is not None]
+        sq = torch.stack([g.detach().double().norm() ** 2 for g in mine]).sum() if mine else \
+            torch.zeros((), dtype=torch.float64)
+    if shards is not None:
+        sq = sq + expert_square_norm(shards, tp).to(sq)
+    return sq
+
+
+def expert_square_norm(shards, tp=None) -> torch.Tensor:
+    """The experts' squared gradient norm: their shards' squares summed over their DP x CP group and, under tensor
+    parallelism (each expert's FFN split), over the TP group too (a seam: ``harness.faults`` re-creates Megatron's
+    undercount of the experts with EP and TP, PR #5916)."""
+    experts = expert_parallel.shard_square_norm(shards[0], shards[1])
+    if tp is not None and tp.size > 1:
+        dist.all_reduce(experts, group=tp.group)
+    return experts
+
+
 def clip_gradients(params, max_norm: float, pipeline_group, shards=None, tp=None) -> None:
     """Clip by the gradient norm of the whole model: with pipeline stages, the stages' squared norms
     are summed over the rank's pipeline (every stage holds different parameters). ``shards``: (the
@@ -142,15 +169,7 @@ def clip_gradients(params, max_norm: float, pipeline_group, shards=None, tp=None
     if pipeline_group is None and shards is None and tp is None:
         torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         return
-    sharded = {id(p) for p in shards[0]} if shards is not None else set()
-    if tp is not None:
-        sq = tensor_parallel.square_norm([p for p in params if id(p) not in sharded], tp)
-    else:
-        mine = [p.grad for p in params if p.grad is not None and id(p) not in sharded]
-        sq = torch.stack([g.detach().double().norm() ** 2 for g in mine]).sum() if mine else \
-            torch.zeros((), dtype=torch.float64)
-    if shards is not None:
-        sq = sq + expert_parallel.shard_square_norm(shards[0], shards[1])
+    sq = stage_square_norm(params, tp, shards)
     if pipeline_group is not None:
         dist.all_reduce(sq, group=pipeline_group)
     coef = min(1.0, max_norm / (float(sq.sqrt()) + 1e-6))
@@ -405,7 +424,7 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
         else:
             grad_norm = reduce_gradients(model, groups, lcfg)
             if run.tp is not None:  # the shards' squares summed over the TP group, the replicated ones counted once
-                grad_norm = tensor_parallel.square_norm(params, run.tp).sqrt()
+                grad_norm = stage_square_norm(params, run.tp, shards).sqrt()
             grad_norm = _global_norm(grad_norm, groups.pipeline, device)
         if probes is not None:
             probes.after_reduce(step_index, model, float(grad_norm), tp=run.tp)

@@ -54,7 +54,8 @@ def test_the_split_parameters_are_the_blocks_matrices_and_the_vocabulary():
 @pytest.mark.parametrize("cfg, world, match", [
     ({"tp": 3}, 6, r"heads=4 is not a multiple of tp=3"),
     ({"tp": 2}, 6, r"world size 6 is not a multiple|not a power of two"),
-    ({"tp": 2, "model": "tiny-moe", "expert_parallel": True}, 4, r"does not run with expert parallelism"),
+    ({"tp": 2, "model": "tiny-moe", "expert_parallel": True}, 4,
+     r"expert parallelism with tensor parallelism \(tp=2\) needs sequence parallelism.*add --sequence-parallel"),
     ({"tp": 2, "model": "tiny-hybrid"}, 4, r"SSM mixers are not split"),
     ({"tp": 2, "cp_exchange": "te:p2p"}, 4, r"does not run with the te:p2p exchange"),
     ({"tp": 2, "cp_exchange": "a2a"}, 8, r"heads=2 is not a multiple of cp_size=4.*with tp=2 each rank's 2 of the 4 heads"),

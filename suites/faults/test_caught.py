@@ -35,7 +35,7 @@ def _outcomes(scenario, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("scenario", ["train", "train-small-batch", "train-pp-mtp", "train-dist-opt", "train-bucketed",
                                       "train-bf16", "verify-bf16", "train-tp", "train-tp-moe", "train-tp-dist-opt",
-                                      "train-sp", "replay", "replay-sp", "plan",
+                                      "train-sp", "train-ep", "train-ep-tp", "replay", "replay-sp", "plan",
                                       "stepwise"])
 def test_clean_runs_raise_no_alarm(scenario, tmp_path_factory):
     clean = _outcomes(scenario, tmp_path_factory)[None]
@@ -60,7 +60,8 @@ def test_every_seam_is_live_and_a_passthrough_changes_nothing(tmp_path):
     results equal the clean runs'. (The plan and step-wise seams are called in-process by their
     scenarios; their clean runs are the tests above.)"""
     train_seams = [s for s in SEAMS if s.startswith(("harness.train.step", "harness.parallel.reroute",
-                                                     "harness.train.layouts", "harness.plan.layout"))]
+                                                     "harness.train.layouts", "harness.plan.layout"))
+                   and not s.endswith("step:expert_square_norm")]  # expert parallelism's: the ep-tp case below
     replay_seams = [s for s in SEAMS if s.startswith("harness.train.replay")]
     cfg = {**sc.TRAIN_CONFIGS["train"], "layouts": ["bshd", "dcp"]}
     got = run_on_ranks(sc.passthrough_world, world_size=sc.WORLD, tmp_path=tmp_path,
@@ -112,8 +113,10 @@ def _tp_wanted(seam: str, cfg: dict) -> bool:
     {**sc.TRAIN_CONFIGS["train-tp"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-tp-dist-opt"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-tp-moe"], "layouts": ["dcp"]},
-    {**sc.TRAIN_CONFIGS["train-sp"], "layouts": ["dcp"]},  # the MoE model: its dense block and attention call every SP seam
-], ids=["mtp-pp2", "hybrid", "fused", "dist-opt", "bf16", "tp", "tp-dist-opt", "tp-moe", "sp-moe"])
+    # the MoE model under SP with expert parallelism and the balance loss: its dense block and attention call every SP
+    # seam, its MoE blocks the router's, the experts' (dispatched) and the balance loss's
+    {**sc.TRAIN_CONFIGS["train-ep-tp"], "moe_aux_loss": 1e-2, "layouts": ["dcp"]},
+], ids=["mtp-pp2", "hybrid", "fused", "dist-opt", "bf16", "tp", "tp-dist-opt", "tp-moe", "ep-tp-sp-moe"])
 def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg, tmp_path):
     """The seams of the forward passes, the model's CP calls, the SSM scan, the pipeline stages, the weight paths and
     tensor parallelism: wrapped by call counters in a pipelined MTP run, a hybrid (SSM) run, a fused-weight run, a
@@ -135,8 +138,9 @@ def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg
               and ("weight_cache:accumulate" in s) == (cfg.get("weights") != "fused")
               and ("dist_opt" in s) == (cfg.get("optimizer") == "distributed")
               and ("probe_config" in s) == (cfg.get("dtype") == "bfloat16")
-              # the routers' balance loss: MoE runs that have one (train-sp's)
+              # the routers' balance loss: MoE runs that have one; the experts' norm: expert parallelism's
               and ("passes:balance_" in s) == bool(cfg.get("moe_aux_loss"))
+              and ("step:expert_square_norm" in s) == bool(cfg.get("expert_parallel"))
               and _tp_wanted(s, cfg)]
     assert all(counts[s] > 0 for s in wanted), {s: counts[s] for s in wanted}
     for r in got:
