@@ -18,7 +18,8 @@
    heads and FFN, every expert's FFN and the vocabulary are split over the TP ranks
    (``harness.parallel.tensor_parallel``); with ``sp`` (the default under TP, as SkyRL sets it) the token rows are
    split over them too, each TP rank's router routes its ``T / tp`` rows and its store holds those
-   (``harness.plan.replay.sp_rows``); without ``sp`` every TP rank routes, and replays, every row.
+   (``harness.plan.replay.sp_rows``); without ``sp`` every TP rank routes, and replays, every row. ``ep`` with ``tp``
+   (sequence parallelism only, as Megatron requires for MoE with TP): each TP coordinate's CP ranks own the experts.
 3. Checks: (a) in ``replay`` mode every real token's chosen experts at every MoE layer equal the
    rollout's for that (sample, position) - looked up independently through the token's position id (under sequence
    parallelism, the rank's rows' ids);
@@ -242,8 +243,9 @@ def replay_check(rank: int, world: int, cfg: dict | None = None) -> dict:
     n = cfg["pp"] * cfg["cp"] * cfg["tp"]
     if n != world:
         raise ValueError(f"pp={cfg['pp']} x cp={cfg['cp']} x tp={cfg['tp']} needs {n} ranks, the world has {world}")
-    if cfg["tp"] > 1 and cfg["ep"]:
-        raise ValueError("router replay's check runs tensor parallelism without expert parallelism: use tp=1 with ep")
+    if cfg["tp"] > 1 and cfg["ep"] and not _sp(cfg):
+        raise ValueError("expert parallelism with tensor parallelism needs sequence parallelism (Megatron's rule for "
+                         "MoE with TP): use sp=None or True with ep, or tp=1")
     vpp = cfg["vpp"]
     if not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 1 or (vpp > 1 and cfg["pp"] == 1):
         raise ValueError(f"vpp={vpp!r}: virtual pipeline chunks need an int >= 1, and pp >= 2 when > 1")

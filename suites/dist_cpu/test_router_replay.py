@@ -11,17 +11,19 @@ from harness.train.replay import replay_check
 pytestmark = pytest.mark.dist_cpu
 
 
-@pytest.mark.parametrize("pp, vpp, cp, tp, sp", [(2, 1, 1, 1, None), (1, 1, 2, 1, None), (2, 2, 2, 1, None),
-                                                 (1, 1, 2, 2, True), (2, 1, 1, 2, True), (1, 1, 2, 2, False)],
-                         ids=["pp2", "cp2", "pp2_vpp2_cp2", "cp2_tp2_sp", "pp2_tp2_sp", "cp2_tp2"])
-def test_replay_under_pp_cp_and_tp(pp, vpp, cp, tp, sp, tmp_path):
+@pytest.mark.parametrize("pp, vpp, cp, tp, sp, ep", [(2, 1, 1, 1, None, False), (1, 1, 2, 1, None, False),
+                                                     (2, 2, 2, 1, None, False), (1, 1, 2, 2, True, True),
+                                                     (2, 1, 1, 2, True, False), (1, 1, 2, 2, False, False)],
+                         ids=["pp2", "cp2", "pp2_vpp2_cp2", "cp2_tp2_sp_ep", "pp2_tp2_sp", "cp2_tp2"])
+def test_replay_under_pp_cp_and_tp(pp, vpp, cp, tp, sp, ep, tmp_path):
     """With TP (blocks, experts and vocabulary split) and sequence parallelism each TP rank's router routes, and
     replays, its share of the CP rank's rows (``harness.plan.replay.sp_rows``); without SP every TP rank replays every
-    row. Under the interleaved pipeline (2 virtual chunks a stage: stage 0 builds layers 0 and 2, stage 1 layers 1 and
-    3) the store is keyed by global layer, so the chunks' interleaved visits do not matter. Every token's experts are
-    the rollout's and the loss and whole gradients equal the unsplit reference."""
+    row; with expert parallelism too, the replayed experts' owners in each TP coordinate's CP group run them. Under the
+    interleaved pipeline (2 virtual chunks a stage: stage 0 builds layers 0 and 2, stage 1 layers 1 and 3) the store is
+    keyed by global layer, so the chunks' interleaved visits do not matter. Every token's experts are the rollout's and
+    the loss and whole gradients (an expert's on its owner) equal the unsplit reference."""
     results = run_on_ranks(replay_check, world_size=pp * cp * tp, tmp_path=tmp_path,
-                           args=({"pp": pp, "vpp": vpp, "cp": cp, "tp": tp, "sp": sp},), timeout_s=300)
+                           args=({"pp": pp, "vpp": vpp, "cp": cp, "tp": tp, "sp": sp, "ep": ep},), timeout_s=300)
     assert {(r["pp_rank"], r["cp_rank"], r["tp_rank"]) for r in results} == \
         {(p, c, t) for p in range(pp) for c in range(cp) for t in range(tp)}
     assert all(r["sp"] == (tp > 1 and sp is not False) for r in results)
@@ -39,7 +41,8 @@ def test_replay_under_pp_cp_and_tp(pp, vpp, cp, tp, sp, tmp_path):
 
 @pytest.mark.parametrize("cfg, world, match", [
     ({"pp": 1, "cp": 2, "tp": 1, "sp": True}, 2, r"sp=True splits the token rows over the TP ranks and tp=1"),
-    ({"pp": 1, "cp": 2, "tp": 2, "ep": True}, 4, r"tensor parallelism without expert parallelism"),
+    ({"pp": 1, "cp": 2, "tp": 2, "sp": False, "ep": True}, 4, r"expert parallelism with tensor parallelism needs "
+                                                              r"sequence parallelism"),
     ({"pp": 1, "cp": 2, "tp": 2}, 2, r"pp=1 x cp=2 x tp=2 needs 4 ranks, the world has 2"),
     ({"pp": 1, "vpp": 2, "cp": 2}, 2, r"vpp=2: virtual pipeline chunks need an int >= 1, and pp >= 2 when > 1"),
 ])
