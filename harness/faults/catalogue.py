@@ -255,6 +255,13 @@ FAULTS: tuple[Fault, ...] = (
           url=MEGATRON + "2000", layer="model", seam="harness.parallel.expert_parallel:dispatch_routes",
           make=ep.make_dispatch_other_chunk, check="step1-gradients", expect=r"step-1 gradient of .* differs",
           scenario="train-ep"),
+    Fault(name="ep-expert-norm-local", title="each rank clips by its own experts' norm",
+          source="ColossalAI issue #2192 (expert gradient norms not summed for clipping), DeepSpeed issue #8475 "
+                 "(norms of ranks with different experts averaged), NeMo Automodel issue #3816 (a different global "
+                 "norm on every EP group)",
+          url="https://github.com/hpcaitech/ColossalAI/issues/2192", layer="gradients",
+          seam="harness.train.step:expert_square_norm", make=ep.make_expert_norm_local,
+          check="replica-consistency", expect=r"parameters differ between ranks", scenario="train-ep"),
     Fault(name="ep-tp-expert-norm-undercounted", title="with EP and TP the experts' norm misses the other TP shards",
           source="Megatron-LM PR #5916: with EP > 1 and TP > 1 the gradient norm omitted some experts' gradients, so "
                  "clipping applied less than expected",

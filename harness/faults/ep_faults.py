@@ -82,3 +82,22 @@ def make_expert_norm_not_summed_over_tp(original):
     def expert_square_norm(shards, tp=None):
         return expert_parallel.shard_square_norm(shards[0], shards[1])
     return expert_square_norm
+
+
+def make_expert_norm_local(original):
+    """The experts' part of the clipping norm taken from this rank's own experts only, never summed over the domain
+    that shards them: every rank clips by a norm of different experts, so the replicated parameters are scaled
+    differently on each rank and the replicas part (ColossalAI issue #2192: "experts' gradient norms are supposed to be
+    summed up since it is another kind of model parallelism"; DeepSpeed issue #8475: norms of ranks with different
+    expert ownership averaged instead of summed; NeMo Automodel issue #3816: a different "global" norm on every EP
+    group)."""
+    import torch
+
+    def expert_square_norm(shards, tp=None):
+        grads = [p.grad for p in shards[0] if p.grad is not None]
+        dev = grads[0].device if grads else torch.device("cpu")
+        sq = torch.zeros((), dtype=torch.float64, device=dev)
+        for g in grads:
+            sq += g.detach().double().pow(2).sum()
+        return sq
+    return expert_square_norm
