@@ -18,12 +18,13 @@ def runs(request, tmp_path_factory):
     """Each model with the all-gather K/V exchange, and tiny-gpt with the ring exchange (every CP
     block of every layout then passes K/V around its ring) and with every thd / dcp micro-batch padded to a
     multiple of 16 tokens per rank (``#16``: bench step's token bucket). tiny-moe runs bshd in micro-batches of 4
-    padded sequences (as the nightly's GPU MoE cases do), the others one sequence per bshd micro-batch."""
+    padded sequences (as the nightly's GPU MoE cases do), the others one sequence per bshd micro-batch; tiny-moe with
+    the routers' balance loss (each of those sequences balanced on its own, whatever the layout packs with it)."""
     name, _, bucket = request.param.partition("#")
     model, _, exchange = name.partition("@")
     cfg = {"model": model, "steps": 3, "max_seqlen_per_rank": 512, "cp_exchange": exchange or "gather",
            "corpus": {"sequences_per_batch": 16}, "micro_batch_size": 4 if model == "tiny-moe" else 1,
-           "token_bucket": int(bucket or 0)}
+           "token_bucket": int(bucket or 0), **({"moe_aux_loss": 1e-2} if model == "tiny-moe" else {})}
     out = run_on_ranks(train, world_size=2, tmp_path=tmp_path_factory.mktemp("conv"), args=(cfg,), timeout_s=600)
     return request.param, out[0]
 
@@ -59,7 +60,7 @@ def test_padding_and_schedules_differ_as_designed(runs):
     if model == "tiny-gpt-mtp":
         assert all(len(rows[layout][0]["mtp_loss"]) == 1 and rows[layout][0]["mtp_loss"][0] > 0 for layout in rows)
     if model == "tiny-moe":
-        assert rows["bshd"][0]["aux_loss"] > 0  # router z-loss over real tokens only
+        assert rows["bshd"][0]["aux_loss"] > 0  # router z-loss and balance loss over real tokens only
         # the routes every layout recorded, summed over the ranks, are the same whatever the layout did to the
         # tokens (CP 2 slices, padding, packing); no near-tie flips in these 3 steps
         assert [r["route_digest"] for r in rows["thd"]] == [r["route_digest"] for r in rows["bshd"]] == \
