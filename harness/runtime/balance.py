@@ -30,7 +30,7 @@ static TP x CP group instead of the micro-batch's block is what Megatron's dynam
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,9 +52,25 @@ class SequenceBalance:
     """Sums an ``[S, E + 1]`` tensor (counts, then tokens) over the other ranks that hold these sequences' tokens, in
     place, and returns it; None: this rank holds all of them."""
 
+    def __post_init__(self):
+        """The ids are checked once, here (one host sync), not in every MoE layer that uses them."""
+        seq = self.seq_T
+        if seq.dim() != 1 or seq.dtype not in (torch.int32, torch.int64):
+            raise BalanceError(f"seq_T must be a 1-d integer tensor of sequence ids, got {tuple(seq.shape)} {seq.dtype}")
+        if seq.numel():
+            lo, hi = torch.aminmax(seq)
+            if int(lo) < 0 or int(hi) >= self.sequences:
+                raise BalanceError(f"sequence ids must lie in [0, {self.sequences}), got [{int(lo)}, {int(hi)}]: "
+                                   f"number the pack's sequences from 0")
+
+    _own: SequenceBalance | None = field(default=None, repr=False, compare=False)
+
     def own_rows(self, rows) -> SequenceBalance:
-        """This TP rank's rows (sequence parallelism: ``rows`` is the step's ``TensorParallelOps``)."""
-        return SequenceBalance(rows.own_rows(self.seq_T), self.sequences, self.reduce)
+        """This TP rank's rows (sequence parallelism: ``rows`` is the step's ``TensorParallelOps``, the same for every
+        layer of a step), taken once and kept for the micro-batch's other layers."""
+        if self._own is None:
+            object.__setattr__(self, "_own", SequenceBalance(rows.own_rows(self.seq_T), self.sequences, self.reduce))
+        return self._own
 
 
 def seq_aux_loss(logits_TX: torch.Tensor, idx_TK: torch.Tensor, real_T: torch.Tensor, balance: SequenceBalance,
@@ -66,9 +82,6 @@ def seq_aux_loss(logits_TX: torch.Tensor, idx_TK: torch.Tensor, real_T: torch.Te
     if seq.shape != (T,):
         raise BalanceError(f"the balance loss got {tuple(seq.shape)} sequence ids for {T} tokens: pass one per token "
                            f"(SequenceBalance.seq_T, this rank's rows)")
-    if T and (int(seq.min()) < 0 or int(seq.max()) >= balance.sequences):
-        raise BalanceError(f"sequence ids must lie in [0, {balance.sequences}), got [{int(seq.min())}, "
-                           f"{int(seq.max())}]: number the pack's sequences from 0")
     real = real_T.to(logits_TX.dtype)
     probs_TX = logits_TX.softmax(-1) * real[:, None]
     with torch.no_grad():

@@ -103,7 +103,9 @@ def test_bad_sequence_ids_and_a_missing_layout_are_refused():
     with pytest.raises(BalanceError, match=r"got \(5,\) sequence ids for 11 tokens"):
         seq_aux_loss(logits, idx, real, SequenceBalance(seq[:5], 2), COEF, K)
     with pytest.raises(BalanceError, match=r"sequence ids must lie in \[0, 1\), got \[0, 1\]"):
-        seq_aux_loss(logits, idx, real, SequenceBalance(seq, 1), COEF, K)
+        SequenceBalance(seq, 1)
+    with pytest.raises(BalanceError, match=r"seq_T must be a 1-d integer tensor"):
+        SequenceBalance(seq.float(), 2)
     model = TinyLM(ModelConfig(experts=4, top_k=2, aux_loss=1e-2))
     t = torch.arange(6)
     with pytest.raises(BalanceError, match=r"MoE layer \d+ has a load-balancing loss .* pass balance="):
