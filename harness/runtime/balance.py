@@ -51,9 +51,13 @@ class SequenceBalance:
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Sums an ``[S, E + 1]`` tensor (counts, then tokens) over the other ranks that hold these sequences' tokens, in
     place, and returns it; None: this rank holds all of them."""
+    _own: SequenceBalance | None = field(default=None, init=False, repr=False, compare=False)
+    """``own_rows``' view, taken once."""
 
     def __post_init__(self):
         """The ids are checked once, here (one host sync), not in every MoE layer that uses them."""
+        if isinstance(self.sequences, bool) or not isinstance(self.sequences, int) or self.sequences < 1:
+            raise BalanceError(f"sequences must be an int >= 1 (the pack's sequences), got {self.sequences!r}")
         seq = self.seq_T
         if seq.dim() != 1 or seq.dtype not in (torch.int32, torch.int64):
             raise BalanceError(f"seq_T must be a 1-d integer tensor of sequence ids, got {tuple(seq.shape)} {seq.dtype}")
@@ -62,8 +66,6 @@ class SequenceBalance:
             if int(lo) < 0 or int(hi) >= self.sequences:
                 raise BalanceError(f"sequence ids must lie in [0, {self.sequences}), got [{int(lo)}, {int(hi)}]: "
                                    f"number the pack's sequences from 0")
-
-    _own: SequenceBalance | None = field(default=None, repr=False, compare=False)
 
     def own_rows(self, rows) -> SequenceBalance:
         """This TP rank's rows (sequence parallelism: ``rows`` is the step's ``TensorParallelOps``, the same for every

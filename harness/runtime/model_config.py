@@ -65,7 +65,7 @@ class ModelConfig:
             raise ValueError(f"top_k={self.top_k} must be in [1, experts={self.experts}]")
         if not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
             raise ValueError(f"mtp_depth={self.mtp_depth!r} must be an int >= 0 (0 = no multi-token prediction)")
-        if not (isinstance(self.aux_loss, (int, float)) and self.aux_loss >= 0):
+        if isinstance(self.aux_loss, bool) or not (isinstance(self.aux_loss, (int, float)) and self.aux_loss >= 0):
             raise ValueError(f"aux_loss={self.aux_loss!r} must be a number >= 0 (0 = no load-balancing loss)")
         if self.aux_loss and not self.experts:
             raise ValueError(f"aux_loss={self.aux_loss} balances MoE routers and this model has none: use experts > 0 "

@@ -24,7 +24,7 @@ from harness.parallel.cp_attention import CPAttentionPlan, cp_attention
 from harness.parallel.expert_parallel import ExpertDispatch, TokenSlice
 from harness.parallel.reroute import ThdMicroBatch
 from harness.parallel.ssm_cp import CPChannelExchange
-from harness.runtime.balance import SequenceBalance
+from harness.runtime.balance import BalanceError, SequenceBalance
 from harness.runtime.model import Rotary
 from harness.runtime.ssm import SequenceLayout
 from harness.train import pipeline
@@ -82,7 +82,10 @@ def balance_sequences(mb: ThdMicroBatch) -> tuple[torch.Tensor, int]:
     seq = mb.data["seq"]
     gids = torch.as_tensor(mb.gids, dtype=seq.dtype, device=seq.device)
     order = torch.argsort(gids)
-    return order[torch.searchsorted(gids[order], seq)], len(mb.gids)
+    pos = torch.searchsorted(gids[order], seq).clamp_max(len(mb.gids) - 1)
+    if not torch.equal(gids[order][pos], seq):  # a token of no sequence of the pack would join a neighbour's counts
+        raise BalanceError(f"micro-batch {mb.index}: some tokens carry a sequence id outside its pack {mb.gids}")
+    return order[pos], len(mb.gids)
 
 
 def balance_group(ops: MicroBatchOps, m: int):

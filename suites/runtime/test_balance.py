@@ -112,9 +112,26 @@ def test_bad_sequence_ids_and_a_missing_layout_are_refused():
         model.run_layers(model.embed_tokens(t), t, torch.ones(6), lambda q, k, v: thd_attention(q, k, v, [0, 6]))
 
 
+def test_a_packs_tokens_are_numbered_by_their_sequence_and_a_foreign_id_is_refused():
+    from types import SimpleNamespace
+
+    from harness.train.passes import balance_sequences
+
+    mb = SimpleNamespace(index=0, gids=(7, 2, 5), data={"seq": torch.tensor([7, 7, 2, 5, 5, 5])})
+    seq, n = balance_sequences(mb)
+    assert seq.tolist() == [0, 0, 1, 2, 2, 2] and n == 3  # pack order, whatever the gids
+    mb.data["seq"] = torch.tensor([7, 3, 5])
+    with pytest.raises(BalanceError, match=r"outside its pack \(7, 2, 5\)"):
+        balance_sequences(mb)
+    with pytest.raises(BalanceError, match=r"sequences must be an int >= 1"):
+        SequenceBalance(torch.zeros(0, dtype=torch.long), 0)
+
+
 def test_configurations_that_cannot_have_it_are_refused():
     with pytest.raises(ValueError, match=r"aux_loss=-1 must be a number >= 0"):
         ModelConfig(experts=4, aux_loss=-1)
+    with pytest.raises(ValueError, match=r"aux_loss=True must be a number >= 0"):
+        ModelConfig(experts=4, aux_loss=True)
     with pytest.raises(ValueError, match=r"aux_loss=0.1 balances MoE routers and this model has none"):
         ModelConfig(aux_loss=0.1)
     with pytest.raises(LayoutError, match=r"moe_aux_loss=0.01 balances MoE routers and model 'tiny-gpt' has none"):
