@@ -293,7 +293,7 @@ def _plan_every_step(cfg: TrainConfig, n: int, static_cp: int, execution=None) -
     the step and the layout, before any process starts."""
     lcfg = LayoutConfig(n_ranks=n, max_seqlen_per_rank=cfg.max_seqlen_per_rank, static_cp=static_cp,
                         micro_batch_size=cfg.micro_batch_size, scheduler=cfg.scheduler, dcp_padding=cfg.dcp_padding,
-                        vpp_group=cfg.pipeline_config().vpp_group, execution=execution)
+                        vpp_group=cfg.pipeline_config().vpp_group, execution=execution, tp_padding=cfg.tp_padding)
     cost = model_cost(cfg)
     for step in range(cfg.steps):
         lengths = batch_lengths(cfg.corpus, step)
@@ -453,7 +453,7 @@ def step0_schedules(config: dict) -> dict:
     lcfg = LayoutConfig(n_ranks=cfg.domain(world), max_seqlen_per_rank=cfg.max_seqlen_per_rank,
                         static_cp=config["static_cp"], micro_batch_size=cfg.micro_batch_size, scheduler=cfg.scheduler,
                         dcp_padding=cfg.dcp_padding, vpp_group=cfg.pipeline_config().vpp_group,
-                        execution=cfg.execution_model(world)[0])
+                        execution=cfg.execution_model(world)[0], tp_padding=cfg.tp_padding)
     return {layout: plan(layout, lengths, lcfg, model_cost(cfg))[0] for layout in cfg.layouts}
 
 

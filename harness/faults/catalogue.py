@@ -168,6 +168,12 @@ FAULTS: tuple[Fault, ...] = (
           url=MEGATRON + "2000", layer="plan", seam="harness.plan.balanced.shelves:_pick",
           make=sf.make_shelves_room_unchecked, check="schedule-invariants", expect=r"invariant 'capacity'",
           scenario="plan"),
+    Fault(name="capacity-blind-to-padding", title="the packers fit raw tokens; the runtime pads each to 2 x cp x tp",
+          source="SkyRL PR #2108 (packing made alignment-aware; its review: the aligned footprint exceeds the advertised "
+                 "bin capacity), re-created where balanced and dp-balanced pack under sequence parallelism",
+          url=SKYRL + "2108", layer="plan", seam="harness.plan.padding:planned_tokens",
+          make=sf.make_padding_unpriced, check="schedule-invariants", expect=r"invariant 'capacity'.*padded",
+          scenario="plan"),
     Fault(name="fewer-sequences-than-ranks", title="CP silently off for a batch smaller than the domain",
           source="verl PR #5869: dynamic_cp_split_batch returned early when sequences < dp_size",
           url=VERL + "5869", layer="plan", seam="harness.train.layouts:deliver",

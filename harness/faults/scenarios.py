@@ -57,6 +57,7 @@ from harness.plan import CostModel, ScheduleError, gpt_benchmark_cost, schedule,
 from harness.plan.generator_output import GeneratorOutputError, validate_generator_output
 from harness.plan.layout import Schedule, layout_from_sizes
 from harness.plan.megatron_pr2000 import schedule_pr2000
+from harness.plan.padding import SequencePadding
 from harness.plan.pipeline_schedule import PipelineScheduleError
 from harness.plan.stepwise import broadcast_step_advantages
 from harness.plan.validate import check_schedule
@@ -288,6 +289,10 @@ SHELF_TRIGGER = {"lengths": [4000, 2100, 2000, 500, 300], "n_ranks": 4, "max_seq
 """Two sequences of 2-rank size, one much shorter than the other, and a narrow one (2000 tokens) that fits the
 shorter block's slack but not its room (1996 tokens a block): the shelves' top-up must leave it out."""
 
+PADDING_TRIGGER = {"lengths": [81] * 24, "n_ranks": 4, "max_seqlen_per_rank": 256, "tp": 8}
+"""Sequence parallelism at tp 8: three 81-token sequences fit a rank's 256 tokens raw (243), but padded to 88 they
+take 264; ``balanced`` (both models) and ``dp-balanced`` schedule it with the padding priced."""
+
 TALLEST_TRIGGER = {"lengths": [40, 6, 6, 6, 6], "n_ranks": 2, "max_seqlen_per_rank": 64}
 """One long sequence beside short ones (L**2 plus a K/V exchange of 10 per token): the best schedule runs it on
 both ranks (step 1072); a bound that keeps it on one rank says 1600."""
@@ -346,8 +351,9 @@ def run_verify(fault: str | None, workdir=None) -> list[Alarm]:
 def run_plan(fault: str | None, workdir=None) -> list[Alarm]:
     """PR #2000's driver on its trigger input (a refusal, an error before any schedule exists, is the correct
     outcome there), then ``balanced`` under the synchronous model on ``LEVELS_TRIGGER``, ``TALL_TRIGGER``,
-    ``TALLEST_TRIGGER`` and ``STACK_TRIGGER`` (a micro-batch capacity above ``max_seqlen_per_rank``); an invalid
-    schedule, or one faster than its batch's lower bound, is an alarm."""
+    ``TALLEST_TRIGGER`` and ``STACK_TRIGGER`` (a micro-batch capacity above ``max_seqlen_per_rank``), the rows by
+    levels and by shelves, and ``balanced`` and ``dp-balanced`` on ``PADDING_TRIGGER`` (sequence parallelism's
+    padding); an invalid schedule, or one faster than its batch's lower bound, is an alarm."""
     t = PLAN_TRIGGER
     pairs = list(enumerate(t["lengths"]))
     scheds = []
@@ -368,6 +374,10 @@ def run_plan(fault: str | None, workdir=None) -> list[Alarm]:
             scheds.append(s)
             bounded.append((s, simulate(s).step_time, schedule_lower_bound(s)))
         scheds += _level_candidates(LEVELS_TRIGGER, flops) + _shelf_candidates(SHELF_TRIGGER, flops)
+        t = PADDING_TRIGGER
+        scheds += [schedule(t["lengths"], n_ranks=t["n_ranks"], max_seqlen_per_rank=t["max_seqlen_per_rank"],
+                            algorithm=a, execution=ex, padding=SequencePadding(tp=t["tp"]))
+                   for a, ex in (("balanced", "independent"), ("balanced", "synchronous"), ("dp-balanced", None))]
     for sched in scheds:
         bad = check_schedule(sched)
         if bad:

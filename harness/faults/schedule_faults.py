@@ -114,9 +114,18 @@ def make_capacity_narrows_sequences(original):
     """``balanced`` given a micro-batch capacity above ``max_seqlen_per_rank`` (a stack that runs each sequence as its
     own pass) takes that capacity for each sequence's bound too: its ``cp_min`` falls, and a sequence longer than a
     rank may hold runs on too few ranks."""
-    def items(pairs, max_seqlen_per_rank, capacity, min_cp_size, cost):
-        return original(pairs, capacity, capacity, min_cp_size, cost)
+    def items(pairs, max_seqlen_per_rank, capacity, min_cp_size, cost, padding=None):
+        return original(pairs, capacity, capacity, min_cp_size, cost, padding)
     return items
+
+
+def make_padding_unpriced(original):
+    """The packers count each sequence's raw tokens while the runtime pads it to ``2 x cp x tp`` (``tp`` alone at CP 1)
+    under sequence parallelism (SkyRL PR #2108: packing not aware of the CP / TP alignment; its review found the
+    aligned footprint past the advertised bin capacity): a block's ranks then hold more rows than a rank may."""
+    def planned_tokens(padding, L, size):
+        return L
+    return planned_tokens
 
 
 def make_shelves_room_unchecked(original):

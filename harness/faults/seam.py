@@ -61,6 +61,8 @@ SEAMS: dict[str, str] = {
     "harness.plan.balanced.tall:_tightest": "the block a long sequence joins in the tall micro-batch (balanced, barriers)",
     "harness.plan.tallest:lowest_height": "the least height of the tallest micro-batch (the synchronous lower bound)",
     "harness.plan.balanced:Item": "a sequence as balanced's candidates price it (its per-rank cost at each CP size)",
+    "harness.plan.padding:planned_tokens": "the tokens a scheduler counts for a sequence in a block (padded by its "
+                                           "size and tp under sequence parallelism)",
     "harness.plan.balanced.shelves:_pick": "the narrow sequence a wide block of balanced's shelves takes next (barriers)",
     "harness.plan.balanced:_items": "the sequences balanced schedules, each at its cp_min (of max_seqlen_per_rank, not "
                                     "a micro-batch's capacity)",

@@ -24,6 +24,7 @@ from harness.plan.lengths import check_domain, check_fits, normalize_lengths
 from harness.plan.limits import check_ranks, check_work
 from harness.plan.megatron_dev import schedule_dev
 from harness.plan.megatron_pr2000 import schedule_pr2000
+from harness.plan.padding import SequencePadding
 
 # name -> (function(pairs, n_ranks, mslpr, min_cp, vpp, cost, execution) -> blocks per micro-batch, summary)
 ALGORITHMS: dict[str, tuple[Callable, str]] = {
@@ -36,11 +37,14 @@ ALGORITHMS: dict[str, tuple[Callable, str]] = {
                     "Megatron DpBalancedScheduler: static CP, THD packing"),
 }
 
+PADDED = ("balanced", "dp-balanced")
+"""The algorithms that price a ``SequencePadding`` (``schedule``'s ``padding``)."""
+
 
 def schedule(lengths, *, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
              vpp_group: int | None = None, algorithm: str = "balanced",
              cost: CostModel | None = None, execution: Execution | str | None = None,
-             microbatch_tokens_per_rank: int | None = None) -> Schedule:
+             microbatch_tokens_per_rank: int | None = None, padding: SequencePadding | None = None) -> Schedule:
     """Schedule a global batch onto a DP x CP domain of ``n_ranks`` positions.
 
     Args:
@@ -65,6 +69,11 @@ def schedule(lengths, *, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
             only; default ``max_seqlen_per_rank``). A stack that runs every sequence of a micro-batch as its own
             forward and backward (megatron-core's hybrid CP) bounds only each sequence: give it a larger capacity
             (the batch's tokens: none) and ``max_seqlen_per_rank`` still sets each sequence's smallest CP.
+        padding: how the runtime pads each sequence of a block (``harness.plan.padding.SequencePadding``: by the
+            block's CP size, times tp under sequence parallelism); ``balanced`` and ``dp-balanced`` then fit every
+            block's *padded* tokens to its capacity and size each sequence by its padded length. None (default):
+            ``lengths`` are what the ranks hold. The Megatron algorithms take lengths padded by their caller, as
+            upstream's do.
     Raises:
         PlanInputError (a ``ValueError``) subclasses naming the value and the fix; ``SizeLimitError`` for sizes
         past ``harness.plan.limits`` (ranks, sequences, sequences x ranks).
@@ -81,22 +90,29 @@ def schedule(lengths, *, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
         check_work(len(lengths), n_ranks)
     pairs = normalize_lengths(lengths)
     check_work(len(pairs), n_ranks)
-    check_fits(pairs, n_ranks, max_seqlen_per_rank)
+    check_fits(pairs, n_ranks, max_seqlen_per_rank, padding)
     check_microbatch_tokens(microbatch_tokens_per_rank, max_seqlen_per_rank)
     if microbatch_tokens_per_rank is not None and algorithm != "balanced":
         raise PlanInputError(f"microbatch_tokens_per_rank is a capacity of algorithm 'balanced'; {algorithm!r} "
                              f"packs by max_seqlen_per_rank as upstream does: leave it None or use balanced")
+    if padding is not None and algorithm not in PADDED:
+        raise PlanInputError(f"padding is priced by {' and '.join(PADDED)}; {algorithm!r} schedules lengths as given, "
+                             f"as upstream does: pad the lengths before scheduling (upstream pads every sequence to "
+                             f"2 x n_ranks x tp) and leave padding None, or use {PADDED[0]}")
     cost = cost or CostModel.megatron()
     vpp = vpp_group if vpp_group and vpp_group > 1 else None
     fn, _ = ALGORITHMS[algorithm]
     with cyclic_gc_paused():
-        if microbatch_tokens_per_rank is not None:
+        if algorithm == "balanced" and (microbatch_tokens_per_rank is not None or padding is not None):
             mbs = schedule_balanced(pairs, n_ranks, max_seqlen_per_rank, min_cp_size, vpp, cost, ex,
-                                    microbatch_tokens_per_rank) if pairs else []
+                                    microbatch_tokens_per_rank, padding) if pairs else []
+        elif algorithm == "dp-balanced" and padding is not None:
+            mbs = schedule_dp_balanced(pairs, n_ranks, max_seqlen_per_rank, min_cp_size, vpp, padding) if pairs else []
         else:
             mbs = fn(pairs, n_ranks, max_seqlen_per_rank, min_cp_size, vpp, cost, ex) if pairs else []
         return Schedule(tuple(layout_from_sizes(mb) for mb in mbs), dict(pairs), n_ranks,
-                        max_seqlen_per_rank, min_cp_size, vpp_group, algorithm, cost, ex, microbatch_tokens_per_rank)
+                        max_seqlen_per_rank, min_cp_size, vpp_group, algorithm, cost, ex, microbatch_tokens_per_rank,
+                        padding)
 
 
 @contextmanager

@@ -16,13 +16,17 @@ static CP, e.g. ``min_cp_size=n_ranks`` for CP over the whole domain); ``dp = n_
 
 from __future__ import annotations
 
+from harness.plan import padding as pad
 from harness.plan.cost import cp_min
 from harness.plan.errors import BatchTooSmallError, VPPAlignmentError
 from harness.plan.megatron_common import Blocks
+from harness.plan.padding import SequencePadding
 
 
-def static_cp_size(pairs, max_seqlen_per_rank: int, min_cp_size: int) -> int:
+def static_cp_size(pairs, max_seqlen_per_rank: int, min_cp_size: int, padding: SequencePadding | None = None) -> int:
     longest = max((L for _, L in pairs), default=1)
+    if padding is not None:
+        return padding.cp_min(longest, max_seqlen_per_rank, min_cp_size)
     return cp_min(longest, max_seqlen_per_rank, min_cp_size)
 
 
@@ -45,13 +49,15 @@ def _split_to_multiple(packs: list[list[tuple[int, int]]], dp: int, vpp: int) ->
 
 
 def schedule_dp_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
-                         vpp_group: int | None = None) -> list[Blocks]:
-    cp = static_cp_size(pairs, max_seqlen_per_rank, min_cp_size)
+                         vpp_group: int | None = None, padding: SequencePadding | None = None) -> list[Blocks]:
+    """``padding``: packs hold each sequence padded for the static CP size (``harness.plan.padding``)."""
+    cp = static_cp_size(pairs, max_seqlen_per_rank, min_cp_size, padding)
     dp = n_ranks // cp
     cap = cp * max_seqlen_per_rank
     packs: list[list[tuple[int, int]]] = []
     tokens = 0
     for gid, L in pairs:
+        L = pad.planned_tokens(padding, L, cp)  # a module global: the catalogue's seam
         if packs and tokens + L <= cap:
             packs[-1].append((gid, L))
             tokens += L

@@ -27,6 +27,7 @@ from typing import Any
 from harness.plan.cost import CostModel
 from harness.plan.execution import INDEPENDENT, Execution
 from harness.plan.lengths import normalize_lengths
+from harness.plan.padding import SequencePadding
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,9 @@ class Schedule:
     """Tokens a rank may hold in one micro-batch over its block's sequences; None: ``max_seqlen_per_rank``, which
     always bounds each sequence (its ``cp_min``). Larger for a stack that runs every sequence of a micro-batch as
     its own forward and backward (megatron-core's hybrid CP)."""
+    padding: SequencePadding | None = None
+    """How the runtime pads each sequence of a block (``harness.plan.padding``): capacity holds padded tokens; None:
+    ``lengths`` are what the ranks hold (already padded, or a runtime that does not pad)."""
 
     @property
     def capacity(self) -> int:
@@ -151,6 +155,7 @@ class Schedule:
             "execution": self.execution.to_dict(),
             **({"microbatch_tokens_per_rank": self.microbatch_tokens_per_rank}
                if self.microbatch_tokens_per_rank else {}),
+            **({"padding": self.padding.to_dict()} if self.padding else {}),
             "lengths": [[g, L] for g, L in self.lengths.items()],
             "microbatches": [
                 [{"start": b.start, "size": b.size, "gids": list(b.gids)} for b in mb] for mb in self.layout
@@ -166,4 +171,5 @@ class Schedule:
             vpp_group=d["vpp_group"], algorithm=d["algorithm"], cost=CostModel(**d["cost"]),
             execution=Execution.from_dict(d["execution"]) if "execution" in d else INDEPENDENT,
             microbatch_tokens_per_rank=d.get("microbatch_tokens_per_rank"),
+            padding=SequencePadding(**d["padding"]) if d.get("padding") else None,
         )

@@ -82,11 +82,19 @@ def check_domain(n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int, vpp_g
         check_positive_int("vpp_group", vpp_group)
 
 
-def check_fits(pairs: Pairs, n_ranks: int, max_seqlen_per_rank: int) -> None:
-    """Every sequence must fit on the whole domain: ``cp_min(L) <= n_ranks``."""
+def check_fits(pairs: Pairs, n_ranks: int, max_seqlen_per_rank: int, padding=None) -> None:
+    """Every sequence must fit on the whole domain: ``cp_min(L) <= n_ranks``, padded as ``padding`` says
+    (``harness.plan.padding.SequencePadding``) when it is given."""
     if not pairs:
         return
     gid, L = max(pairs, key=lambda p: (p[1], -p[0]))
+    if padding is not None and L <= n_ranks * max_seqlen_per_rank \
+            and padding.cp_min(L, max_seqlen_per_rank, limit=n_ranks) > n_ranks:
+        need = padding.padded(L, n_ranks)
+        raise SequenceTooLongError(
+            f"sequence {gid} has {L} tokens, {need} once padded ({padding.describe()}) on all {n_ranks} ranks of the "
+            f"DP x CP domain, more than they hold at max_seqlen_per_rank={max_seqlen_per_rank}; raise "
+            f"max_seqlen_per_rank to >= {-(-need // n_ranks)} or truncate it")
     if L > n_ranks * max_seqlen_per_rank:
         need = cp_min(L, max_seqlen_per_rank)
         raise SequenceTooLongError(

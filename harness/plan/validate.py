@@ -22,6 +22,7 @@ from harness.plan.cost import check_microbatch_tokens, cp_min, is_power_of_two
 from harness.plan.errors import PlanInputError, ScheduleError
 from harness.plan.layout import Block, Schedule, blocks_from_slots
 from harness.plan.lengths import normalize_lengths
+from harness.plan.padding import padded_tokens
 
 INVARIANTS: dict[str, str] = {
     "slot-count": "every micro-batch has exactly n_ranks slots",
@@ -33,7 +34,8 @@ INVARIANTS: dict[str, str] = {
     "cp-min": "every block size is >= cp_min(L) for each sequence L in it",
     "buddy-alignment": "every block starts at a multiple of its size",
     "block-order": "block sizes never increase from left to right",
-    "capacity": "a block's tokens fit: sum(L) <= size * microbatch_tokens_per_rank (default max_seqlen_per_rank)",
+    "capacity": "a block's tokens fit: sum(L) <= size * microbatch_tokens_per_rank (default max_seqlen_per_rank), "
+                "each L padded as the schedule's padding says",
     "vpp-multiple": "the number of micro-batches is a multiple of vpp_group",
 }
 
@@ -73,10 +75,11 @@ def _check_block(b: Block, prev: Block | None, ctx: dict, m: int, out: list[Viol
         need = cp_min(lengths[g], mslpr)  # min_cp_size is its own invariant
         if b.size < need:
             bad("cp-min", f"sequence {g} of {lengths[g]} tokens needs cp >= {need}, block has {b.size}")
-    tokens, cap = sum(lengths[g] for g in known), ctx["cap"]
+    tokens, cap = padded_tokens(ctx["padding"], [lengths[g] for g in known], b.size), ctx["cap"]
     if tokens > b.size * cap:
         what = "max_seqlen_per_rank" if cap == mslpr else "microbatch_tokens_per_rank"
-        bad("capacity", f"block packs {tokens} tokens on {b.size} ranks = {tokens / b.size:g} per rank "
+        padded = f" ({ctx['padding'].describe()})" if ctx["padding"] else ""
+        bad("capacity", f"block packs {tokens} tokens{padded} on {b.size} ranks = {tokens / b.size:g} per rank "
                         f"> {what} {cap}")
 
 
@@ -118,13 +121,15 @@ def _check_microbatch(slots, m: int, ctx: dict, seen: dict[int, int], out: list[
 
 
 def check_schedule(schedule, lengths=None, *, n_ranks=None, max_seqlen_per_rank=None, min_cp_size=None,
-                   vpp_group=None, microbatch_tokens_per_rank=None) -> list[Violation]:
+                   vpp_group=None, microbatch_tokens_per_rank=None, padding=None) -> list[Violation]:
     """All violations of ``INVARIANTS`` (empty list = valid). Parameters default to the
     ``Schedule``'s own; raw micro-batches need ``lengths``, ``n_ranks`` and ``max_seqlen_per_rank``.
     ``microbatch_tokens_per_rank`` (default the schedule's, else ``max_seqlen_per_rank``) is the capacity a
-    block's tokens must fit; ``max_seqlen_per_rank`` always sets each sequence's ``cp_min``."""
+    block's tokens must fit; ``max_seqlen_per_rank`` always sets each sequence's ``cp_min``. ``padding`` (default the
+    schedule's, ``harness.plan.padding.SequencePadding``): the capacity check counts each sequence padded by it."""
     if isinstance(schedule, Schedule):
         microbatch_tokens_per_rank = microbatch_tokens_per_rank or schedule.microbatch_tokens_per_rank
+        padding = padding or schedule.padding
         mbs = schedule.microbatches
         lengths = schedule.lengths if lengths is None else dict(normalize_lengths(lengths))
         n_ranks = schedule.n_ranks if n_ranks is None else n_ranks
@@ -139,6 +144,7 @@ def check_schedule(schedule, lengths=None, *, n_ranks=None, max_seqlen_per_rank=
         raise PlanInputError(f"n_ranks must be a positive int, got {n_ranks!r}")
     cap = check_microbatch_tokens(microbatch_tokens_per_rank, max_seqlen_per_rank)
     ctx = {"lengths": lengths, "n": n_ranks, "mslpr": max_seqlen_per_rank, "cap": cap, "min_cp": min_cp_size or 1,
+           "padding": padding,
            "sizes": _valid_sizes(n_ranks) if not is_power_of_two(n_ranks) else
            {1 << i for i in range(n_ranks.bit_length())}}
     out: list[Violation] = []

@@ -254,7 +254,13 @@ class TrainConfig:
                             static_cp=static_cp_for(longest_sequence(self), n, self.max_seqlen_per_rank),
                             micro_batch_size=self.micro_batch_size, scheduler=self.scheduler,
                             dcp_padding=self.dcp_padding, vpp_group=pipe.vpp_group,
-                            execution=self.execution_model(world)[0], expert_parallel=self.expert_parallel)
+                            execution=self.execution_model(world)[0], expert_parallel=self.expert_parallel,
+                            tp_padding=self.tp_padding)
+
+    @property
+    def tp_padding(self) -> int:
+        """The TP multiple every sequence is padded by (``LayoutConfig.tp_padding``): tp under sequence parallelism."""
+        return self.tp if self.sequence_parallel else 1
 
     def probed_in_fp32(self) -> bool:
         """Whether each layout runs step 1 in fp32 first (``fp32_probe``): bf16 runs, except with TransformerEngine's

@@ -17,9 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from harness.plan import CostModel, Schedule, check_schedule, cp_min, schedule
+from harness.plan.api import PADDED
 from harness.plan.errors import LayoutError
 from harness.plan.execution import resolve_execution
 from harness.plan.layout import Block
+from harness.plan.padding import SequencePadding
 from harness.plan.thd import pad_length, padding_divisor
 from harness.upstream import megatron as upstream
 
@@ -48,6 +50,9 @@ class LayoutConfig:
     microbatch_tokens_per_rank: int | None = None
     """``balanced``'s capacity of a rank in one micro-batch (``harness.plan.api.schedule``); None:
     ``max_seqlen_per_rank``. For a stack that runs each sequence of a micro-batch as its own pass."""
+    tp_padding: int = 1
+    """The TP size under sequence parallelism (else 1): every sequence is padded to a multiple of it times its CP
+    divisor, and the thd / dcp schedules price that padding in their capacity (``harness.plan.padding``)."""
     expert_parallel: bool = False
     """MoE experts sharded over the domain (``harness.parallel.expert_parallel``): their gradients are complete
     on their owner and are not all-reduced."""
@@ -70,13 +75,16 @@ def plan(layout: str, lengths: list[int], cfg: LayoutConfig, cost: CostModel | N
     C, N = cfg.static_cp, cfg.n_ranks
     if layout == "thd":
         return schedule(lengths, n_ranks=N, max_seqlen_per_rank=cfg.max_seqlen_per_rank, min_cp_size=C,
-                        vpp_group=cfg.vpp_group, algorithm="dp-balanced", execution=cfg.execution), "local", 0
+                        vpp_group=cfg.vpp_group, algorithm="dp-balanced", execution=cfg.execution,
+                        padding=SequencePadding(tp=cfg.tp_padding)), "local", 0
     if layout == "dcp" and cfg.scheduler == upstream.NAME:
         return upstream_schedule(lengths, cfg), cfg.dcp_padding, 0
     if layout == "dcp":
+        padding = SequencePadding(tp=cfg.tp_padding, domain=N if cfg.dcp_padding == "domain" else None) \
+            if cfg.scheduler in PADDED else None  # the Megatron algorithms take lengths as given, as upstream's do
         return schedule(lengths, n_ranks=N, max_seqlen_per_rank=cfg.max_seqlen_per_rank, algorithm=cfg.scheduler,
                         vpp_group=cfg.vpp_group, cost=cost, execution=cfg.execution,
-                        microbatch_tokens_per_rank=cfg.microbatch_tokens_per_rank), cfg.dcp_padding, 0
+                        microbatch_tokens_per_rank=cfg.microbatch_tokens_per_rank, padding=padding), cfg.dcp_padding, 0
     dp, mbs, n = N // C, cfg.micro_batch_size, len(lengths)
     if n % (dp * mbs):
         raise LayoutError(f"bshd splits the global batch into {dp} data-parallel replicas x micro-batches of "

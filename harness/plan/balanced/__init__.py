@@ -31,8 +31,10 @@ True
 
 from __future__ import annotations
 
+from harness.plan import padding as pad
 from harness.plan.balanced import candidates as cands
 from harness.plan.balanced.evaluate import Judge
+from harness.plan.balanced.fit import PaddingFit
 from harness.plan.balanced.items import Item
 from harness.plan.balanced.phased import PhasedBuilder
 from harness.plan.balanced.rows import rewiden
@@ -41,6 +43,7 @@ from harness.plan.cost import CostModel, cp_min
 from harness.plan.errors import VPPAlignmentError
 from harness.plan.execution import INDEPENDENT, Execution
 from harness.plan.megatron_common import Blocks
+from harness.plan.padding import SequencePadding
 
 GOOD_ENOUGH = 0.01
 """Independent model: the phased plans end the search when within this of the area lower bound ..."""
@@ -73,20 +76,26 @@ one tall micro-batch (``candidates.by_tall``) are skipped whatever the count per
 
 def schedule_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
                       vpp_group: int | None = None, cost: CostModel | None = None,
-                      execution: Execution | None = None, microbatch_tokens_per_rank: int | None = None) -> list[Blocks]:
+                      execution: Execution | None = None, microbatch_tokens_per_rank: int | None = None,
+                      padding: SequencePadding | None = None) -> list[Blocks]:
     """Our scheduler; inputs assumed validated (see ``harness.plan.api.schedule``)."""
     return plan_balanced(pairs, n_ranks, max_seqlen_per_rank, min_cp_size, vpp_group, cost, execution,
-                         microbatch_tokens_per_rank)[0]
+                         microbatch_tokens_per_rank, padding)[0]
 
 
 class _Best:
     """The least (time, arrival) of the rows offered."""
 
-    def __init__(self, judge: Judge):
-        self.judge, self.rows, self.time = judge, None, float("inf")
+    def __init__(self, judge: Judge, fit: PaddingFit | None = None):
+        self.judge, self.fit, self.rows, self.time = judge, fit, None, float("inf")
 
     def offer(self, rows: list[Blocks] | None, time: float | None = None) -> None:
-        """``time``: the rows' step time under the judge's model when the caller knows it."""
+        """``time``: the rows' step time under the judge's model when the caller knows it (not after a padding
+        refit changed them)."""
+        if rows and self.fit is not None:
+            fitted = self.fit.rows(rows)
+            if fitted is not rows:  # refitted (or None: dropped)
+                rows, time = fitted, None
         if not rows or not self.judge.feasible(rows):
             return
         t = self.judge.time(rows) if time is None else time
@@ -94,27 +103,38 @@ class _Best:
             self.rows, self.time = rows, t
 
 
-def _items(pairs, max_seqlen_per_rank: int, capacity: int, min_cp_size: int, cost: CostModel) -> list[Item]:
+def _items(pairs, max_seqlen_per_rank: int, capacity: int, min_cp_size: int, cost: CostModel,
+           padding: SequencePadding | None = None) -> list[Item]:
     """The sequences as the candidates see them, each at the ``cp_min`` of ``max_seqlen_per_rank`` (a micro-batch's
-    ``capacity`` bounds a block's tokens, never one sequence's CP size)."""
-    return [Item(g, L, cp_min(L, max_seqlen_per_rank, min_cp_size), cost) for g, L in pairs]
+    ``capacity`` bounds a block's tokens, never one sequence's CP size); with a ``padding`` each at the least CP size
+    that holds it padded, taking its padded tokens there (its cost stays its own length's)."""
+    if padding is None:
+        return [Item(g, L, cp_min(L, max_seqlen_per_rank, min_cp_size), cost) for g, L in pairs]
+    out = []
+    for g, L in pairs:
+        cp = padding.cp_min(L, max_seqlen_per_rank, min_cp_size)
+        out.append(Item(g, pad.planned_tokens(padding, L, cp), cp, cost, raw=L))
+    return out
 
 
 def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: int = 1,
                   vpp_group: int | None = None, cost: CostModel | None = None,
                   execution: Execution | None = None,
-                  microbatch_tokens_per_rank: int | None = None) -> tuple[list[Blocks], float]:
+                  microbatch_tokens_per_rank: int | None = None,
+                  padding: SequencePadding | None = None) -> tuple[list[Blocks], float]:
     """(micro-batches, simulated step time under ``cost`` and ``execution``) of the best candidate.
     ``microbatch_tokens_per_rank``: what a rank may hold in one micro-batch over its block's sequences (default
-    ``max_seqlen_per_rank``, which always sets each sequence's smallest CP)."""
+    ``max_seqlen_per_rank``, which always sets each sequence's smallest CP). ``padding``: the candidates pack each
+    sequence's tokens padded at its ``cp_min``, and a block that holds more once its sequences are padded for its own
+    size is merged with neighbours into a wider one (``fit.PaddingFit``) before it is judged."""
     cost = cost or CostModel.megatron()
     ex = execution or INDEPENDENT
     independent = ex.kind == "independent"
     n, mslpr = n_ranks, microbatch_tokens_per_rank or max_seqlen_per_rank
     pairs = sorted(pairs)  # by gid: the input order never matters (``megatron-dev`` keeps it among ties)
-    items = _items(pairs, max_seqlen_per_rank, mslpr, min_cp_size, cost)
+    items = _items(pairs, max_seqlen_per_rank, mslpr, min_cp_size, cost, padding)
     judge = Judge(items, n, max_seqlen_per_rank, cost, ex, min_cp_size, vpp_group)
-    best = _Best(judge)
+    best = _Best(judge, PaddingFit(items, n, mslpr, padding) if padding is not None else None)
     small = len(items) <= EXTRA_MAX_SEQUENCES
     few = len(items) <= FEW_PER_RANK * n
     barriers = ex.kind == "synchronous"
@@ -162,6 +182,8 @@ def plan_balanced(pairs, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
             best.offer(rewiden(rows, judge.by_gid, n, mslpr, min_cp_size, cost))
     if best.rows is not None:
         return best.rows, best.time
+    if best.fit is not None and best.fit.refused:
+        raise best.fit.error()
     tokens = sum(L for _, L in pairs)
     least = -(-tokens // (n * mslpr))
     raise VPPAlignmentError(

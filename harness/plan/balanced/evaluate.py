@@ -69,7 +69,7 @@ class Judge:
         return max(free, default=0.0)
 
     def _simulated(self, rows: list[Blocks]) -> float:
-        lengths = {g: it.L for g, it in self.by_gid.items()}
+        lengths = {g: it.raw for g, it in self.by_gid.items()}
         s = Schedule(tuple(layout_from_sizes(r) for r in rows), lengths, self.n, self.mslpr, self.min_cp,
                      self.vpp, "balanced", self.cost, self.execution)
         return simulate_execution(s, self.cost, self.execution).step_time

@@ -11,12 +11,16 @@ from harness.plan.megatron_common import Blocks
 
 
 class Item:
-    __slots__ = ("gid", "L", "cp", "work", "comm", "fixed", "own")
+    """A sequence: ``L`` the tokens it takes in a block of its ``cp`` ranks (padded there when the schedule prices a
+    padding, ``harness.plan.padding``), ``raw`` its own length, which its cost is of."""
 
-    def __init__(self, gid: int, L: int, cp: int, cost: CostModel):
+    __slots__ = ("gid", "L", "cp", "work", "comm", "fixed", "own", "raw")
+
+    def __init__(self, gid: int, L: int, cp: int, cost: CostModel, raw: int | None = None):
         self.gid, self.L, self.cp = gid, L, cp
-        self.work = cost.quadratic * L * L + cost.linear * L + cost.constant
-        self.comm = cost.cp_comm * L
+        self.raw = r = L if raw is None else raw
+        self.work = cost.quadratic * r * r + cost.linear * r + cost.constant
+        self.comm = cost.cp_comm * r
         self.fixed = cost.per_sequence
         self.own = self.cost(cp)  # at its cp_min, where most plans run it
 
