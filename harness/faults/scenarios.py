@@ -83,7 +83,9 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  # table; the distributed optimiser, whose reduce-scatter the replica's gradient must precede
                  "train-pp-mtp": {**TRAIN, "model": "tiny-gpt-mtp", "pp": 2, "max_seqlen_per_rank": 256,
                                   "scheduler": "balanced", "optimizer": "distributed"},
-                 "train-hybrid": {**TRAIN, "model": "tiny-hybrid"},
+                 # the Mamba-style hybrid "M*M-" with 2 TP ranks per position of a 2-rank DP x CP domain: the mixers'
+                 # heads split over TP, then over a CP block's ranks
+                 "train-hybrid": {**TRAIN, "model": "tiny-hybrid", "tp": 2, "max_seqlen_per_rank": 256},
                  # two layouts in one run: the dynamic groups are destroyed and created again in between
                  "train-reinit": TRAIN,
                  # the tiny MoE with expert parallelism over the 4-rank domain (one expert per rank) and the routers'

@@ -61,6 +61,10 @@ SEAMS: dict[str, str] = {
     "harness.plan.balanced.tall:_tightest": "the block a long sequence joins in the tall micro-batch (balanced, barriers)",
     "harness.plan.tallest:lowest_height": "the least height of the tallest micro-batch (the synchronous lower bound)",
     "harness.plan.balanced:Item": "a sequence as balanced's candidates price it (its per-rank cost at each CP size)",
+    "harness.parallel.tensor_parallel:channel_sum": "a per-token sum over channels split by TP (the SSM's gated norm), "
+                                                    "summed over the TP group both ways",
+    "harness.parallel.tensor_parallel:partial_over_tp": "the replicated parameters whose gradient is partial per TP rank "
+                                                        "(the SSM's B / C projection and conv)",
     "harness.plan.padding:planned_tokens": "the tokens a scheduler counts for a sequence in a block (padded by its "
                                            "size and tp under sequence parallelism)",
     "harness.plan.balanced.shelves:_pick": "the narrow sequence a wide block of balanced's shelves takes next (barriers)",

@@ -91,6 +91,24 @@ def make_dist_opt_replicated_counted_per_rank(original):
     return tp_square_norm
 
 
+def make_ssm_norm_rank_channels(original):
+    """The SSM mixer's gated RMSNorm normalises each TP rank's channels by their own mean square, not all Di channels'
+    (state-spaces/mamba PRs #908 / #916 / #951: ``RMSNormGated``'s group size taken from the unsharded group count,
+    too small by the TP size; invisible at tp 1)."""
+    def channel_sum(x, tp):
+        return x * tp.size  # this rank's sum of squares, scaled as if every rank's were the same
+    return channel_sum
+
+
+def make_ssm_shared_grads_partial(original):
+    """The SSM mixer's B / C projection and conv, replicated over TP, keep each rank's partial gradient (its heads'
+    share): nothing sums them over the TP group (Megatron-LM issue #7452: a replicated norm weight of GatedDeltaNet
+    whose gradient is a per-rank partial sum, all-reduced only when sequence parallelism is on)."""
+    def partial_over_tp(name):
+        return False
+    return partial_over_tp
+
+
 TP_FAULTS: tuple[Fault, ...] = (
     Fault(name="tp-row-parallel-not-reduced", title="a row-parallel matrix's partial sums never all-reduced",
           source="sglang PR #14811: the Mamba mixer's out_proj, a RowParallelLinear built with reduce_results=False, "
@@ -139,5 +157,17 @@ TP_FAULTS: tuple[Fault, ...] = (
           url="https://github.com/NVIDIA-NeMo/RL/pull/3788", layer="optimizer",
           seam="harness.parallel.dist_opt:tp_square_norm", make=make_dist_opt_replicated_counted_per_rank,
           check="clipped-gradients", expect=r"clipped step-1 gradient of .* differs", scenario="train-tp-dist-opt"),
+    Fault(name="ssm-tp-norm-rank-channels", title="the SSM's gated norm over a TP rank's channels only",
+          source="state-spaces/mamba PRs #908 / #916 / #951: Mamba2's RMSNormGated group size from the unsharded "
+                 "group count, too small by the TP size under tensor parallelism",
+          url="https://github.com/state-spaces/mamba/pull/908", layer="model",
+          seam="harness.parallel.tensor_parallel:channel_sum", make=make_ssm_norm_rank_channels,
+          check="step1-gradients", expect=r"step-1 gradient of .* differs", scenario="train-hybrid"),
+    Fault(name="ssm-tp-shared-grads-partial", title="the SSM's replicated B / C parameters keep partial TP gradients",
+          source="Megatron-LM issue #7452 (item 11): GatedDeltaNet's replicated out_norm weight gets a per-rank partial "
+                 "gradient that the finalizer all-reduces over TP only under sequence parallelism",
+          url="https://github.com/NVIDIA/Megatron-LM/issues/7452", layer="gradients",
+          seam="harness.parallel.tensor_parallel:partial_over_tp", make=make_ssm_shared_grads_partial,
+          check="replica-consistency", expect=r"parameters differ between ranks", scenario="train-hybrid"),
 )
 """The tensor-parallel faults, in report order (the catalogue appends them)."""

@@ -99,10 +99,10 @@ def check_tp_model(c, tp: int, name: str = "the model") -> None:
     """``TensorParallelError`` unless ``tp`` ranks can split ``c``'s blocks (a ``ModelConfig``)."""
     if tp == 1:
         return
-    if any(k != "B" for k in c.kinds):
-        raise TensorParallelError(f"tensor parallelism (tp={tp}) splits attention and MLP blocks only; {name}'s layers "
-                                  f"are {c.kinds!r} (SSM mixers are not split): use tp=1 for this model")
-    for what, n in (("heads", c.heads), ("kv_heads", c.kv_heads), ("ffn", c.ffn), ("vocab", c.vocab)):
+    sizes = [("heads", c.heads), ("kv_heads", c.kv_heads), ("ffn", c.ffn), ("vocab", c.vocab)]
+    if "M" in c.kinds:  # an SSM mixer splits by heads
+        sizes.append(("ssm_heads", c.ssm_heads))
+    for what, n in sizes:
         if n % tp:
             raise TensorParallelError(f"tensor parallelism splits {what} over the TP ranks: {name}'s {what}={n} is not "
                                       f"a multiple of tp={tp}; use a tp dividing {n}")

@@ -98,6 +98,10 @@ class TensorParallel:
         (``harness.parallel.sequence_parallel.sum_loss``); else ``x`` (every rank computed the whole)."""
         return seq_par.sum_loss(x, self) if self.sequence_parallel else x
 
+    def channel_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``channel_sum(x, self)``: a per-token sum over channels this rank holds a share of, summed over the group."""
+        return channel_sum(x, self)
+
     def replicated_input(self, x: torch.Tensor) -> torch.Tensor:
         """``enter(x, self)`` whether or not the rows are split: a column-parallel matrix's input of whole rows."""
         return enter(x, self)
@@ -127,8 +131,18 @@ MARK = "tensor_parallel"
 
 def spec(name: str, c) -> tuple[int, list[int]] | None:
     """How parameter ``name`` of a ``TinyLM`` of config ``c`` is split: ``(dim, segments)`` - each segment along
-    ``dim`` is cut into ``tp`` equal pieces and a rank keeps piece ``rank`` of every segment - or None (replicated)."""
+    ``dim`` is cut into ``tp`` equal pieces and a rank keeps piece ``rank`` of every segment - or None (replicated).
+    An SSM mixer (``harness.runtime.ssm``) splits by heads: ``in_proj``'s z, x and dt rows, the x conv's channels, the
+    norm weight, ``out_proj``'s columns, dt bias, A and D."""
     D = c.hidden // c.heads
+    if ".mixer." in name:
+        Di, H = c.ssm_heads * c.ssm_head_dim, c.ssm_heads
+        for pattern, how in ((r"in_proj\.weight$", (0, [Di, Di, H])), (r"conv_x_(weight|bias)$", (0, [Di])),
+                             (r"norm_weight$", (0, [Di])), (r"out_proj\.weight$", (1, [Di])),
+                             (r"\.(dt_bias|A_log|D)$", (0, [H]))):
+            if re.search(pattern, name):
+                return how
+        return None
     if re.search(r"(^|\.)qkv\.weight$", name):
         return 0, [c.heads * D, c.kv_heads * D, c.kv_heads * D]
     if re.search(r"(^|\.)proj\.weight$", name):
@@ -150,10 +164,19 @@ def take(t: torch.Tensor, how: tuple[int, list[int]], size: int, rank: int) -> t
     return torch.cat([piece.chunk(size, dim)[rank] for piece in t.split(segments, dim)], dim).contiguous()
 
 
+def partial_over_tp(name: str) -> bool:
+    """Whether replicated parameter ``name`` gets a partial gradient on each TP rank, with or without sequence
+    parallelism: an SSM mixer's B / C projection and conv (every TP rank computes B and C whole, its heads read them).
+    The trainer sums their gradients over the TP group with the row-split region's (``sequence_parallel.MARK``,
+    ``sequence_parallel.reduce_grads``). A seam."""
+    return re.search(r"\.mixer\.(bc_proj\.weight|conv_bc_(weight|bias))$", name) is not None
+
+
 def shard_model(model, tp: TensorParallel) -> None:
     """Keep this rank's shard of every split parameter of ``model`` (built whole, the same on every rank), in place,
-    and mark it (``MARK``); with sequence parallelism also mark the replicated parameters of the row-split region
-    (``sequence_parallel.mark``)."""
+    and mark it (``MARK``); mark the replicated parameters whose gradient is partial per TP rank for the TP sum after
+    the backward (``sequence_parallel.MARK``): ``partial_over_tp``'s, and with sequence parallelism the row-split
+    region's (``sequence_parallel.mark``)."""
     if tp.size == 1:
         return
     check_tp_model(model.c, tp.size)
@@ -163,8 +186,15 @@ def shard_model(model, tp: TensorParallel) -> None:
             if how is not None:
                 p.data = take(p.data, how, tp.size, tp.rank)
                 setattr(p, MARK, True)
+            elif partial_over_tp(name):
+                setattr(p, seq_par.MARK, True)
     if tp.sequence_parallel:
         seq_par.mark(model)
+
+
+def has_partial(params) -> bool:
+    """Whether any of ``params`` carries a partial gradient per TP rank (``sequence_parallel.MARK``)."""
+    return any(seq_par.is_marked(p) for p in params)
 
 
 def is_sharded(p) -> bool:
@@ -231,6 +261,27 @@ class _Leave(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+class _ChannelSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)  # every rank's use of the sum reads every rank's channels
+        return grad, None
+
+
+def channel_sum(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """A per-token sum over channels split by TP (an SSM mixer's mean square over Di): summed over the TP group
+    forward, and its gradient summed backward (a seam)."""
+    return _ChannelSum.apply(x, tp.group)
 
 
 def enter(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -22,6 +22,13 @@ def _margin(m, nonfinite: bool = False) -> str:
     return "non-finite" if nonfinite else "exact" if m is None else f"{m:,.0f}x"
 
 
+def clean_text(run: dict) -> str:
+    """A clean run's outcome: its error (a run that died proves nothing), its first alarm, or "no alarm"."""
+    if run.get("error"):
+        return f"ERROR: {run['error']}"
+    return "no alarm" if not run["alarms"] else run["alarms"][0]["message"]
+
+
 def console(result: dict) -> str:
     rows = [("fault", "layer", "caught by", "where", "margin", "s")]
     for f in result["faults"]:
@@ -38,8 +45,7 @@ def console(result: dict) -> str:
                       f"numeric; {nonfinite} non-finite; {len(result['faults']) - len(numeric) - nonfinite} exact"
                   + ("" if weak["margin"] >= floor else f"; BELOW the {floor}x floor: "
                      + ", ".join(f"{f['name']} {fmt(f['margin'])}" for f in numeric if f["margin"] < floor))]
-    clean = "; ".join(f"{k}: {'no alarm' if not v['alarms'] else v['alarms'][0]['message']}"
-                      for k, v in result["clean"].items())
+    clean = "; ".join(f"{k}: {clean_text(v)}" for k, v in result["clean"].items())
     lines += ["", f"clean runs: {clean}",
               f"faults caught: {result['caught']}/{result['total']} in {result['seconds']:.0f} s"]
     return "\n".join(lines)
@@ -85,7 +91,7 @@ def section(result: dict) -> str:
     rows = [_row(f) for f in result["faults"]]
     classes = ["" if f["caught"] else "fail" for f in result["faults"]]
     ok = result["clean_ok"] and result["caught"] == result["total"]
-    clean = table([[k, "no alarm" if not v["alarms"] else v["alarms"][0]["message"], f"{v['seconds']:.1f}"]
+    clean = table([[k, clean_text(v), f"{v['seconds']:.1f}"]
                    for k, v in result["clean"].items()], ["scenario", "clean run", "s"], left=2)
     checks = table([[k, v] for k, v in result["checks"].items()], ["check", "what it asserts"], left=2)
     return "\n".join([

@@ -3,8 +3,10 @@ an attention layer (``*``) and an MLP layer (``-``), each a pre-norm residual ``
 
 Every layer takes the micro-batch's CP operations per call - ``attention`` (its plan and group inside)
 and ``mixing`` (``mixing(mixer, x)``: the SSM mixer with the micro-batch's sequence layout and CP
-exchange) - through ``harness.runtime.layers.cp_ops``, and keeps neither between calls. Returns
-(hidden states, aux loss) like ``harness.runtime.model.Block``. Shape legend as in ``layers``.
+exchange) - through ``harness.runtime.layers.cp_ops``, and keeps neither between calls; and ``tp``, the step's
+tensor parallelism when the layer keeps a TP shard (the mixer's heads, the attention's heads, the MLP's FFN:
+``harness.parallel.tensor_parallel``). Returns (hidden states, aux loss) like ``harness.runtime.model.Block``.
+Shape legend as in ``layers``.
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ class MixerLayer(nn.Module):
         self.c = c
         self.norm1, self.mixer = RMSNorm(c.hidden), SSMMixer(ssm_config(c))
 
-    def forward(self, x_TE, rot, real_T, attention=None, routing=None, mixing: Mixing | None = None):
+    def forward(self, x_TE, rot, real_T, attention=None, routing=None, mixing: Mixing | None = None, tp=None):
         _, mixing = layers.cp_ops(self, attention, mixing)
         if mixing is None:
             raise ValueError("an SSM mixer layer needs the micro-batch's mixing (its sequence layout and CP "
                              "exchange): pass mixing= to run_layers")
-        return x_TE + mixing(self.mixer, self.norm1(x_TE)), x_TE.new_zeros((), dtype=torch.float32)
+        h = self.norm1(x_TE)
+        y = mixing(self.mixer, h) if tp is None else mixing(self.mixer, h, tp=tp)
+        return x_TE + y, x_TE.new_zeros((), dtype=torch.float32)
 
 
 class AttentionLayer(nn.Module):
@@ -60,9 +64,9 @@ class AttentionLayer(nn.Module):
         self.qkv = nn.Linear(c.hidden, (c.heads + 2 * c.kv_heads) * D, bias=False)
         self.proj = nn.Linear(c.heads * D, c.hidden, bias=False)
 
-    def forward(self, x_TE, rot, real_T, attention: Attention, routing=None, mixing=None):
+    def forward(self, x_TE, rot, real_T, attention: Attention, routing=None, mixing=None, tp=None):
         attention, _ = layers.cp_ops(self, attention, mixing)
-        return self_attention(self, self.c, x_TE, rot, attention), x_TE.new_zeros((), dtype=torch.float32)
+        return self_attention(self, self.c, x_TE, rot, attention, tp), x_TE.new_zeros((), dtype=torch.float32)
 
 
 class MLPLayer(nn.Module):
@@ -70,8 +74,10 @@ class MLPLayer(nn.Module):
         super().__init__()
         self.norm2, self.mlp = RMSNorm(c.hidden), dense_mlp(c)
 
-    def forward(self, x_TE, rot, real_T, attention=None, routing=None, mixing=None):
-        return x_TE + self.mlp(self.norm2(x_TE)), x_TE.new_zeros((), dtype=torch.float32)
+    def forward(self, x_TE, rot, real_T, attention=None, routing=None, mixing=None, tp=None):
+        h = self.norm2(x_TE)
+        y = self.mlp(h) if tp is None else tp.leave(self.mlp(tp.enter(h)))
+        return x_TE + y, x_TE.new_zeros((), dtype=torch.float32)
 
 
 HYBRID_LAYERS = {"M": MixerLayer, "*": AttentionLayer, "-": MLPLayer}

@@ -18,9 +18,9 @@ from harness.runtime.model_config import ModelConfig
 from harness.runtime.weight_cache import linear, weight
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-Mixing = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-"""``mixing(mixer, x_TE) -> y_TE``: an SSM mixer applied with the micro-batch's sequence layout and CP
-exchange (``harness.runtime.ssm``)."""
+Mixing = Callable[..., torch.Tensor]
+"""``mixing(mixer, x_TE, tp=None) -> y_TE``: an SSM mixer applied with the micro-batch's sequence layout and CP
+exchange (``harness.runtime.ssm``); ``tp``: the step's tensor parallelism when the mixer keeps a TP shard."""
 Experts = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``experts(moe, x_TE, idx_TK, weight_TK) -> y_TE``: an MoE layer's experts applied to the tokens routed to
 them, weighted by the gate weights and summed per token. ``None`` (single process): ``local_experts``;
@@ -45,7 +45,8 @@ class TensorParallelOps:
     the table), ``head_input`` (the head's input: its gradient all-reduced) and ``cross_entropy`` (per-token losses
     from this rank's logits of its vocabulary range). An MoE block under sequence parallelism also calls
     ``own_rows`` (a mask's rows of this rank), ``gather_choices`` (every rank's expert choices), ``gather_rows`` (every
-    rank's gate weights, the gradient reduce-scattered) and ``sum_loss`` (its z-loss summed over the ranks)."""
+    rank's gate weights, the gradient reduce-scattered) and ``sum_loss`` (its z-loss summed over the ranks). An SSM
+    mixer calls ``channel_sum`` (a per-token sum over channels split by TP: summed over the ranks both ways)."""
 
     size: int
     sequence_parallel: bool
@@ -71,6 +72,8 @@ class TensorParallelOps:
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def sum_loss(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def channel_sum(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class ShardedCallError(TypeError):

@@ -255,9 +255,13 @@ class TinyLM(nn.Module):
         gen = torch.Generator(device=device or "cpu").manual_seed(c.seed)
         with torch.no_grad():
             for name, p in sorted(self.named_parameters()):
-                if p.dim() > 1:
+                if p.dim() > 1 and not name.endswith("mixer.bc_proj.weight"):  # drawn with its in_proj, below
                     std = 0.02 / math.sqrt(2 * c.layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
-                    p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * std)
+                    if name.endswith("mixer.in_proj.weight"):  # an SSM mixer's projections, drawn as one matrix
+                        mixer = self.get_submodule(name.removesuffix(".in_proj.weight"))
+                        mixer.set_projections(torch.randn(mixer.projection_shape, generator=gen, device=p.device) * std)
+                    else:
+                        p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * std)
 
     def _layer(self, c: ModelConfig, i: int) -> nn.Module:
         kind = c.kinds[i]
@@ -291,7 +295,7 @@ class TinyLM(nn.Module):
         extra = {} if experts is None else {"experts": experts}  # MoE blocks only (hybrid layers have no experts)
         if balance is not None:
             extra["balance"] = balance
-        if tp is not None:  # dense blocks only (a hybrid's layers are never split)
+        if tp is not None:  # every kind of layer keeps its TP shard (``harness.parallel.tensor_parallel``)
             extra["tp"] = tp
             x = x if split_in else tp.scatter(x)  # sequence parallelism: this rank's token rows between the matrices
         for i in layers:

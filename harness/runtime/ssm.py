@@ -5,13 +5,21 @@ Shape legend: ``T`` this process's tokens (a rank's zig-zag slice, or the whole 
 rank's), ``D`` head dim (Mamba's P, renamed: P is the pack here), ``Di`` = H * D, ``N`` state size,
 ``K`` conv kernel, ``L`` chunk length (``SSMConfig.chunk``), ``G`` chunks of the pack, ``C`` channels.
 
-Per token ``in_proj`` gives z, x (Di), B, C (N), dt (H). The conv and the scan are causal *per
+Per token ``in_proj`` gives z, x (Di) and dt (H), ``bc_proj`` B and C (N). The conv and the scan are causal *per
 sequence* and need whole sequences in order, which a zig-zag slice is not; so the ``exchange``
 (``ChannelExchange``) trades tokens for channels: x and dt of this rank's heads for every token of
 the pack (an all-to-all), B and C for every token (an all-gather: every head reads them). Each rank
 then runs the conv and the scan of its heads on the whole pack and trades back; gating, norm and
 ``out_proj`` are per token again. Every head's work is the single-process work, so CP changes
 nothing but which rank does it.
+
+Tensor parallelism (``tp``, ``harness.runtime.layers.TensorParallelOps``; Megatron's Mamba split) gives each TP rank
+H / tp heads: its rows of ``in_proj`` (z, x, dt), its channels of the x conv, the norm weight and ``out_proj``'s
+columns (row-parallel: its partial sums leave through ``tp.leave``), its heads' dt bias, A and D. B and C (one group,
+read by every head) are computed whole on every TP rank from the replicated ``bc_proj`` and conv, so their gradient
+on a rank is its heads' share: the trainer sums those parameters' gradients over the TP group
+(``harness.parallel.tensor_parallel.partial_over_tp``). The gated RMSNorm spans all Di channels: its sum of squares is
+summed over the TP ranks (``tp.channel_sum``, whose gradient is summed too), so a TP run computes the unsplit model.
 
 Scan, per head and sequence, state reset at the sequence's start (``reference_scan`` is the loop):
 ``s_t = exp(dt_t A) s_{t-1} + dt_t x_t B_t^T``, ``y_t = s_t C_t + D x_t``. ``chunked_scan`` cuts each
@@ -265,7 +273,8 @@ class SSMMixer(nn.Module):
     def __init__(self, c: SSMConfig):
         super().__init__()
         self.c, Di, N, H = c, c.inner, c.state, c.heads
-        self.in_proj = nn.Linear(c.hidden, 2 * Di + 2 * N + H, bias=False)
+        self.in_proj = nn.Linear(c.hidden, 2 * Di + H, bias=False)  # z, x, dt: split by heads under TP
+        self.bc_proj = nn.Linear(c.hidden, 2 * N, bias=False)  # B, C: one group, read by every head
         self.conv_x_weight, self.conv_x_bias = nn.Parameter(torch.empty(Di, c.conv)), nn.Parameter(torch.empty(Di))
         self.conv_bc_weight, self.conv_bc_bias = nn.Parameter(torch.empty(2 * N, c.conv)), nn.Parameter(torch.empty(2 * N))
         self.dt_bias, self.A_log, self.D = (nn.Parameter(torch.empty(H)) for _ in range(3))
@@ -278,8 +287,8 @@ class SSMMixer(nn.Module):
         """Mamba-2's init from one CPU generator (identical weights on every rank and machine)."""
         def uniform(p, lo, hi):
             p.copy_(torch.rand(p.shape, generator=gen) * (hi - lo) + lo)
-        for lin in (self.in_proj, self.out_proj):
-            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.02)
+        self.set_projections(torch.randn(self.projection_shape, generator=gen) * 0.02)
+        self.out_proj.weight.copy_(torch.randn(self.out_proj.weight.shape, generator=gen) * 0.02)
         bound = 1 / math.sqrt(self.c.conv)
         for p in (self.conv_x_weight, self.conv_x_bias, self.conv_bc_weight, self.conv_bc_bias):
             uniform(p, -bound, bound)
@@ -291,9 +300,28 @@ class SSMMixer(nn.Module):
         self.A_log.log_()
         self.D.fill_(1.0)
 
+    @property
+    def projection_shape(self) -> tuple[int, int]:
+        """The input projections as one matrix: rows z, x (Di), B, C (N each), dt (H) - Mamba's ``in_proj`` layout,
+        which initialisation draws whole (``set_projections``) so that the split into ``in_proj`` and ``bc_proj``
+        leaves every weight as it was drawn."""
+        return 2 * self.c.inner + 2 * self.c.state + self.c.heads, self.c.hidden
+
+    @torch.no_grad()
+    def set_projections(self, w: torch.Tensor) -> None:
+        """Set ``in_proj`` (z, x, dt) and ``bc_proj`` (B, C) from one ``projection_shape`` matrix."""
+        Di, N = self.c.inner, self.c.state
+        self.in_proj.weight.copy_(torch.cat([w[:2 * Di], w[2 * Di + 2 * N:]]))
+        self.bc_proj.weight.copy_(w[2 * Di:2 * Di + 2 * N])
+
+    @property
+    def local_heads(self) -> int:
+        """The heads this module keeps: H, or H / tp of a TP rank's shard."""
+        return self.A_log.shape[0]
+
     def heads_of(self, exchange) -> slice:
-        """This shard's heads; refuses a shard count that does not divide H."""
-        H, S = self.c.heads, exchange.shards
+        """This shard's heads (of the module's own ``local_heads``); refuses a shard count that does not divide them."""
+        H, S = self.local_heads, exchange.shards
         if H % S:
             raise SSMShardError(f"heads H={H} is not divisible by the CP size cp={S}: each CP rank scans "
                                 f"H / cp whole heads; choose heads a multiple of {S} or a CP block whose size "
@@ -301,22 +329,32 @@ class SSMMixer(nn.Module):
         h = H // S
         return slice(exchange.shard * h, (exchange.shard + 1) * h)
 
-    def forward(self, x_TE: torch.Tensor, seqs: SequenceLayout, exchange: ChannelExchange | None = None):
+    def forward(self, x_TE: torch.Tensor, seqs: SequenceLayout, exchange: ChannelExchange | None = None, tp=None):
+        """``tp``: the step's tensor parallelism when the module keeps a TP shard of its heads (module docstring)."""
         ex = exchange or LocalExchange()
         hs = self.heads_of(ex)
-        c, S = self.c, ex.shards
-        z, x, bc, dt = self.in_proj(x_TE).split([c.inner, c.inner, 2 * c.state, c.heads], dim=-1)
+        c, S, H = self.c, ex.shards, self.local_heads
+        Di = H * c.head_dim
+        if H != c.heads and tp is None:
+            raise SSMShardError(f"this mixer keeps {H} of {c.heads} heads (a tensor-parallel shard) but was called "
+                                "without the step's tensor parallelism: pass tp= (it would return partial sums)")
+        xin = x_TE if tp is None else tp.enter(x_TE)
+        z, x, dt = self.in_proj(xin).split([Di, Di, H], dim=-1)
+        bc = self.bc_proj(xin)
         u = torch.cat([x.unflatten(-1, (S, -1)), dt.unflatten(-1, (S, -1))], dim=-1).flatten(1)  # shard-major
-        x_Pc, dt_Ph = ex.to_channels(u).split([c.inner // S, c.heads // S], dim=-1)
+        x_Pc, dt_Ph = ex.to_channels(u).split([Di // S, H // S], dim=-1)
         bc_P = ex.replicate(bc)
         if x_Pc.shape[0] != seqs.total:
             raise SSMError(f"the exchange gave {x_Pc.shape[0]} pack tokens but seqs holds {seqs.total}; build the "
                            "exchange and the SequenceLayout from the same cu_seqlens_padded")
         y_Pc = self._mix(x_Pc, dt_Ph, bc_P, seqs, hs)
         y = ex.to_tokens(y_Pc) * F.silu(z)
-        if self.norm_weight is not None:
+        if self.norm_weight is not None and tp is None:
             y = F.rms_norm(y, (c.inner,), self.norm_weight, 1e-6)
-        return self.out_proj(y)
+        elif self.norm_weight is not None:  # the mean square over every TP rank's channels
+            square = tp.channel_sum(y.pow(2).sum(-1, keepdim=True))
+            y = y * torch.rsqrt(square / c.inner + 1e-6) * self.norm_weight
+        return self.out_proj(y) if tp is None else tp.leave(self.out_proj(y))
 
     def _mix(self, x_Pc, dt_Ph, bc_P, seqs: SequenceLayout, hs: slice) -> torch.Tensor:
         """Conv and scan of heads ``hs`` over the whole pack (pack order): ``[P, h * D]``. Under bf16

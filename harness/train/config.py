@@ -63,9 +63,9 @@ class TrainConfig:
     """Pipeline stages (``harness.train.pipeline``); the world is pp stages of a DP x CP domain each."""
     tp: int = 1
     """Tensor-parallel ranks (``harness.parallel.tensor_parallel``: each block's heads and FFN - an MoE's experts -
-    split over them); the world is pp stages x a DP x CP domain x tp. Dense, MTP and MoE models (each expert split, the router
-    replicated; with expert parallelism under sequence parallelism only), the vocabulary split too; the harness's
-    gather / ring / a2a exchanges."""
+    split over them); the world is pp stages x a DP x CP domain x tp. Dense, MTP, MoE (each expert split, the router
+    replicated; with expert parallelism under sequence parallelism only) and hybrid models (each SSM mixer's heads split,
+    its B / C parameters replicated), the vocabulary split too; the harness's gather / ring / a2a exchanges."""
     sequence_parallel: bool = False
     """With tp > 1: the block stack's token rows split over the TP ranks too (``harness.parallel.sequence_parallel``,
     Megatron's ``--sequence-parallel``); every sequence is padded to a multiple of tp times its CP divisor. An MoE
@@ -229,10 +229,13 @@ class TrainConfig:
         a stage's whole DP x CP domain."""
         m = MODELS[self.model]
         n = self.domain(world)
-        if "M" in m.kinds and n and m.ssm_heads % n:
-            raise LayoutError(f"model {self.model!r}: its SSM mixers' {m.ssm_heads} heads cannot be split over a CP "
-                              f"block of {n} ranks (the DP x CP domain, the largest block dynamic CP forms); use a "
-                              f"model with ssm_heads a multiple of {n}, or a domain of ranks dividing {m.ssm_heads}")
+        tp = self.tp if isinstance(self.tp, int) and self.tp >= 1 and m.ssm_heads % self.tp == 0 else 1
+        heads = m.ssm_heads // tp  # a TP rank's heads (a tp that does not divide them is check_tp_model's error)
+        if "M" in m.kinds and n and heads % n:
+            held = f"{heads} heads of a TP rank" if tp > 1 else f"{m.ssm_heads} heads"
+            raise LayoutError(f"model {self.model!r}: its SSM mixers' {held} cannot be split over a CP block of {n} "
+                              f"ranks (the DP x CP domain, the largest block dynamic CP forms); use a model with "
+                              f"ssm_heads a multiple of {n * tp}, or a domain of ranks dividing {heads}")
 
     def _check_experts(self, world: int) -> None:
         if not self.expert_parallel:

@@ -160,12 +160,12 @@ class MicroBatchOps:
 
             built: list = []  # the SSM mixing's layout and exchange, built at its first call (SSM models only)
 
-            def mixing(mixer, x, m=m, mb=mb, group=group):
+            def mixing(mixer, x, tp=None, m=m, mb=mb, group=group):
                 self._audit(m)
                 if not built:
                     built.extend((ssm_sequences(mb), None if mb.local_cp_size == 1 else CPChannelExchange(
                         group, mb.local_cp_size, mb.cp_rank, mb.cu_seqlens_padded, self.device)))
-                return mixer(x, *built)
+                return mixer(x, *built) if tp is None else mixer(x, *built, tp=tp)
 
             c = self.model.c
             self._cache[m] = (attention, mixing, Rotary(rope_positions(mb), c.hidden // c.heads, c.rope_base),

@@ -408,7 +408,9 @@ def train_step(model, run: Run, layout: str, lengths: list[int], local: dict, lc
         timeline = pipeline.run_passes(run.stage, run.actions(len(mbs)), chunk_passes, run.p2p,
                                        before_last=before_last, on_pass=hooks.on_pass)
     timeline.cp_sizes = [mb.local_cp_size for mb in mbs]
-    if sp:  # the norms of the row-split region saw this rank's rows only: their gradients summed over the TP group
+    if sp or (run.tp is not None and run.tp.size > 1 and tensor_parallel.has_partial(params)):
+        # the row-split region's norms saw this rank's rows, an SSM mixer's B / C parameters this rank's heads: their
+        # gradients summed over the TP group
         sequence_parallel.reduce_grads(params, run.tp)
     _mark(hooks)
     shared = shared_embedding.shares(model, run.stage)

@@ -48,6 +48,16 @@ def test_the_tiny_moe_with_expert_tensor_parallelism_equals_the_unsplit_run(tmp_
     _agree(got, {"dcp": ref["dcp"]}, layouts=("dcp",))
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_the_hybrid_with_its_ssm_mixers_split_over_tp_equals_the_unsplit_run(sp, tmp_path_factory):
+    """"M*M-" with 2 TP ranks: each mixer's heads split over TP (then over a CP block's ranks), its B / C projection
+    and conv replicated with their gradients summed over TP, the gated norm's mean square summed over TP; with sequence
+    parallelism its rows gathered in and reduce-scattered out. dcp against the TP = 1 run (the pipeline parity's)."""
+    got = _rows("tiny-hybrid", 4, tmp_path_factory, "hybrid-tp2" + "-sp" * sp, layouts=["dcp"], tp=2,
+                sequence_parallel=sp)
+    _agree(got, _rows("tiny-hybrid", 2, tmp_path_factory, "tiny-hybrid-ref", layouts=["dcp"]), layouts=("dcp",))
+
+
 def test_the_distributed_optimiser_with_tensor_parallelism_equals_the_unsplit_replicated_run(tmp_path_factory):
     """Each TP coordinate's DP x CP ranks shard its AdamW; the norm counts the split parameters' pieces over the TP
     group and the replicated ones once (``DistributedOptimizer.local_square_norm``). Buckets of 30,000 elements: split

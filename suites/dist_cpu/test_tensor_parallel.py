@@ -18,6 +18,7 @@ from harness.parallel import tensor_parallel as tpm
 from harness.parallel.groups import DynamicGroups, ParallelLayout
 from harness.runtime.layers import Rotary, ShardedCallError
 from harness.runtime.model import MODELS, Block, ModelConfig, TinyLM
+from harness.runtime.ssm import SequenceLayout, SSMShardError
 from harness.train.config import TrainConfig
 from harness.train.layouts import LayoutError
 
@@ -56,7 +57,9 @@ def test_the_split_parameters_are_the_blocks_matrices_and_the_vocabulary():
     ({"tp": 2}, 6, r"world size 6 is not a multiple|not a power of two"),
     ({"tp": 2, "model": "tiny-moe", "expert_parallel": True}, 4,
      r"expert parallelism with tensor parallelism \(tp=2\) needs sequence parallelism.*add --sequence-parallel"),
-    ({"tp": 2, "model": "tiny-hybrid"}, 4, r"SSM mixers are not split"),
+    ({"tp": 2, "model": "tiny-hybrid"}, 8,
+     r"SSM mixers' 2 heads of a TP rank cannot be split over a CP block of 4 ranks.*ssm_heads a multiple of 8"),
+    ({"tp": 8, "model": "tiny-hybrid"}, 8, r"heads=4 is not a multiple of tp=8"),
     ({"tp": 2, "cp_exchange": "te:p2p"}, 4, r"does not run with the te:p2p exchange"),
     ({"tp": 2, "cp_exchange": "a2a"}, 8, r"heads=2 is not a multiple of cp_size=4.*with tp=2 each rank's 2 of the 4 heads"),
     ({"tp": 0}, 4, r"tp must be an int >= 1, got 0"),
@@ -64,6 +67,25 @@ def test_the_split_parameters_are_the_blocks_matrices_and_the_vocabulary():
 def test_configurations_tensor_parallelism_cannot_run_are_refused_with_the_fix(cfg, world, match):
     with pytest.raises(LayoutError, match=match):
         TrainConfig(**cfg).validate(world)
+
+
+def test_the_hybrids_mixers_split_by_heads_and_their_b_c_parameters_are_summed_over_tp():
+    c = MODELS["tiny-hybrid"]
+    Di, H = c.ssm_heads * c.ssm_head_dim, c.ssm_heads
+    want = {"in_proj.weight": (0, [Di, Di, H]), "conv_x_weight": (0, [Di]), "conv_x_bias": (0, [Di]),
+            "norm_weight": (0, [Di]), "out_proj.weight": (1, [Di]), "dt_bias": (0, [H]), "A_log": (0, [H]),
+            "D": (0, [H]), "bc_proj.weight": None, "conv_bc_weight": None, "conv_bc_bias": None}
+    names = [n for n, _ in TinyLM(c).named_parameters() if n.startswith("blocks.0.mixer.")]
+    assert sorted(n.removeprefix("blocks.0.mixer.") for n in names) == sorted(want)
+    for n in names:
+        assert tpm.spec(n, c) == want[n.removeprefix("blocks.0.mixer.")], n
+        assert tpm.partial_over_tp(n) == (want[n.removeprefix("blocks.0.mixer.")] is None)
+    assert tpm.spec("blocks.1.qkv.weight", c) is not None and tpm.spec("blocks.3.mlp.up.weight", c) is not None
+    mixer = TinyLM(c).blocks[0].mixer
+    with torch.no_grad():
+        mixer.A_log.data = mixer.A_log.data[:2]
+    with pytest.raises(SSMShardError, match="keeps 2 of 4 heads .* pass tp="):
+        mixer(torch.randn(8, c.hidden), SequenceLayout((0, 8)))
 
 
 def test_a_sharded_block_called_without_its_tensor_parallelism_is_refused():

@@ -123,6 +123,16 @@ def test_each_train_check_fires_on_its_deviation():
     assert a.where == {"step": 1} and abs(a.margin - 2.0) < 1e-6
 
 
+def test_a_clean_run_that_died_is_reported_as_an_error_not_as_no_alarm():
+    from harness.report.faults_report import clean_text, console
+
+    died = {"alarms": [], "error": "rank 2: LayoutError: the longest sequence needs 4 ranks", "seconds": 0.0}
+    result = {"faults": [], "clean": {"train-hybrid": died, "plan": {"alarms": [], "error": None, "seconds": 0.1}},
+              "caught": 0, "total": 0, "seconds": 1.0}
+    assert clean_text(died) == "ERROR: rank 2: LayoutError: the longest sequence needs 4 ranks"
+    assert "train-hybrid: ERROR: rank 2" in console(result) and "plan: no alarm" in console(result)
+
+
 def test_within_tolerance_is_no_alarm():
     ref = _ranks()
     got = copy.deepcopy(ref)

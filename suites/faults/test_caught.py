@@ -88,7 +88,8 @@ def _tp_wanted(seam: str, cfg: dict) -> bool:
     """Whether a run of ``cfg`` calls ``seam`` as far as tensor and sequence parallelism decide: the sequence-parallel
     seams with sequence parallelism only (the MoE router's with an MoE model), the distributed optimiser's TP norm with
     both, the split experts' with an MoE model under TP, TP's all-reduce collectives with TP without it (sequence parallelism
-    gathers and reduce-scatters instead), the TP norm and the TP groups with TP."""
+    gathers and reduce-scatters instead), the SSM norm's channel sum with a hybrid model under TP, the TP norm and the
+    TP groups with TP."""
     tp, sp = cfg.get("tp", 1) > 1, bool(cfg.get("sequence_parallel"))
     if seam.endswith("dist_opt:tp_square_norm"):  # the distributed optimiser's norm under TP
         return tp and cfg.get("optimizer") == "distributed"
@@ -101,6 +102,8 @@ def _tp_wanted(seam: str, cfg: dict) -> bool:
         return sp
     if seam.endswith(("tensor_parallel:enter", "tensor_parallel:leave")):
         return tp and not sp
+    if seam.endswith("tensor_parallel:channel_sum"):  # an SSM mixer's gated norm over its split channels
+        return tp and cfg["model"] == "tiny-hybrid"
     return ("tensor_parallel" in seam or "tp_group_ranks" in seam) == tp
 
 
