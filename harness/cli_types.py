@@ -128,6 +128,8 @@ def TOKEN_BUCKET(text: str) -> int | str:  # noqa: N802 - a type like the others
     return TOKEN_COUNT_BUCKET(text)
 STALL_S = real(MIN_STALL_S, MAX_STALL_S, "ranks report progress at most every 0.5 s, so less fails healthy jobs",
                "a day; the collectives time out at twice this")
+VOCAB_MULTIPLE = integer(1, 1 << 16, "1 is the least multiple (padding only where tp does not divide the vocabulary)",
+                         "a multiple past 65536 would pad a vocabulary many times over")
 AUX_COEF = real(0.0, 1e3, "0 turns it off", "a balance loss this strong drowns the language-modelling loss")
 FLOPS_PER_BYTE = real(0.0, 1e12, "a price is not negative", "1e12 FLOPs per byte prices K/V exchange out entirely")
 

@@ -524,6 +524,7 @@ def config_from_args(a) -> TrainConfig:
                       cp_exchange=a.cp_exchange, pp=a.pp, vpp=a.vpp, pipeline=a.pipeline,
                       schedule_delivery=a.schedule_delivery, expert_parallel=bool(getattr(a, "ep", False)),
                       tp=getattr(a, "tp", None) or 1, sequence_parallel=bool(getattr(a, "sequence_parallel", False)),
+                      make_vocab_size_divisible_by=getattr(a, "make_vocab_size_divisible_by", None) or 1,
                       dtype=a.dtype or ("bfloat16" if a.device == "cuda" else "float32"),
                       weights=getattr(a, "weights", None) or "cached",
                       optimizer=getattr(a, "optimizer", None) or "replicated",

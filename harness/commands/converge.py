@@ -37,6 +37,10 @@ def add_arguments(c) -> None:
                    help="with --tp > 1: split the token rows between the blocks' matrices over the TP ranks too "
                         "(Megatron's --sequence-parallel; the split norms' and MoE routers' gradients summed over TP, "
                         "each TP rank's router routing its rows)")
+    c.add_argument("--make-vocab-size-divisible-by", type=T.VOCAB_MULTIPLE, default=1, metavar="N",
+                   help="with --tp > 1: pad the split vocabulary to a multiple of N x tp (Megatron's flag, 128 there; "
+                        "the padding's logits masked out of the loss, so the run trains the unpadded model); default 1: "
+                        "padded only where tp does not divide it")
     c.add_argument("--moe-aux-loss", type=T.AUX_COEF, default=None, metavar="COEF",
                    help="MoE models: the routers' sequence-level load-balancing loss with this coefficient (Megatron's "
                         "seq_aux_loss, e.g. 1e-2; each sequence balanced over its own tokens, its counts summed over "

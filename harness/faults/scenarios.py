@@ -102,7 +102,10 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  # 2 TP ranks per position (each block's heads and FFN, the vocabulary of the embedding and the
                  # head split) of a 2-rank DP x CP domain; multi-token prediction's block and combine too (the
                  # combine's gradients make the replicated parameters' share of the norm large enough to weigh)
-                 "train-tp": {**TRAIN, "model": "tiny-gpt-mtp", "tp": 2, "max_seqlen_per_rank": 256},
+                 # the vocabulary padded as Megatron pads it, to a multiple of 96 x tp: 256 -> 384 rows, the second TP
+                 # rank's 192 ids 128 of them padding
+                 "train-tp": {**TRAIN, "model": "tiny-gpt-mtp", "tp": 2, "max_seqlen_per_rank": 256,
+                              "make_vocab_size_divisible_by": 96},
                  # the tiny MoE with 2 TP ranks: each expert's FFN split, the router replicated (expert TP)
                  "train-tp-moe": {**TRAIN, "model": "tiny-moe", "tp": 2, "max_seqlen_per_rank": 256},
                  # the same with the distributed optimiser: each TP coordinate's DP x CP ranks shard its AdamW,

@@ -101,6 +101,7 @@ SEAMS: dict[str, str] = {
                                                 "gate-weighted",
     "harness.runtime.layers:sp_gates": "an MoE layer's gate weights of every TP rank's rows under sequence parallelism "
                                        "(backward: reduce-scattered)",
+    "harness.parallel.vocab_parallel:mask_padding": "the padded vocabulary's logits set to -inf before the loss",
     "harness.parallel.vocab_parallel:vocab_range": "the token ids a TP rank's shard of the embedding and head keeps",
     "harness.parallel.vocab_parallel:lookup": "the embedding rows of a micro-batch's tokens from the TP ranks' "
                                               "vocabulary shards (masked, summed over TP)",

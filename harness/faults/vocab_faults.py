@@ -1,5 +1,6 @@
 """Re-creations of vocabulary-parallel bugs (``harness.parallel.vocab_parallel``: the embedding table and the LM head
-split by vocabulary rows over the TP ranks) and their catalogue entries, judged in scenario ``train-tp``.
+split by vocabulary rows over the TP ranks) and their catalogue entries, judged in scenario ``train-tp`` (whose
+vocabulary is padded: ``make_vocab_size_divisible_by``).
 
 Each is exact at tp = 1, so converge's reference (one rank, no TP) and the goldens see none of them.
 """
@@ -69,10 +70,21 @@ def make_range_from_world_rank(original):
     TP rank taken from the world rank when data parallelism is on)."""
     import torch.distributed as dist
 
+    from harness.parallel import vocab_parallel as vp
+
     def vocab_range(vocab, tp):
-        per = vocab // tp.size
+        per = vp.padded_vocab(vocab, tp.size, tp.vocab_multiple) // tp.size
         return dist.get_rank() * per, (dist.get_rank() + 1) * per
     return vocab_range
+
+
+def make_padding_logits_unmasked(original):
+    """The padded vocabulary's logits left in the loss: its zero rows' logits (0) take probability from every token,
+    the loss rises and the gradients move (unsloth PR #10616: padded lanes of the vocabulary stole probability mass in
+    the cross-entropy; Megatron pads the vocabulary to ``make-vocab-size-divisible-by x tp``)."""
+    def mask_padding(logits, start, vocab):
+        return logits
+    return mask_padding
 
 
 VOCAB_FAULTS: tuple[Fault, ...] = (
@@ -99,6 +111,12 @@ VOCAB_FAULTS: tuple[Fault, ...] = (
                  "every rank past the first position keeps a range beyond the vocabulary",
           url="https://github.com/NVIDIA/TransformerEngine/pull/2184", layer="model",
           seam="harness.parallel.vocab_parallel:vocab_range", make=make_range_from_world_rank,
+          check="step1-gradients", expect=r"step-1 gradient of", scenario="train-tp"),
+    Fault(name="vocab-padding-logits-unmasked", title="the padded vocabulary's logits left in the loss",
+          source="unsloth PR #10616: the padded lanes of the vocabulary took probability mass in the cross-entropy "
+                 "(the valid mass 0.52-0.98 before the fix); Megatron pads to make-vocab-size-divisible-by x tp",
+          url="https://github.com/unslothai/unsloth/pull/10616", layer="loss",
+          seam="harness.parallel.vocab_parallel:mask_padding", make=make_padding_logits_unmasked,
           check="step1-gradients", expect=r"step-1 gradient of", scenario="train-tp"),
 )
 """The vocabulary-parallel faults, in report order (the catalogue appends them after tensor parallelism's)."""

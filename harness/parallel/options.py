@@ -99,9 +99,12 @@ def check_tp_model(c, tp: int, name: str = "the model") -> None:
     """``TensorParallelError`` unless ``tp`` ranks can split ``c``'s blocks (a ``ModelConfig``)."""
     if tp == 1:
         return
-    sizes = [("heads", c.heads), ("kv_heads", c.kv_heads), ("ffn", c.ffn), ("vocab", c.vocab)]
+    sizes = [("heads", c.heads), ("kv_heads", c.kv_heads), ("ffn", c.ffn)]  # the vocabulary is padded instead
     if "M" in c.kinds:  # an SSM mixer splits by heads
         sizes.append(("ssm_heads", c.ssm_heads))
+    if c.vocab < tp:
+        raise TensorParallelError(f"tensor parallelism splits the vocabulary over the TP ranks: {name}'s vocab="
+                                  f"{c.vocab} is smaller than tp={tp}; use a tp of at most {c.vocab}")
     for what, n in sizes:
         if n % tp:
             raise TensorParallelError(f"tensor parallelism splits {what} over the TP ranks: {name}'s {what}={n} is not "

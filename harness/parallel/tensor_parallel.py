@@ -49,6 +49,9 @@ class TensorParallel:
     group: object
     sequence_parallel: bool = False
     """Whether the block stack's residual stream is split by token rows over the group (``sequence_parallel``)."""
+    vocab_multiple: int = 1
+    """The vocabulary is padded to a multiple of this times ``size`` (Megatron's ``--make-vocab-size-divisible-by``;
+    ``harness.parallel.vocab_parallel.padded_vocab``)."""
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """A column-parallel matrix's input: ``enter(x, self)``, or with sequence parallelism
@@ -184,7 +187,11 @@ def shard_model(model, tp: TensorParallel) -> None:
         for name, p in model.named_parameters():
             how = spec(name, model.c)
             if how is not None:
-                p.data = take(p.data, how, tp.size, tp.rank)
+                t = p.data
+                if is_vocab(name):  # zero rows up to the padded vocabulary (``vocab_parallel.padded_vocab``)
+                    rows = vocab_parallel.padded_vocab(model.c.vocab, tp.size, tp.vocab_multiple)
+                    t, how = torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))]), (0, [rows])
+                p.data = take(t, how, tp.size, tp.rank)
                 setattr(p, MARK, True)
             elif partial_over_tp(name):
                 setattr(p, seq_par.MARK, True)
@@ -201,6 +208,11 @@ def is_sharded(p) -> bool:
     return bool(getattr(p, MARK, False))
 
 
+def is_vocab(name: str) -> bool:
+    """Whether parameter ``name`` is split by vocabulary rows (the embedding table, the LM head)."""
+    return re.search(r"^(embed|head)\.weight$", name) is not None
+
+
 def whole(name: str, t: torch.Tensor, c, tp: TensorParallel | None) -> torch.Tensor:
     """The whole tensor of parameter ``name`` (or its gradient) from every TP rank's shard ``t`` (collective over the TP
     group when the parameter is split; ``t`` itself otherwise)."""
@@ -209,6 +221,8 @@ def whole(name: str, t: torch.Tensor, c, tp: TensorParallel | None) -> torch.Ten
         return t
     parts = [torch.empty_like(t) for _ in range(tp.size)]
     dist.all_gather(parts, t.contiguous(), group=tp.group)
+    if is_vocab(name):  # the padded vocabulary's rows, the padding dropped
+        return assemble(parts, (0, [t.shape[0] * tp.size]))[:c.vocab]
     return assemble(parts, how)
 
 

@@ -1,8 +1,11 @@
 """The vocabulary split over the TP ranks (Megatron's ``VocabParallelEmbedding``, column-parallel output layer and
 ``vocab_parallel_cross_entropy``), part of tensor parallelism (``harness.parallel.tensor_parallel``).
 
-TP rank ``r`` of ``tp`` keeps rows ``[r V / tp, (r + 1) V / tp)`` of the embedding table and of the LM head
-(``vocab_range``; ``V`` the vocabulary, a multiple of tp):
+TP rank ``r`` of ``tp`` keeps rows ``[r Vp / tp, (r + 1) Vp / tp)`` of the embedding table and of the LM head
+(``vocab_range``). ``Vp`` is the vocabulary padded to a multiple of tp (``padded_vocab``; Megatron pads to a multiple
+of ``make-vocab-size-divisible-by x tp``, ``TensorParallel.vocab_multiple``): ``shard_model`` appends zero rows to the whole table and head before it
+cuts them, no token is ever one of them, and their logits are masked out of the loss (``mask_padding``), so a padded
+run trains the unpadded model; ``tensor_parallel.whole`` drops them again.
 
 - **Lookup** (``lookup``): each rank looks up the tokens of its range, zeroes the others' rows, and the partial rows
   are summed over the TP group (``TensorParallel.partial_sums``: all-reduce forward). The mask is part of the graph,
@@ -15,7 +18,7 @@ TP rank ``r`` of ``tp`` keeps rows ``[r V / tp, (r + 1) V / tp)`` of the embeddi
 
 Both run on whole token rows (with sequence parallelism the block stack gathers its rows before the head and the
 embedding's rows are scattered after the lookup, ``harness.parallel.sequence_parallel``). ``vocab_range``, ``lookup``,
-``head_input`` and ``cross_entropy`` are seams (``harness.faults``).
+``head_input``, ``mask_padding`` and ``cross_entropy`` are seams (``harness.faults``).
 """
 
 from __future__ import annotations
@@ -25,10 +28,27 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
+def padded_vocab(vocab: int, size: int, multiple: int = 1) -> int:
+    """The vocabulary padded to a multiple of ``multiple`` x ``size`` TP ranks (Megatron's
+    ``--make-vocab-size-divisible-by`` is ``multiple``)."""
+    step = size * multiple
+    return -(-vocab // step) * step
+
+
 def vocab_range(vocab: int, tp) -> tuple[int, int]:
-    """[start, end) of the token ids TP rank ``tp.rank`` of ``tp.size`` keeps (a seam)."""
-    per = vocab // tp.size
+    """[start, end) of the token ids TP rank ``tp.rank`` of ``tp.size`` keeps, of the padded vocabulary: ids from
+    ``vocab`` on are padding (a seam)."""
+    per = padded_vocab(vocab, tp.size, getattr(tp, "vocab_multiple", 1)) // tp.size
     return tp.rank * per, (tp.rank + 1) * per
+
+
+def mask_padding(logits: torch.Tensor, start: int, vocab: int) -> torch.Tensor:
+    """This rank's logits with its padding columns (ids ``>= vocab``) at -inf: no probability, no gradient (a seam)."""
+    pad = start + logits.shape[-1] - vocab
+    if pad <= 0:
+        return logits
+    keep = torch.arange(logits.shape[-1], device=logits.device) < logits.shape[-1] - pad
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def lookup(tokens: torch.Tensor, table: torch.Tensor, vocab: int, tp) -> torch.Tensor:
@@ -76,4 +96,4 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab: int, tp) ->
     """Each token's cross-entropy against ``labels`` (ids in ``[0, vocab)``) from this rank's fp32 ``logits`` of its
     vocabulary range; the same on every TP rank (a seam)."""
     start, _ = vocab_range(vocab, tp)
-    return _VocabParallelCE.apply(logits, labels, start, tp.group)
+    return _VocabParallelCE.apply(mask_padding(logits, start, vocab), labels, start, tp.group)

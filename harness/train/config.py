@@ -70,6 +70,11 @@ class TrainConfig:
     """With tp > 1: the block stack's token rows split over the TP ranks too (``harness.parallel.sequence_parallel``,
     Megatron's ``--sequence-parallel``); every sequence is padded to a multiple of tp times its CP divisor. An MoE
     model's routers route each TP rank's rows (``harness.runtime.layers.tp_expert_outputs``)."""
+    make_vocab_size_divisible_by: int = 1
+    """With tp > 1: the split vocabulary is padded to a multiple of this times tp (Megatron's
+    ``--make-vocab-size-divisible-by``, 128 there); the padding's rows are zero, their logits masked out of the loss,
+    so the run trains the unpadded model (``harness.parallel.vocab_parallel``). A vocabulary that tp does not divide
+    is padded at any value."""
     vpp: int = 1
     """Virtual chunks per stage (the interleaved 1F1B schedule when > 1)."""
     pipeline: str = "1f1b"
@@ -205,6 +210,9 @@ class TrainConfig:
         tp = self.tp
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise TensorParallelError(f"tp must be an int >= 1, got {tp!r}")
+        m = self.make_vocab_size_divisible_by
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise TensorParallelError(f"make_vocab_size_divisible_by must be an int >= 1, got {m!r}")
         if not isinstance(self.sequence_parallel, bool):
             raise SequenceParallelError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
         if tp == 1:

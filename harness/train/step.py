@@ -278,6 +278,8 @@ class Run:
     """The experts this rank owns under expert parallelism (None: every expert, replicated)."""
     sequence_parallel: bool = False
     """Split the block stack's token rows over the TP group too (``harness.parallel.sequence_parallel``; tp > 1)."""
+    vocab_multiple: int = 1
+    """The split vocabulary is padded to a multiple of this times tp (``TensorParallel.vocab_multiple``)."""
     tp: tensor_parallel.TensorParallel | None = field(init=False)
     """This rank's tensor parallelism (its TP coordinate and the groups' TP group), or None at tp = 1."""
 
@@ -287,7 +289,7 @@ class Run:
             raise SequenceParallelError("sequence parallelism splits token rows over the TP group, and this layout "
                                         "has tp=1: use tp > 1 or turn sequence parallelism off")
         self.tp = tensor_parallel.TensorParallel(lay.tp, lay.tp_rank(rank), self.groups.tp_group,
-                                                 self.sequence_parallel) if lay.tp > 1 else None
+                                                 self.sequence_parallel, self.vocab_multiple) if lay.tp > 1 else None
 
     def actions(self, num_microbatches: int):
         if self.pipe.pp == 1:

@@ -204,7 +204,8 @@ def train(rank: int, world: int, cfg_dict: dict) -> dict:
     for layout in cfg.layouts:  # groups created and destroyed around each layout (a re-initialisation)
         groups = DynamicGroups(playout, rank)
         try:
-            run = step.Run(step.new_groups(groups), pipe, stage, p2p, shard, sequence_parallel=cfg.sequence_parallel)
+            run = step.Run(step.new_groups(groups), pipe, stage, p2p, shard, sequence_parallel=cfg.sequence_parallel,
+                           vocab_multiple=cfg.make_vocab_size_divisible_by)
             audit_tp_group(run.groups)  # before any collective on a TP group
             if probed:  # step 1 in fp32 from the same initial model, for the step-1 checks at fp32's tolerance
                 with _full_fp32():

@@ -27,6 +27,13 @@ def test_tiny_gpt_with_two_tp_ranks_equals_the_unsplit_run(tmp_path_factory):
     _agree(_rows("tiny-gpt", 4, tmp_path_factory, "tp2", tp=2), _rows("tiny-gpt", 2, tmp_path_factory, "ref"))
 
 
+def test_a_padded_vocabulary_trains_the_unpadded_model(tmp_path_factory):
+    """256 ids padded to 400 rows (Megatron's make-vocab-size-divisible-by 100 x tp 2): the padding's rows zero, their
+    logits masked; dcp against the TP = 1 run of the unpadded model."""
+    got = _rows("tiny-gpt", 4, tmp_path_factory, "tp2-vocab400", layouts=["dcp"], tp=2, make_vocab_size_divisible_by=100)
+    _agree(got, {"dcp": _rows("tiny-gpt", 2, tmp_path_factory, "ref")["dcp"]}, layouts=("dcp",))
+
+
 @pytest.mark.parametrize("kw", [{"cp_exchange": "ring"}, {"cp_exchange": "a2a"}, {"token_bucket": 16},
                                 {"weights": "fused"}], ids=["ring", "a2a", "bucket16", "fused"])
 def test_tensor_parallelism_with_the_ring_exchange_the_token_bucket_and_fused_weights(kw, tmp_path_factory):

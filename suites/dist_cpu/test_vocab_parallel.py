@@ -6,7 +6,9 @@ over the whole vocabulary): a real gloo world of 2 and 4 TP ranks looks tokens u
 the loss forward and backward on every rank's shards, and the per-token losses, the hidden states' gradient and the
 whole gradients of the table and the head equal the unsplit ones (fp64 weights) - for tokens of every rank's range,
 ignored labels (-100) and the range edges (to fp32's rounding: the loss runs in fp32). The loss alone also equals
-torch's on random cases with large logits in fp64. Each vocabulary-parallel catalogue fault breaks it. Training runs
+torch's on random cases with large logits in fp64. A vocabulary tp does not divide, or one padded further (Megatron's
+``--make-vocab-size-divisible-by``), trains the unpadded model: the padding's rows are zero and its logits masked, also
+where they hold large values. Each vocabulary-parallel catalogue fault breaks it. Training runs
 with TP (the vocabulary split too) are in ``suites/convergence/test_tensor_parallel_parity.py``."""
 
 from __future__ import annotations
@@ -30,10 +32,13 @@ pytestmark = pytest.mark.dist_cpu
 T = 40
 
 
-def _tokens(vocab: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and labels that hit every rank's range, both edges of each range, and ignored labels."""
-    per = vocab // tp
-    edges = [e for r in range(tp) for e in (r * per, (r + 1) * per - 1)]
+def _tokens(vocab: int, tp: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and labels that hit every rank's range, both edges of each range (its last real id where padding
+    follows), and ignored labels."""
+    from harness.parallel.vocab_parallel import padded_vocab
+
+    per = padded_vocab(vocab, tp, multiple) // tp
+    edges = [e for r in range(tp) if r * per < vocab for e in (r * per, min((r + 1) * per, vocab) - 1)]
     g = torch.Generator().manual_seed(3)
     tokens = torch.cat([torch.tensor(edges), torch.randint(0, vocab, (T - len(edges),), generator=g)])
     labels = torch.cat([torch.tensor(edges[::-1]), torch.randint(0, vocab, (T - len(edges),), generator=g)])
@@ -41,20 +46,22 @@ def _tokens(vocab: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, labels
 
 
-def _vocab_world(rank: int, world: int, fault: str | None = None, size: int | None = None) -> dict:
-    """Every rank: the unsplit model and its vocabulary shard (``size`` TP ranks a position, default the world) on
-    the same tokens, the losses, the hidden states' gradient and the whole gradients against the unsplit ones."""
+def _vocab_world(rank: int, world: int, fault: str | None = None, size: int | None = None, vocab: int = 256,
+                 multiple: int = 1) -> dict:
+    """Every rank: the unsplit model and its vocabulary shard (``size`` TP ranks a position, default the world; the
+    vocabulary padded to a multiple of ``multiple`` x size) on the same tokens, the losses, the hidden states'
+    gradient and the whole gradients against the unsplit ones."""
     from harness.faults.catalogue import get
 
     size = size or world
     torch.manual_seed(0)
-    c = ModelConfig(layers=1, kv_heads=4)
+    c = ModelConfig(layers=1, kv_heads=4, vocab=vocab)
     ref = TinyLM(c).double()
     part = TinyLM(c).double()
     part.load_state_dict(ref.state_dict())
     groups = DynamicGroups(ParallelLayout(dp=world // size, cp=1, tp=size), rank)
-    tp = tpm.TensorParallel(size, rank % size, groups.tp_group)
-    tokens, labels = _tokens(c.vocab, size)
+    tp = tpm.TensorParallel(size, rank % size, groups.tp_group, vocab_multiple=multiple)
+    tokens, labels = _tokens(c.vocab, size, multiple)
     real = (labels >= 0).double()
     w = torch.randn(T, c.hidden, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     # the unsplit side: a table lookup, a stand-in for the blocks (x * w), the norm, the head, torch's cross-entropy
@@ -78,10 +85,12 @@ def _vocab_world(rank: int, world: int, fault: str | None = None, size: int | No
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_the_split_vocabulary_equals_the_whole_table_and_head(world, tmp_path):
-    for r in run_on_ranks(_vocab_world, world_size=world, tmp_path=tmp_path, timeout_s=60):
-        assert r["shapes"] == [(256 // world, 64), (256 // world, 64)], r["shapes"]
+@pytest.mark.parametrize("world, vocab, multiple, rows", [(2, 256, 1, 128), (4, 256, 1, 64), (4, 250, 1, 63),
+                                                          (2, 256, 96, 192)], ids=["2", "4", "4-odd", "2-padded"])
+def test_the_split_vocabulary_equals_the_whole_table_and_head(world, vocab, multiple, rows, tmp_path):
+    for r in run_on_ranks(_vocab_world, world_size=world, tmp_path=tmp_path, args=(None, None, vocab, multiple),
+                          timeout_s=60):
+        assert r["shapes"] == [(rows, 64), (rows, 64)], r["shapes"]  # whole() gave back the unpadded gradients
         assert r["loss"] < 1e-6 and r["dh"] < 1e-6, r  # the loss runs in fp32: its sums in another order
         assert set(r["grads"]) == {"embed.weight", "norm.weight", "head.weight"}, r["grads"]
         assert all(v < 1e-6 for v in r["grads"].values()), r["grads"]  # NaN fails
@@ -92,7 +101,7 @@ def test_every_vocabulary_parallel_fault_breaks_the_split_vocabulary(fault, tmp_
     """The check above can fail: each catalogue fault of the vocabulary seams moves the losses, the hidden states'
     gradient or a whole gradient off the unsplit model's - on every rank, or (the range from the world rank) on the
     ranks of the second position of two, whose world rank is not their TP rank."""
-    got = run_on_ranks(_vocab_world, world_size=4, tmp_path=tmp_path, args=(fault, 2), timeout_s=60)
+    got = run_on_ranks(_vocab_world, world_size=4, tmp_path=tmp_path, args=(fault, 2, 251, 96), timeout_s=60)
     off = [not all(v <= 1e-3 for v in [r["loss"], r["dh"], *r["grads"].values()]) for r in got]  # NaN: off
     assert off == ([False, False, True, True] if fault == "vocab-range-from-world-rank" else [True] * 4), got
 
@@ -106,9 +115,49 @@ def test_a_split_vocabulary_called_without_its_tensor_parallelism_is_refused():
         m.token_ce(torch.randn(4, c.hidden), torch.zeros(4, dtype=torch.long), torch.ones(4))
 
 
-def test_a_vocabulary_that_does_not_split_is_refused_naming_the_fix():
-    with pytest.raises(TensorParallelError, match=r"'odd''s vocab=250 is not a multiple of tp=4; use a tp dividing 250"):
-        check_tp_model(ModelConfig(vocab=250, heads=4, kv_heads=4), 4, "'odd'")
+def test_a_vocabulary_smaller_than_tp_is_refused_naming_the_fix():
+    check_tp_model(ModelConfig(vocab=250, heads=4, kv_heads=4), 4, "'odd'")  # padded to 252
+    with pytest.raises(TensorParallelError, match=r"'tiny''s vocab=3 is smaller than tp=4; use a tp of at most 3"):
+        check_tp_model(ModelConfig(vocab=3, heads=4, kv_heads=4), 4, "'tiny'")
+
+
+def _ce_padded_world(rank: int, world: int) -> list[tuple]:
+    """Random vocabularies tp does not divide, padded (also further, ``multiple``): the padding columns hold large
+    logits, which the loss must ignore; the split loss and the real columns' gradient against torch's cross-entropy
+    over the real vocabulary, and the padding columns' gradient zero."""
+    from harness.parallel import vocab_parallel as vp
+
+    groups = DynamicGroups(ParallelLayout(dp=1, cp=1, tp=world), rank)
+    g = torch.Generator().manual_seed(13)
+    worst = []
+    for k in range(30):
+        multiple = (1, 3)[k % 2]
+        tp = tpm.TensorParallel(world, rank, groups.tp_group, vocab_multiple=multiple)
+        vocab = int(torch.randint(world + 1, 90, (), generator=g))
+        padded = vp.padded_vocab(vocab, world, multiple)
+        rows = int(torch.randint(1, 20, (), generator=g))
+        logits = torch.randn(rows, padded, generator=g, dtype=torch.float64) * 5
+        logits[:, vocab:] = 40.0  # what the padding columns must not contribute
+        labels = torch.randint(0, vocab, (rows,), generator=g)
+        ref = logits[:, :vocab].clone().requires_grad_()
+        F.cross_entropy(ref, labels, reduction="none").sum().backward()
+        mine = logits.chunk(world, -1)[rank].clone().requires_grad_()
+        got = vp.cross_entropy(mine, labels, vocab, tp)
+        got.sum().backward()
+        grad = mine.grad.new_empty((world * rows, padded // world))
+        torch.distributed.all_gather_into_tensor(grad, mine.grad.contiguous(), group=tp.group)
+        whole = torch.cat(grad.chunk(world, 0), -1)
+        want = F.cross_entropy(ref.detach(), labels, reduction="none")
+        worst.append((vocab, padded, (got - want).abs().max().item(), (whole[:, :vocab] - ref.grad).abs().max().item(),
+                      whole[:, vocab:].abs().max().item() if padded > vocab else 0.0))
+    groups.destroy()
+    return worst
+
+
+def test_the_padded_vocabularys_logits_are_masked_out_of_the_loss(tmp_path):
+    for cases in run_on_ranks(_ce_padded_world, world_size=2, tmp_path=tmp_path, timeout_s=60):
+        assert any(p > v for v, p, *_ in cases)  # padding exercised
+        assert all(dl < 1e-9 and dg < 1e-9 and pad == 0.0 for _, _, dl, dg, pad in cases), cases
 
 
 def _ce_cases_world(rank: int, world: int) -> list[tuple]:
