@@ -78,7 +78,8 @@ class _VocabParallelCE(torch.autograd.Function):
         dist.all_reduce(total, group=group)
         mine = (labels >= start) & (labels < start + logits.shape[-1])
         idx = (labels - start).where(mine, 0)
-        target = shifted.gather(1, idx.unsqueeze(1)).squeeze(1) * mine.to(shifted.dtype)
+        # where, not a product: a rank whose columns are all padding gathers -inf, and -inf x 0 is NaN
+        target = shifted.gather(1, idx.unsqueeze(1)).squeeze(1).where(mine, 0.0)
         dist.all_reduce(target, group=group)
         ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), idx, mine)
         return total.log() - target

@@ -90,6 +90,9 @@ def schedule(lengths, *, n_ranks: int, max_seqlen_per_rank: int, min_cp_size: in
         check_work(len(lengths), n_ranks)
     pairs = normalize_lengths(lengths)
     check_work(len(pairs), n_ranks)
+    if padding is not None and not isinstance(padding, SequencePadding):
+        raise PlanInputError(f"padding must be a harness.plan.SequencePadding (e.g. SequencePadding(tp=8) under "
+                             f"sequence parallelism) or None, got {padding!r}")
     check_fits(pairs, n_ranks, max_seqlen_per_rank, padding)
     check_microbatch_tokens(microbatch_tokens_per_rank, max_seqlen_per_rank)
     if microbatch_tokens_per_rank is not None and algorithm != "balanced":

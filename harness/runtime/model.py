@@ -378,8 +378,10 @@ class TinyLM(nn.Module):
 
     def _vocab_split(self, tp) -> bool:
         """Whether the embedding / head keep a tensor-parallel shard of the vocabulary (``ShardedCallError`` when they
-        do and the call brought no ``tp``)."""
-        if self.head.weight.shape[0] == self.c.vocab:
+        do and the call brought no ``tp``). A shard is marked by ``tensor_parallel.shard_model`` (``tensor_parallel``):
+        a padded vocabulary's shard can hold as many rows as the whole vocabulary."""
+        marked = bool(getattr(self.head.weight, "tensor_parallel", False))
+        if not marked and self.head.weight.shape[0] == self.c.vocab:
             return False
         if tp is None:
             raise ShardedCallError(f"the embedding and LM head keep {self.head.weight.shape[0]} of the model's "

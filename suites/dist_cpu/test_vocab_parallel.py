@@ -86,7 +86,8 @@ def _vocab_world(rank: int, world: int, fault: str | None = None, size: int | No
 
 
 @pytest.mark.parametrize("world, vocab, multiple, rows", [(2, 256, 1, 128), (4, 256, 1, 64), (4, 250, 1, 63),
-                                                          (2, 256, 96, 192)], ids=["2", "4", "4-odd", "2-padded"])
+                                                          (2, 256, 96, 192), (2, 128, 128, 128)],
+                         ids=["2", "4", "4-odd", "2-padded", "2-shard-of-whole-width"])
 def test_the_split_vocabulary_equals_the_whole_table_and_head(world, vocab, multiple, rows, tmp_path):
     for r in run_on_ranks(_vocab_world, world_size=world, tmp_path=tmp_path, args=(None, None, vocab, multiple),
                           timeout_s=60):

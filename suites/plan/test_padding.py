@@ -119,6 +119,8 @@ def test_refusals_name_the_value_and_the_fix():
         SequencePadding(domain=True)
     with pytest.raises(PlanInputError, match=r"'megatron-dev' schedules lengths as given.*pad the lengths"):
         schedule([100, 50], n_ranks=2, max_seqlen_per_rank=64, algorithm="megatron-dev", padding=SequencePadding())
+    with pytest.raises(PlanInputError, match=r"padding must be a harness.plan.SequencePadding .* got 8"):
+        schedule([100, 50], n_ranks=2, max_seqlen_per_rank=64, padding=8)
     with pytest.raises(PaddingError, match=r"multiple of 2 x tp \(16\)"):
         SequencePadding(tp=8).cp_min(9, 8)
 
