@@ -76,6 +76,10 @@ def test_bad_arms_are_named_with_the_fix(text, fix):
                                               ({"global_batch": "sequences:3"}, 4, "use sequences:4 or more"),
                                               ({"global_batch": "megatron", "microbatches": 1}, 2, "sequences:2"),
                                               ({"expert_parallel": True}, 2, "--ep shards the experts over the 2"),
+                                              ({"moe_aux_loss": 1e-2}, 2, "'tiny-gpt' has none; use an MoE model"),
+                                              ({"model": "tiny-moe", "moe_aux_loss": -1.0}, 2,
+                                               r"moe_aux_loss must be a number in \[0, 1000\)"),
+                                              ({"model": "tiny-moe", "moe_aux_loss": True}, 2, "got True"),
                                               ({"model": "tiny-moe", "expert_parallel": True}, 8, "divide by 8"),
                                               ({"arms": ("dcp:balanced:local:lockstep",)}, 2,
                                                "execution must be one of independent, synchronous"),
@@ -86,6 +90,15 @@ def test_bad_arms_are_named_with_the_fix(text, fix):
 def test_bad_config_is_refused_before_any_process_starts(over, world, msg):
     with pytest.raises(step.BenchConfigError, match=msg):
         step.StepBenchConfig.from_dict({**TINY, **over}).validate(world)
+
+
+def test_the_balance_loss_enters_every_arms_model():
+    """The model every arm's step trains (``StepBenchConfig.model_config``, what the ranks build): the routers'
+    balance loss when given, as ``converge --moe-aux-loss`` trains it; the job's seed either way."""
+    cfg = step.StepBenchConfig.from_dict({**TINY, "model": "tiny-moe", "moe_aux_loss": 1e-2, "seed": 7})
+    cfg.validate(2)
+    assert cfg.model_config().aux_loss == 1e-2 and cfg.model_config().seed == 7
+    assert step.StepBenchConfig.from_dict({**TINY, "model": "tiny-moe"}).model_config().aux_loss == 0.0
 
 
 def test_compile_resolves_per_device():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from harness.data.workloads import parse_spec
@@ -219,11 +219,19 @@ class StepBenchConfig:
     it divides ``max_seqlen_per_rank``, else off (``harness.plan.token_bucket``: why, and the figures). The padding
     is processed and counted (``padding_fraction``), never trained on. With ``reduce-overhead`` the graphs are
     recorded once per multiple."""
+    moe_aux_loss: float | None = None
+    """MoE models: the routers' sequence-level load-balancing loss with this coefficient (``harness.runtime.balance``;
+    its counts summed over each sequence's CP block), in every arm's step as in ``converge --moe-aux-loss``; None: off."""
     expert_parallel: bool = False
     """MoE models: shard the experts over the DP x CP domain (``harness.parallel.expert_parallel``; every rank joins
     every micro-batch's all-to-alls, so micro-batches run in lockstep: the ``synchronous`` execution model fits);
     expert gradients are not all-reduced."""
     device: str = "cpu"
+
+    def model_config(self):
+        """The ``ModelConfig`` every arm trains: the named model with the job's seed, and ``moe_aux_loss`` when given."""
+        m = replace(MODELS[self.model], seed=self.seed)
+        return m if self.moe_aux_loss is None else replace(m, aux_loss=float(self.moe_aux_loss))
 
     def bucket(self) -> int:
         """The resolved ``token_bucket`` (``harness.plan.token_bucket.resolve``)."""
@@ -277,6 +285,12 @@ class StepBenchConfig:
             raise BenchConfigError(f"--ep shards the experts over the {world} ranks: model {self.model!r} has "
                                    f"{MODELS[self.model].experts} experts; use an MoE model whose experts divide by "
                                    f"{world} ({', '.join(k for k, m in MODELS.items() if m.experts)})")
+        aux = self.moe_aux_loss
+        if aux is not None and (isinstance(aux, bool) or not isinstance(aux, (int, float)) or not 0 <= aux < 1e3):
+            raise BenchConfigError(f"moe_aux_loss must be a number in [0, 1000) or None (off), got {aux!r}")
+        if aux and not MODELS[self.model].experts:
+            raise BenchConfigError(f"moe_aux_loss balances MoE routers: model {self.model!r} has none; use an MoE model "
+                                   f"({', '.join(k for k, m in MODELS.items() if m.experts)}) or leave it out")
         if not 0 <= self.trim < 0.5:
             raise BenchConfigError(f"trim must be in [0, 0.5), got {self.trim}")
         n = self.batch_sequences(world)

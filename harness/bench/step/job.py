@@ -12,7 +12,6 @@ import gc
 import re
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from harness.bench import host
@@ -70,14 +69,14 @@ def _context(cfg: StepBenchConfig, rank: int, world: int) -> RankContext:
     from harness.parallel import expert_parallel
     from harness.parallel.dist_opt import ShardedBuffers
     from harness.parallel.grad_reduce import BucketedGradReducer, GradBuffer
-    from harness.runtime.model import MODELS, TinyLM  # lazy: torch, as above
+    from harness.runtime.model import TinyLM  # lazy: torch, as above
     from harness.train import pipeline  # lazy: torch, as above
     from harness.train.step import Run  # lazy: torch, as above
 
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    mcfg = replace(MODELS[cfg.model], seed=cfg.seed)
+    mcfg = cfg.model_config()
     model = TinyLM(mcfg, device=device)
     groups = DynamicGroups(ParallelLayout(dp=world, cp=1), rank)
     everyone = groups.group(world)

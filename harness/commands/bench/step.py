@@ -78,6 +78,9 @@ def add_arguments(p) -> None:
     p.add_argument("--ep", dest="expert_parallel", action="store_true", default=None,
                    help="MoE models (moe-12l-h2048; tiny-moe with --cpu): shard the experts over the ranks; the arms "
                         "may name the execution model their schedules are made for (dcp:balanced:local:synchronous)")
+    p.add_argument("--moe-aux-loss", type=T.AUX_COEF, default=None, metavar="COEF",
+                   help="MoE models: the routers' sequence-level load-balancing loss with this coefficient in every "
+                        "arm's step (the step converge --moe-aux-loss verifies); default: none")
     p.add_argument("--grad-reduce", choices=list(GRAD_REDUCE_CHOICES), default=None,
                    help="gradient all-reduce: overlap (default; buckets reduced during the last backward) or after")
     p.add_argument("--optimizer", choices=["replicated", "distributed"], default=None,
@@ -119,6 +122,9 @@ def run(a) -> int:
         if a.numa_binding is not None:
             raise T.UsageError("--numa-binding binds the harness runtime's ranks (torchrun's option); with --stack "
                                "megatron-core the stack's job starts its own ranks: leave it out")
+        if a.moe_aux_loss:
+            raise T.UsageError("--moe-aux-loss trains the harness runtime's MoE routers; the megatron-core stack's arms "
+                               "run its own router (--moe-router-load-balancing-type there): leave it out")
         if a.arm_cost_models:
             raise T.UsageError("--arm-cost-model gives the runtime's arms (dcp:balanced~NAME) a cost model; with --stack "
                                "megatron-core its balanced arm takes --cost-model FILE (or the stack's calibration)")
