@@ -9,7 +9,7 @@ the runtime's own packing (``harness.parallel.reroute.build_microbatches``), whi
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from harness.data.workloads import sample
@@ -46,10 +46,9 @@ def overfull(s: Schedule, tp: int, domain: int | None = None) -> list[tuple[int,
        algorithm=st.sampled_from(["balanced", "dp-balanced"]),
        execution=st.sampled_from(["independent", "synchronous"]))
 def test_padded_blocks_fit_their_capacity(batch, tp, domain, algorithm, execution):
-    while batch.max_seqlen_per_rank % (2 * tp * (batch.n_ranks if domain else 1)):  # a rank holds whole chunks
-        tp //= 2
-        if tp == 0:
-            return
+    while tp > 1 and batch.max_seqlen_per_rank % (2 * tp * (batch.n_ranks if domain else 1)):
+        tp //= 2  # a rank holds whole chunks
+    assume(batch.max_seqlen_per_rank % (2 * tp * (batch.n_ranks if domain else 1)) == 0)
     pad = SequencePadding(tp=tp, domain=batch.n_ranks if domain else None)
     kw = dict(n_ranks=batch.n_ranks, max_seqlen_per_rank=batch.max_seqlen_per_rank, vpp_group=batch.vpp_group,
               algorithm=algorithm, execution=execution, padding=pad)
@@ -136,6 +135,8 @@ def test_the_refit_merges_an_overfull_block_with_partners_of_its_width():
     for size, gids in got:
         assert start % size == 0 and sum(by_hand(L, size, 4) for L in (its[g].raw for g in gids)) <= size * 48
         start += size
+    short = PaddingFit(its, n=8, capacity=48, padding=pad)  # a row of 3 of its 8 ranks: no partner for the merge
+    assert short.rows([[(2, [0, 1, 2]), (1, [5])]]) is None and "no partner of 2 ranks" in short.refused
     tiny = PaddingFit([Item(g, 4, 1, cost, raw=1) for g in range(40)], n=2, capacity=64, padding=pad)
     assert tiny.rows([[(2, list(range(40)))]]) is None and "40 sequences hold 640 tokens" in tiny.refused
 

@@ -91,6 +91,9 @@ class PaddingFit:
                     need -= blocks[j][0]
                     if not need:
                         break
+            if need:  # a row that does not cover the domain with power-of-two blocks: no buddy to merge with
+                self.refused = f"a micro-batch's blocks {[b[0] for b in blocks]} leave no partner of {size} ranks"
+                return None
             merged = (2 * size, gids + [g for j in partners for g in blocks[j][1]])
             drop = {i, *partners}
             blocks = [b for j, b in enumerate(blocks) if j not in drop] + [merged]
