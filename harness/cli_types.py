@@ -130,6 +130,8 @@ STALL_S = real(MIN_STALL_S, MAX_STALL_S, "ranks report progress at most every 0.
                "a day; the collectives time out at twice this")
 VOCAB_MULTIPLE = integer(1, 1 << 16, "1 is the least multiple (padding only where tp does not divide the vocabulary)",
                          "a multiple past 65536 would pad a vocabulary many times over")
+LOSS_CHUNK = integer(0, 1 << 24, "0 computes the whole logits at once",
+                     "a chunk past 16M tokens is larger than any micro-batch: use 0")
 AUX_COEF = real(0.0, 1e3, "0 turns it off", "a balance loss this strong drowns the language-modelling loss")
 FLOPS_PER_BYTE = real(0.0, 1e12, "a price is not negative", "1e12 FLOPs per byte prices K/V exchange out entirely")
 

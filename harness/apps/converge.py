@@ -530,7 +530,7 @@ def config_from_args(a) -> TrainConfig:
                       optimizer=getattr(a, "optimizer", None) or "replicated",
                       token_bucket=_given(getattr(a, "token_bucket", None), "auto"),
                       fp32_probe=getattr(a, "fp32_probe", "on") != "off",
-                      moe_aux_loss=getattr(a, "moe_aux_loss", None))
+                      moe_aux_loss=getattr(a, "moe_aux_loss", None), loss_chunk=getattr(a, "loss_chunk", None) or 0)
     if a.max_seqlen_per_rank:
         cfg = replace(cfg, max_seqlen_per_rank=a.max_seqlen_per_rank)
     return cfg

@@ -53,10 +53,10 @@ def config(cfg: TrainConfig) -> TrainConfig:
     probes on (step-1 gradients and token losses), weights cast at each call and accumulated by autograd (not the
     step's weight copies of ``harness.runtime.weight_cache``: the layouts' optimisation is judged, not shared), the
     replicated optimiser (the distributed one is judged against it), no token bucket (the layouts' padding is
-    judged, not shared)."""
+    judged, not shared), the loss head's logits whole (a chunked head is judged, not shared)."""
     return replace(cfg, layouts=(REF_LAYOUT,), pp=1, vpp=1, pipeline="1f1b", schedule_delivery="broadcast",
                    expert_parallel=False, tp=1, sequence_parallel=False, probes=True, weights="per-call",
-                   optimizer="replicated", token_bucket=0,
+                   optimizer="replicated", token_bucket=0, loss_chunk=0,
                    max_seqlen_per_rank=max(cfg.max_seqlen_per_rank, longest_sequence(cfg)))
 
 

@@ -41,6 +41,11 @@ def add_arguments(c) -> None:
                    help="with --tp > 1: pad the split vocabulary to a multiple of N x tp (Megatron's flag, 128 there; "
                         "the padding's logits masked out of the loss, so the run trains the unpadded model); default 1: "
                         "padded only where tp does not divide it")
+    c.add_argument("--loss-chunk", type=T.LOSS_CHUNK, default=0, metavar="TOKENS",
+                   help="run the LM head and its cross-entropy this many tokens at a time (a fused linear "
+                        "cross-entropy: the logits never whole, their gradient formed chunk by chunk; the head's "
+                        "matrix product runs twice); judged against a reference that computes them whole; default 0: "
+                        "the whole logits at once")
     c.add_argument("--moe-aux-loss", type=T.AUX_COEF, default=None, metavar="COEF",
                    help="MoE models: the routers' sequence-level load-balancing loss with this coefficient (Megatron's "
                         "seq_aux_loss, e.g. 1e-2; each sequence balanced over its own tokens, its counts summed over "

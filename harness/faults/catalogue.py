@@ -11,6 +11,7 @@ then runs it (``suites/faults``) and ``dcp-harness faults`` reports it.
 from __future__ import annotations
 
 from harness.faults import balance_faults as bf
+from harness.faults import chunked_loss_faults as clf
 from harness.faults import ep_faults as ep
 from harness.faults import model_faults as mf
 from harness.faults import optim_faults as of
@@ -429,6 +430,7 @@ FAULTS: tuple[Fault, ...] = (
     *bf.BALANCE_FAULTS,
     *tpf.TP_FAULTS,
     *vf.VOCAB_FAULTS,
+    *clf.CHUNKED_LOSS_FAULTS,
     *spf.SP_FAULTS,
     *spf.SP_MOE_FAULTS,
     Fault(name="replay-pp-offset-off-by-one", title="a PP stage replays the previous layer's routes",

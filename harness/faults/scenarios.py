@@ -95,8 +95,9 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  "train-fused": {**TRAIN, "weights": "fused"},
                  # the distributed optimiser, its tiny-GPT buffers in 4 buckets of whole parameters
                  "train-dist-opt": {**TRAIN, "optimizer": "distributed", "grad_bucket_elements": 30_000},
-                 # every rank's thd / dcp micro-batch padded to a multiple of 16 tokens (bench step's token bucket)
-                 "train-bucketed": {**TRAIN, "token_bucket": 16},
+                 # every rank's thd / dcp micro-batch padded to a multiple of 16 tokens (bench step's token bucket);
+                 # the loss head over chunks of 48 tokens (the padding's losses carry no weight)
+                 "train-bucketed": {**TRAIN, "token_bucket": 16, "loss_chunk": 48},
                  # CP blocks exchange heads for tokens (all-to-all); the tiny GPT's 2 K/V heads copied for CP 4
                  "train-a2a": {**TRAIN, "cp_exchange": "a2a"},
                  # 2 TP ranks per position (each block's heads and FFN, the vocabulary of the embedding and the
@@ -106,8 +107,10 @@ TRAIN_CONFIGS = {"train": TRAIN,
                  # rank's 192 ids 128 of them padding
                  "train-tp": {**TRAIN, "model": "tiny-gpt-mtp", "tp": 2, "max_seqlen_per_rank": 256,
                               "make_vocab_size_divisible_by": 96},
-                 # the tiny MoE with 2 TP ranks: each expert's FFN split, the router replicated (expert TP)
-                 "train-tp-moe": {**TRAIN, "model": "tiny-moe", "tp": 2, "max_seqlen_per_rank": 256},
+                 # the tiny MoE with 2 TP ranks: each expert's FFN split, the router replicated (expert TP); the
+                 # loss head over chunks of 48 tokens of each TP rank's vocabulary shard
+                 "train-tp-moe": {**TRAIN, "model": "tiny-moe", "tp": 2, "max_seqlen_per_rank": 256,
+                                  "loss_chunk": 48},
                  # the same with the distributed optimiser: each TP coordinate's DP x CP ranks shard its AdamW,
                  # split and replicated parameters sharing buckets of 30,000 elements
                  "train-tp-dist-opt": {**TRAIN, "model": "tiny-gpt-mtp", "tp": 2, "max_seqlen_per_rank": 256,

@@ -127,6 +127,11 @@ class TensorParallel:
         (``harness.parallel.vocab_parallel.cross_entropy``)."""
         return vocab_parallel.cross_entropy(logits, labels, vocab, self)
 
+    def head_losses(self, h: torch.Tensor, w, labels: torch.Tensor, vocab: int, chunk: int) -> torch.Tensor:
+        """Per-token cross-entropy of this rank's head shard ``w`` applied to ``h``, ``chunk`` tokens at a time
+        (``harness.parallel.vocab_parallel.chunked_cross_entropy``)."""
+        return vocab_parallel.chunked_cross_entropy(h, w, labels, vocab, self, chunk)
+
 
 MARK = "tensor_parallel"
 """The attribute ``shard_model`` sets on a sharded parameter (Megatron's ``tensor_model_parallel``)."""

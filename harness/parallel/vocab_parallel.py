@@ -17,8 +17,10 @@ run trains the unpadded model; ``tensor_parallel.whole`` drops them again.
   (only its owner's range holds it) - with the exact backward ``softmax - onehot`` on each rank's columns. Every TP rank ends with the same per-token losses.
 
 Both run on whole token rows (with sequence parallelism the block stack gathers its rows before the head and the
-embedding's rows are scattered after the lookup, ``harness.parallel.sequence_parallel``). ``vocab_range``, ``lookup``,
-``head_input``, ``mask_padding`` and ``cross_entropy`` are seams (``harness.faults``).
+embedding's rows are scattered after the lookup, ``harness.parallel.sequence_parallel``). With a loss chunk (``ModelConfig.loss_chunk``) the head and
+this loss run over chunks of tokens instead (``chunked_cross_entropy``, ``harness.runtime.chunked_loss``): the same
+three all-reduces, of one log-sum-exp a token, and never a whole ``T x V / tp`` block of logits. ``vocab_range``,
+``lookup``, ``head_input``, ``mask_padding`` and ``cross_entropy`` are seams (``harness.faults``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from harness.runtime import chunked_loss
 
 
 def padded_vocab(vocab: int, size: int, multiple: int = 1) -> int:
@@ -98,3 +102,11 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab: int, tp) ->
     vocabulary range; the same on every TP rank (a seam)."""
     start, _ = vocab_range(vocab, tp)
     return _VocabParallelCE.apply(mask_padding(logits, start, vocab), labels, start, tp.group)
+
+
+def chunked_cross_entropy(h: torch.Tensor, w, labels: torch.Tensor, vocab: int, tp, chunk: int) -> torch.Tensor:
+    """Each token's cross-entropy against ``labels`` from the head shard ``w`` (this rank's rows of the padded
+    vocabulary) applied to ``h`` (the head's input, entered through ``head_input``), ``chunk`` tokens at a time; the
+    same on every TP rank."""
+    start, _ = vocab_range(vocab, tp)
+    return chunked_loss.head_losses(h, w, labels, chunk, vocab=vocab, start=start, group=tp.group)

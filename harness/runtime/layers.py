@@ -43,7 +43,8 @@ class TensorParallelOps:
     ``gather(x)`` where a block stack starts and ends (this rank's token rows / every rank's rows with sequence
     parallelism; ``x`` itself without); with the vocabulary split, ``lookup`` (embedding rows from this rank's shard of
     the table), ``head_input`` (the head's input: its gradient all-reduced) and ``cross_entropy`` (per-token losses
-    from this rank's logits of its vocabulary range). An MoE block under sequence parallelism also calls
+    from this rank's logits of its vocabulary range), or ``head_losses`` (the head and that loss over chunks of tokens,
+    ``harness.runtime.chunked_loss``). An MoE block under sequence parallelism also calls
     ``own_rows`` (a mask's rows of this rank), ``gather_choices`` (every rank's expert choices), ``gather_rows`` (every
     rank's gate weights, the gradient reduce-scattered) and ``sum_loss`` (its z-loss summed over the ranks). An SSM
     mixer calls ``channel_sum`` (a per-token sum over channels split by TP: summed over the ranks both ways)."""
@@ -64,6 +65,8 @@ class TensorParallelOps:
     def head_input(self, h: torch.Tensor) -> torch.Tensor: ...
 
     def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor: ...
+
+    def head_losses(self, h: torch.Tensor, w, labels: torch.Tensor, vocab: int, chunk: int) -> torch.Tensor: ...
 
     def own_rows(self, x: torch.Tensor) -> torch.Tensor: ...
 

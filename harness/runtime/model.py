@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness.runtime import layers
+from harness.runtime.chunked_loss import head_losses
 from harness.runtime.hybrid import HYBRID_LAYERS, self_attention
 from harness.runtime.layers import (  # noqa: F401 - re-exported: the model's public pieces
     Attention,
@@ -337,6 +338,10 @@ class TinyLM(nn.Module):
             raise ValueError(f"mode must be one of {COMPILE_MODES}, got {mode!r}")
         if scope not in COMPILE_SCOPES:
             raise ValueError(f"scope must be one of {COMPILE_SCOPES}, got {scope!r}")
+        if backend and self.c.loss_chunk:
+            raise ValueError(f"loss_chunk={self.c.loss_chunk} runs the loss head over chunks of tokens eagerly, and "
+                             "compile_blocks compiles the head whole: use loss_chunk=0 with a compiled model, or "
+                             "compile_blocks(None)")
         if scope == "chain" and mode == "reduce-overhead":
             raise ValueError("scope='chain' cannot be recorded as CUDA graphs (mode='reduce-overhead'): the "
                              "attention inside runs collectives and host-side plans; use scope='segments' for "
@@ -365,10 +370,15 @@ class TinyLM(nn.Module):
     def token_ce(self, h, labels_T, real_T, tp=None):
         """Masked next-token cross-entropy of every local token (eager; padding gives 0). ``tp``: the step's tensor
         parallelism when the head keeps a shard of the vocabulary (``layers.TensorParallelOps``)."""
-        h = self.norm(h)
+        h, chunk = self.norm(h), self.c.loss_chunk
         if not self._vocab_split(tp):
+            if chunk:  # the head and its loss over chunks of tokens: never the whole logits
+                return head_losses(h, weight(self.head.weight), labels_T.clamp_min(0), chunk) * real_T
             logits = linear(h, weight(self.head.weight)).float()
             return F.cross_entropy(logits, labels_T.clamp_min(0), reduction="none") * real_T
+        if chunk:
+            return tp.head_losses(tp.head_input(h), weight(self.head.weight), labels_T.clamp_min(0), self.c.vocab,
+                                  chunk) * real_T
         logits = linear(tp.head_input(h), weight(self.head.weight)).float()
         return tp.cross_entropy(logits, labels_T.clamp_min(0), self.c.vocab) * real_T
 

@@ -54,6 +54,10 @@ class ModelConfig:
     the hidden state with the embedding of token i + k to predict token i + k + 1; 0 = none."""
     mtp_weight: float = 0.3
     """The MTP losses' weight: loss = LM loss + mtp_weight / D x the sum of the D MTP losses."""
+    loss_chunk: int = 0
+    """Tokens per chunk of the LM head and its cross-entropy (``harness.runtime.chunked_loss``: the logits are never
+    whole, their gradient formed chunk by chunk in the backward; the head's GEMM runs twice); 0 = the whole logits at
+    once. An execution choice, like ``ssm_chunk``: the losses and gradients are the same up to rounding."""
 
     def __post_init__(self):
         if self.hidden % self.heads or self.heads % self.kv_heads:
@@ -70,6 +74,9 @@ class ModelConfig:
         if self.aux_loss and not self.experts:
             raise ValueError(f"aux_loss={self.aux_loss} balances MoE routers and this model has none: use experts > 0 "
                              f"or aux_loss=0")
+        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise ValueError(f"loss_chunk={self.loss_chunk!r} must be an int >= 0 (tokens per chunk of the loss head; "
+                             "0 = the whole logits at once)")
         if not self.mtp_weight >= 0:
             raise ValueError(f"mtp_weight={self.mtp_weight!r} must be >= 0")
         small = {k: getattr(self, k) for k in ("ssm_heads", "ssm_head_dim", "ssm_state", "ssm_chunk")

@@ -92,6 +92,10 @@ class TrainConfig:
     """MoE models: the routers' sequence-level load-balancing loss coefficient (``ModelConfig.aux_loss``, Megatron's
     ``seq_aux_loss``: ``harness.runtime.balance``; each sequence balanced over its own tokens, whichever ranks hold
     them); None: the model's own (0: none, for every named model)."""
+    loss_chunk: int = 0
+    """Tokens per chunk of the LM head and its cross-entropy (``ModelConfig.loss_chunk``,
+    ``harness.runtime.chunked_loss``: the logits never whole; the head's GEMM runs twice); 0 = the whole logits at
+    once. The reference run computes them whole (the chunking is judged, not shared)."""
     weights: str = "cached"
     """How a step's layers take their matrix weights (``harness.runtime.weight_cache``): ``cached`` (a copy in the
     compute dtype made once per step, gradients added into ``.grad`` in place), ``fused`` (the copies, and the
@@ -130,9 +134,11 @@ class TrainConfig:
         return INDEPENDENT, f"{what}: CP blocks synchronise only their own ranks"
 
     def model_config(self):
-        """The ``ModelConfig`` this run trains: the named model, with ``moe_aux_loss`` when given."""
+        """The ``ModelConfig`` this run trains: the named model, with ``moe_aux_loss`` when given and its
+        ``loss_chunk``."""
         m = MODELS[self.model]
-        return m if self.moe_aux_loss is None else replace(m, aux_loss=float(self.moe_aux_loss))
+        m = m if self.moe_aux_loss is None else replace(m, aux_loss=float(self.moe_aux_loss))
+        return replace(m, loss_chunk=self.loss_chunk) if self.loss_chunk else m
 
     def pipeline_config(self):
         return PipelineConfig(pp=self.pp, vpp=self.vpp, schedule=self.pipeline, delivery=self.schedule_delivery)
@@ -159,6 +165,10 @@ class TrainConfig:
             if a and not MODELS[self.model].experts:
                 raise LayoutError(f"moe_aux_loss={a} balances MoE routers and model {self.model!r} has none: use an "
                                   f"MoE model (tiny-moe) or leave it out")
+        c = self.loss_chunk
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise LayoutError(f"loss_chunk must be an int >= 0 (tokens per chunk of the loss head; 0 = the whole "
+                              f"logits at once), got {c!r}")
         self._check_tp(world)
         self.pipeline_config().validate(world // self.tp, MODELS[self.model].layers)
         self._check_mixer(world)

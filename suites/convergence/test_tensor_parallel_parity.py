@@ -34,6 +34,15 @@ def test_a_padded_vocabulary_trains_the_unpadded_model(tmp_path_factory):
     _agree(got, {"dcp": _rows("tiny-gpt", 2, tmp_path_factory, "ref")["dcp"]}, layouts=("dcp",))
 
 
+def test_a_chunked_loss_head_trains_the_model_whose_logits_are_whole(tmp_path_factory):
+    """The LM head and its loss over chunks of 48 tokens (``loss_chunk``: a partial last chunk in every micro-batch)
+    of each TP rank's padded vocabulary shard (256 ids, 400 rows): dcp against the TP = 1 run that computes the whole
+    logits."""
+    got = _rows("tiny-gpt", 4, tmp_path_factory, "tp2-chunk48", layouts=["dcp"], tp=2, loss_chunk=48,
+                make_vocab_size_divisible_by=100)
+    _agree(got, {"dcp": _rows("tiny-gpt", 2, tmp_path_factory, "ref")["dcp"]}, layouts=("dcp",))
+
+
 @pytest.mark.parametrize("kw", [{"cp_exchange": "ring"}, {"cp_exchange": "a2a"}, {"token_bucket": 16},
                                 {"weights": "fused"}], ids=["ring", "a2a", "bucket16", "fused"])
 def test_tensor_parallelism_with_the_ring_exchange_the_token_bucket_and_fused_weights(kw, tmp_path_factory):

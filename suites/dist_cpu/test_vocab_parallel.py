@@ -8,7 +8,8 @@ whole gradients of the table and the head equal the unsplit ones (fp64 weights) 
 ignored labels (-100) and the range edges (to fp32's rounding: the loss runs in fp32). The loss alone also equals
 torch's on random cases with large logits in fp64. A vocabulary tp does not divide, or one padded further (Megatron's
 ``--make-vocab-size-divisible-by``), trains the unpadded model: the padding's rows are zero and its logits masked, also
-where they hold large values. Each vocabulary-parallel catalogue fault breaks it. Training runs
+where they hold large values. The head and loss over chunks of tokens (``ModelConfig.loss_chunk``) equal them too.
+Each vocabulary-parallel catalogue fault breaks it. Training runs
 with TP (the vocabulary split too) are in ``suites/convergence/test_tensor_parallel_parity.py``."""
 
 from __future__ import annotations
@@ -47,17 +48,18 @@ def _tokens(vocab: int, tp: int, multiple: int = 1) -> tuple[torch.Tensor, torch
 
 
 def _vocab_world(rank: int, world: int, fault: str | None = None, size: int | None = None, vocab: int = 256,
-                 multiple: int = 1) -> dict:
+                 multiple: int = 1, chunk: int = 0) -> dict:
     """Every rank: the unsplit model and its vocabulary shard (``size`` TP ranks a position, default the world; the
-    vocabulary padded to a multiple of ``multiple`` x size) on the same tokens, the losses, the hidden states'
-    gradient and the whole gradients against the unsplit ones."""
+    vocabulary padded to a multiple of ``multiple`` x size; the shard's head and loss ``chunk`` tokens at a time,
+    ``harness.runtime.chunked_loss``, where given) on the same tokens, the losses, the hidden states' gradient and the
+    whole gradients against the unsplit ones."""
     from harness.faults.catalogue import get
 
     size = size or world
     torch.manual_seed(0)
     c = ModelConfig(layers=1, kv_heads=4, vocab=vocab)
     ref = TinyLM(c).double()
-    part = TinyLM(c).double()
+    part = TinyLM(ModelConfig(layers=1, kv_heads=4, vocab=vocab, loss_chunk=chunk)).double()
     part.load_state_dict(ref.state_dict())
     groups = DynamicGroups(ParallelLayout(dp=world // size, cp=1, tp=size), rank)
     tp = tpm.TensorParallel(size, rank % size, groups.tp_group, vocab_multiple=multiple)
@@ -85,11 +87,14 @@ def _vocab_world(rank: int, world: int, fault: str | None = None, size: int | No
     return out
 
 
-@pytest.mark.parametrize("world, vocab, multiple, rows", [(2, 256, 1, 128), (4, 256, 1, 64), (4, 250, 1, 63),
-                                                          (2, 256, 96, 192), (2, 128, 128, 128)],
-                         ids=["2", "4", "4-odd", "2-padded", "2-shard-of-whole-width"])
-def test_the_split_vocabulary_equals_the_whole_table_and_head(world, vocab, multiple, rows, tmp_path):
-    for r in run_on_ranks(_vocab_world, world_size=world, tmp_path=tmp_path, args=(None, None, vocab, multiple),
+@pytest.mark.parametrize("world, vocab, multiple, rows, chunk", [
+    (2, 256, 1, 128, 0), (4, 256, 1, 64, 0), (4, 250, 1, 63, 0), (2, 256, 96, 192, 0), (2, 128, 128, 128, 0),
+    # the chunked head: a partial last chunk of 40 tokens; 250 ids padded to 384 rows, the last rank's 96 all padding
+    # and starting past the vocabulary's end
+    (4, 250, 1, 63, 7), (4, 250, 96, 96, 16)],
+    ids=["2", "4", "4-odd", "2-padded", "2-shard-of-whole-width", "4-odd-chunked", "4-padding-shard-chunked"])
+def test_the_split_vocabulary_equals_the_whole_table_and_head(world, vocab, multiple, rows, chunk, tmp_path):
+    for r in run_on_ranks(_vocab_world, world_size=world, tmp_path=tmp_path, args=(None, None, vocab, multiple, chunk),
                           timeout_s=60):
         assert r["shapes"] == [(rows, 64), (rows, 64)], r["shapes"]  # whole() gave back the unpadded gradients
         assert r["loss"] < 1e-6 and r["dh"] < 1e-6, r  # the loss runs in fp32: its sums in another order
@@ -105,6 +110,13 @@ def test_every_vocabulary_parallel_fault_breaks_the_split_vocabulary(fault, tmp_
     got = run_on_ranks(_vocab_world, world_size=4, tmp_path=tmp_path, args=(fault, 2, 251, 96), timeout_s=60)
     off = [not all(v <= 1e-3 for v in [r["loss"], r["dh"], *r["grads"].values()]) for r in got]  # NaN: off
     assert off == ([False, False, True, True] if fault == "vocab-range-from-world-rank" else [True] * 4), got
+
+
+def test_the_chunked_heads_tp_fault_breaks_the_split_vocabulary(tmp_path):
+    """The chunked cases above can fail: the log-sum-exp of each rank's own columns moves every rank's losses."""
+    got = run_on_ranks(_vocab_world, world_size=2, tmp_path=tmp_path,
+                       args=("chunked-loss-lse-own-columns", None, 250, 1, 7), timeout_s=60)
+    assert all(r["loss"] > 1e-2 for r in got), got  # NaN fails
 
 
 def test_a_split_vocabulary_called_without_its_tensor_parallelism_is_refused():

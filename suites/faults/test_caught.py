@@ -91,6 +91,8 @@ def _tp_wanted(seam: str, cfg: dict) -> bool:
     gathers and reduce-scatters instead), the SSM norm's channel sum with a hybrid model under TP, the TP norm and the
     TP groups with TP."""
     tp, sp = cfg.get("tp", 1) > 1, bool(cfg.get("sequence_parallel"))
+    if "chunked_loss:" in seam:  # the chunked loss head's (runs with a loss chunk): its TP combination under TP only
+        return tp or not seam.endswith("combine_lse")
     if seam.endswith("dist_opt:tp_square_norm"):  # the distributed optimiser's norm under TP
         return tp and cfg.get("optimizer") == "distributed"
     moe = cfg["model"] == "tiny-moe"
@@ -110,7 +112,8 @@ def _tp_wanted(seam: str, cfg: dict) -> bool:
 @pytest.mark.parametrize("cfg", [
     {**sc.TRAIN_CONFIGS["train-pp"], "model": "tiny-gpt-mtp", "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-hybrid"], "layouts": ["dcp"]},
-    {**sc.TRAIN_CONFIGS["train-fused"], "layouts": ["dcp"]},
+    # the fused weight mode with the loss head over chunks: its weight gradient added into the fp32 .grad chunk by chunk
+    {**sc.TRAIN_CONFIGS["train-fused"], "loss_chunk": 40, "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-dist-opt"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-bf16"], "layouts": ["dcp"]},
     {**sc.TRAIN_CONFIGS["train-tp"], "layouts": ["dcp"]},
@@ -121,8 +124,9 @@ def _tp_wanted(seam: str, cfg: dict) -> bool:
     {**sc.TRAIN_CONFIGS["train-ep-tp"], "moe_aux_loss": 1e-2, "layouts": ["dcp"]},
 ], ids=["mtp-pp2", "hybrid", "fused", "dist-opt", "bf16", "tp", "tp-dist-opt", "tp-moe", "ep-tp-sp-moe"])
 def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg, tmp_path):
-    """The seams of the forward passes, the model's CP calls, the SSM scan, the pipeline stages, the weight paths and
-    tensor parallelism: wrapped by call counters in a pipelined MTP run, a hybrid (SSM) run, a fused-weight run, a
+    """The seams of the forward passes, the model's CP calls, the SSM scan, the pipeline stages, the weight paths, the
+    chunked loss head and tensor parallelism: wrapped by call counters in a pipelined MTP run, a hybrid (SSM) run, a
+    fused-weight run with a chunked loss head, a
     distributed-optimiser run, a bf16 run's fp32 step 1, a TP run (dense, MoE, with the distributed optimiser) and a
     sequence-parallel one, each one is called, and the run's parameters equal those of the same run without
     pass-throughs, bit for bit."""
@@ -144,6 +148,7 @@ def test_model_and_pipeline_seams_are_live_and_a_passthrough_changes_nothing(cfg
               # the routers' balance loss: MoE runs that have one; the experts' norm: expert parallelism's
               and ("passes:balance_" in s) == bool(cfg.get("moe_aux_loss"))
               and ("step:expert_square_norm" in s) == bool(cfg.get("expert_parallel"))
+              and ("chunked_loss" in s) == bool(cfg.get("loss_chunk"))
               and _tp_wanted(s, cfg)]
     assert all(counts[s] > 0 for s in wanted), {s: counts[s] for s in wanted}
     for r in got:
