@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from harness.commands.bench import attention, compare, curve, fit, microbatch, opaque, rejudge, replay, schedule, step
+from harness.commands.bench import loss as loss_bench
 from harness.commands.bench.simple import padding, thd
 from harness.commands.common import register
 from harness.io import writable
@@ -10,7 +11,7 @@ from harness.io import writable
 NAME = "bench"
 HELP = "benchmarks (write reports/<name>.json)"
 DESCRIPTION = None
-SUBCOMMANDS = {c.NAME: c for c in (schedule, attention, step, curve, compare, rejudge, replay, fit, microbatch, opaque,
+SUBCOMMANDS = {c.NAME: c for c in (schedule, attention, step, curve, compare, rejudge, replay, fit, microbatch, opaque, loss_bench,
                                     padding, thd)}
 
 
