@@ -66,9 +66,12 @@ from harness.train.replay import replay_check
 from harness.train.trainer import train
 
 WORLD = 4
-TRAIN = {"model": "tiny-gpt", "steps": 2, "max_seqlen_per_rank": 128, "scheduler": "megatron-dev", "probes": True,
+TRAIN = {"model": "tiny-gpt", "steps": 1, "max_seqlen_per_rank": 128, "scheduler": "megatron-dev", "probes": True,
          "corpus": {"sequences_per_batch": 16}}
-TRAIN_CONFIGS = {"train": TRAIN,
+"""The scenarios' run: one step, where every fault of the scenarios built on it shows (step 1's gradients and losses,
+the replicas after step 1's update, the groups and schedules of step 1's micro-batches)."""
+TRAIN_CONFIGS = {"train": {**TRAIN, "steps": 2},  # 2 steps: adam-eps-underflow and weight-copy-never-refreshed show
+                 # in step 2 only (step 1's update read by step 2: NaN rows; weight copies never made again)
                  "train-small-batch": {**TRAIN, "corpus": {"sequences_per_batch": 3,
                                                            "lengths": "uniform:min=200,max=400"}},
                  # 2 stages of a 2-rank DP x CP domain; every stage plans the batch itself (cost-aware balanced)
