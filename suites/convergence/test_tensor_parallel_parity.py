@@ -154,11 +154,12 @@ def test_expert_parallelism_with_tensor_and_sequence_parallelism_equals_the_unsp
     _agree(got, {"dcp": _rows("tiny-moe", 2, tmp_path_factory, "moe-ref", moe_aux_loss=1e-2)["dcp"]}, layouts=("dcp",))
 
 
-@pytest.mark.parametrize("kw", [{"optimizer": "distributed", "grad_bucket_elements": 30_000}, {"token_bucket": 16}],
-                         ids=["dist-opt", "bucket16"])
+@pytest.mark.parametrize("kw", [{"optimizer": "distributed", "grad_bucket_elements": 30_000},
+                                {"token_bucket": 16, "loss_chunk": 40}], ids=["dist-opt", "bucket16"])
 def test_sequence_parallelism_with_the_distributed_optimiser_and_a_token_bucket(kw, tmp_path_factory):
     """The norms' TP sum before the distributed optimiser's reduce-scatter; micro-batches grown to a token bucket
-    (its multiples kept a multiple of tp). Each against the TP = 1 replicated run without a bucket."""
+    (its multiples kept a multiple of tp), with the chunked loss head on the rows the stack gathers for it. Each against
+    the TP = 1 replicated run without a bucket, whose logits are whole."""
     name = "-".join(f"{k}{v}" for k, v in kw.items())
     got = _rows("tiny-gpt", 4, tmp_path_factory, f"tp2-sp-{name}", layouts=["dcp"], tp=2, sequence_parallel=True,
                 **kw)

@@ -80,6 +80,8 @@ def test_bad_arms_are_named_with_the_fix(text, fix):
                                               ({"model": "tiny-moe", "moe_aux_loss": -1.0}, 2,
                                                r"moe_aux_loss must be a number in \[0, 1000\)"),
                                               ({"model": "tiny-moe", "moe_aux_loss": True}, 2, "got True"),
+                                              ({"loss_chunk": -1}, 2, "loss_chunk must be an int >= 0"),
+                                              ({"loss_chunk": 64, "compile": "inductor"}, 2, "use compile=off"),
                                               ({"model": "tiny-moe", "expert_parallel": True}, 8, "divide by 8"),
                                               ({"arms": ("dcp:balanced:local:lockstep",)}, 2,
                                                "execution must be one of independent, synchronous"),
@@ -92,13 +94,17 @@ def test_bad_config_is_refused_before_any_process_starts(over, world, msg):
         step.StepBenchConfig.from_dict({**TINY, **over}).validate(world)
 
 
-def test_the_balance_loss_enters_every_arms_model():
+def test_the_balance_loss_and_the_loss_chunk_enter_every_arms_model():
     """The model every arm's step trains (``StepBenchConfig.model_config``, what the ranks build): the routers'
-    balance loss when given, as ``converge --moe-aux-loss`` trains it; the job's seed either way."""
+    balance loss when given, as ``converge --moe-aux-loss`` trains it, and the chunked loss head; the job's seed either
+    way."""
     cfg = step.StepBenchConfig.from_dict({**TINY, "model": "tiny-moe", "moe_aux_loss": 1e-2, "seed": 7})
     cfg.validate(2)
     assert cfg.model_config().aux_loss == 1e-2 and cfg.model_config().seed == 7
     assert step.StepBenchConfig.from_dict({**TINY, "model": "tiny-moe"}).model_config().aux_loss == 0.0
+    chunked = step.StepBenchConfig.from_dict({**TINY, "loss_chunk": 64})  # the chunked loss head, eager on the CPU
+    chunked.validate(2)
+    assert chunked.model_config().loss_chunk == 64 and cfg.model_config().loss_chunk == 0
 
 
 def test_compile_resolves_per_device():

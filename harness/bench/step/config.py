@@ -222,6 +222,10 @@ class StepBenchConfig:
     moe_aux_loss: float | None = None
     """MoE models: the routers' sequence-level load-balancing loss with this coefficient (``harness.runtime.balance``;
     its counts summed over each sequence's CP block), in every arm's step as in ``converge --moe-aux-loss``; None: off."""
+    loss_chunk: int = 0
+    """Run every arm's LM head and loss this many tokens at a time (``harness.runtime.chunked_loss``, the step
+    ``converge --loss-chunk`` verifies; the compiled head is whole, so only with an eager model: ``compile=off``);
+    0 = the whole logits."""
     expert_parallel: bool = False
     """MoE models: shard the experts over the DP x CP domain (``harness.parallel.expert_parallel``; every rank joins
     every micro-batch's all-to-alls, so micro-batches run in lockstep: the ``synchronous`` execution model fits);
@@ -229,8 +233,9 @@ class StepBenchConfig:
     device: str = "cpu"
 
     def model_config(self):
-        """The ``ModelConfig`` every arm trains: the named model with the job's seed, and ``moe_aux_loss`` when given."""
-        m = replace(MODELS[self.model], seed=self.seed)
+        """The ``ModelConfig`` every arm trains: the named model with the job's seed, ``moe_aux_loss`` when given and
+        its ``loss_chunk``."""
+        m = replace(MODELS[self.model], seed=self.seed, loss_chunk=self.loss_chunk)
         return m if self.moe_aux_loss is None else replace(m, aux_loss=float(self.moe_aux_loss))
 
     def bucket(self) -> int:
@@ -291,6 +296,13 @@ class StepBenchConfig:
         if aux and not MODELS[self.model].experts:
             raise BenchConfigError(f"moe_aux_loss balances MoE routers: model {self.model!r} has none; use an MoE model "
                                    f"({', '.join(k for k, m in MODELS.items() if m.experts)}) or leave it out")
+        c = self.loss_chunk
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise BenchConfigError(f"loss_chunk must be an int >= 0 (tokens per chunk of the loss head; 0 = the whole "
+                                   f"logits), got {c!r}")
+        if c and self.compile_backend():
+            raise BenchConfigError(f"loss_chunk={c} runs the loss head eagerly and compile={self.compile!r} compiles it "
+                                   "whole on this device: use compile=off with a loss chunk")
         if not 0 <= self.trim < 0.5:
             raise BenchConfigError(f"trim must be in [0, 0.5), got {self.trim}")
         n = self.batch_sequences(world)

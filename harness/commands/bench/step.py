@@ -81,6 +81,9 @@ def add_arguments(p) -> None:
     p.add_argument("--moe-aux-loss", type=T.AUX_COEF, default=None, metavar="COEF",
                    help="MoE models: the routers' sequence-level load-balancing loss with this coefficient in every "
                         "arm's step (the step converge --moe-aux-loss verifies); default: none")
+    p.add_argument("--loss-chunk", type=T.LOSS_CHUNK, default=None, metavar="TOKENS",
+                   help="every arm's LM head and loss this many tokens at a time (the step converge --loss-chunk "
+                        "verifies; with --compile off: the compiled head is whole); default 0: the whole logits")
     p.add_argument("--grad-reduce", choices=list(GRAD_REDUCE_CHOICES), default=None,
                    help="gradient all-reduce: overlap (default; buckets reduced during the last backward) or after")
     p.add_argument("--optimizer", choices=["replicated", "distributed"], default=None,
@@ -125,6 +128,9 @@ def run(a) -> int:
         if a.moe_aux_loss:
             raise T.UsageError("--moe-aux-loss trains the harness runtime's MoE routers; the megatron-core stack's arms "
                                "run its own router (--moe-router-load-balancing-type there): leave it out")
+        if a.loss_chunk:
+            raise T.UsageError("--loss-chunk runs the harness runtime's loss head; the megatron-core stack's arms run "
+                               "its own output layer and loss: leave it out")
         if a.arm_cost_models:
             raise T.UsageError("--arm-cost-model gives the runtime's arms (dcp:balanced~NAME) a cost model; with --stack "
                                "megatron-core its balanced arm takes --cost-model FILE (or the stack's calibration)")
