@@ -47,7 +47,7 @@ CHUNKED_LOSS_FAULTS = (
                  "term from each TP rank's own vocabulary columns without the TP reduction, so per-rank losses "
                  "differed (wrong loss and gradients); re-created in the chunked head's normaliser",
           url="https://github.com/NVIDIA/Megatron-LM/issues/7452", layer="loss",
-          seam="harness.runtime.chunked_loss:combine_lse", make=make_lse_of_own_columns,
+          seam="harness.parallel.vocab_parallel:combine_lse", make=make_lse_of_own_columns,
           check="step1-gradients", expect=r"step-1 gradient of", scenario="train-tp-moe"),
 )
 """The chunked loss head's faults, in report order (the catalogue appends them after the vocabulary's)."""

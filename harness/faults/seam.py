@@ -111,8 +111,8 @@ SEAMS: dict[str, str] = {
     "harness.runtime.chunked_loss:chunks": "the chunks of tokens the chunked loss head walks",
     "harness.runtime.chunked_loss:upstream": "each token's upstream gradient of its loss in the chunked head's "
                                              "backward",
-    "harness.runtime.chunked_loss:combine_lse": "the chunked head's log-sum-exp over the whole vocabulary from each "
-                                                "TP rank's over its columns",
+    "harness.parallel.vocab_parallel:combine_lse": "the chunked head's log-sum-exp over the whole vocabulary from "
+                                                   "each TP rank's over its columns",
     "harness.parallel.sequence_parallel:scatter": "a block stack's entry: this TP rank's token rows (backward: every "
                                                   "rank's rows' gradients gathered)",
     "harness.parallel.sequence_parallel:gather": "a block stack's exit: every TP rank's rows (backward: this rank's rows "

@@ -20,7 +20,7 @@ Both run on whole token rows (with sequence parallelism the block stack gathers 
 embedding's rows are scattered after the lookup, ``harness.parallel.sequence_parallel``). With a loss chunk (``ModelConfig.loss_chunk``) the head and
 this loss run over chunks of tokens instead (``chunked_cross_entropy``, ``harness.runtime.chunked_loss``): the same
 three all-reduces, of one log-sum-exp a token, and never a whole ``T x V / tp`` block of logits. ``vocab_range``,
-``lookup``, ``head_input``, ``mask_padding`` and ``cross_entropy`` are seams (``harness.faults``).
+``lookup``, ``head_input``, ``mask_padding``, ``cross_entropy`` and ``combine_lse`` are seams (``harness.faults``).
 """
 
 from __future__ import annotations
@@ -104,9 +104,25 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab: int, tp) ->
     return _VocabParallelCE.apply(mask_padding(logits, start, vocab), labels, start, tp.group)
 
 
+def combine_lse(lse: torch.Tensor, group) -> torch.Tensor:
+    """The log-sum-exp over the whole vocabulary from each TP rank's over its columns (``-inf`` where a rank's
+    columns are all padding), the same on every rank: the maximum, then the sum of the exponentials relative to it,
+    each all-reduced (a seam)."""
+    peak = lse.clone()
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    total = (lse - peak).exp()
+    dist.all_reduce(total, group=group)
+    return peak + total.log()
+
+
 def chunked_cross_entropy(h: torch.Tensor, w, labels: torch.Tensor, vocab: int, tp, chunk: int) -> torch.Tensor:
     """Each token's cross-entropy against ``labels`` from the head shard ``w`` (this rank's rows of the padded
-    vocabulary) applied to ``h`` (the head's input, entered through ``head_input``), ``chunk`` tokens at a time; the
-    same on every TP rank."""
+    vocabulary) applied to ``h`` (the head's input, entered through ``head_input``), ``chunk`` tokens at a time
+    (``harness.runtime.chunked_loss``); the same on every TP rank."""
     start, _ = vocab_range(vocab, tp)
-    return chunked_loss.head_losses(h, w, labels, chunk, vocab=vocab, start=start, group=tp.group)
+
+    def combine(lse, target):  # three all-reduces of one value a token, whatever the chunk count
+        dist.all_reduce(target, group=tp.group)  # only the label's owner holds it
+        return combine_lse(lse, tp.group), target
+
+    return chunked_loss.head_losses(h, w, labels, chunk, vocab=vocab, start=start, combine=combine)

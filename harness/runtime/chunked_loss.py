@@ -17,23 +17,23 @@ The per-token upstream gradient is applied per token before the rows are summed 
 token's loss carries its own weight: padding 0, multi-token prediction's masked positions 0, the loss's scale).
 Returning per-token losses keeps the caller's masking and normalisation exactly as with the plain head.
 
-Under tensor parallelism the weight is the rank's vocabulary shard (``harness.parallel.vocab_parallel``): each rank
-computes the log-sum-exp of its columns, the ranks combine them (an all-reduce of the maximum, then of the scaled
-sums) and the target's logit (its owner's), three all-reduces of ``T`` values whatever the chunk count; the padded
-vocabulary's columns are masked out as in the plain vocab-parallel loss. The input's gradient is this rank's
-columns' share: the head's input enters through ``tensor_parallel``'s ``head_input``, whose backward sums it over TP.
+Under tensor parallelism the weight is the rank's vocabulary shard: each rank computes the log-sum-exp of its columns
+and the target's logit where it owns the label, and ``combine`` - given by ``harness.parallel.vocab_parallel``, which
+owns the collectives (this module is single-process) - makes them the whole vocabulary's (three all-reduces of ``T``
+values whatever the chunk count); the padded vocabulary's columns are masked out as in the plain vocab-parallel loss.
+The input's gradient is this rank's columns' share: the head's input enters through ``tensor_parallel``'s
+``head_input``, whose backward sums it over TP.
 
 In the step's ``fused`` weight mode (``harness.runtime.weight_cache``) the weight's gradient is added chunk by chunk
 into the weight's fp32 ``.grad`` (its ``main_grad``), and the copy gets none, as ``fused_linear`` does. Otherwise it
 is accumulated in fp32 over the chunks and returned in the weight's dtype (one rounding, not one per chunk).
 
-``chunks``, ``upstream`` and ``combine_lse`` are seams (``harness.faults``).
+``chunks`` and ``upstream`` are seams (``harness.faults``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -51,17 +51,6 @@ def upstream(grad: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return grad[start:stop]
 
 
-def combine_lse(lse: torch.Tensor, group) -> torch.Tensor:
-    """The log-sum-exp over the whole vocabulary from each TP rank's over its columns (``-inf`` where a rank's
-    columns are all padding), the same on every rank: the maximum, then the sum of the exponentials relative to it,
-    each all-reduced (a seam)."""
-    peak = lse.clone()
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    total = (lse - peak).exp()
-    dist.all_reduce(total, group=group)
-    return peak + total.log()
-
-
 def _logits(h: torch.Tensor, w: torch.Tensor, start: int, vocab: int | None) -> torch.Tensor:
     """One chunk's fp32 logits of the weight's rows, the padded vocabulary's columns (ids ``>= vocab``) at -inf."""
     logits = F.linear(h, w).float()
@@ -72,7 +61,7 @@ def _logits(h: torch.Tensor, w: torch.Tensor, start: int, vocab: int | None) -> 
 
 class _ChunkedHeadCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, main_grad, labels, chunk, start, vocab, group):
+    def forward(ctx, h, w, main_grad, labels, chunk, start, vocab, combine):
         T = h.shape[0]
         lse = torch.empty(T, dtype=torch.float32, device=h.device)
         target = torch.zeros(T, dtype=torch.float32, device=h.device)
@@ -85,9 +74,8 @@ class _ChunkedHeadCE(torch.autograd.Function):
             # where, not a product: a column at -inf (padding) times 0 would be NaN
             target[a:b] = logits.gather(1, idx[a:b].unsqueeze(1)).squeeze(1).where(owned[a:b], 0.0)
             del logits
-        if group is not None:
-            lse = combine_lse(lse, group)
-            dist.all_reduce(target, group=group)
+        if combine is not None:  # a vocabulary shard: the whole vocabulary's log-sum-exp and target logit
+            lse, target = combine(lse, target)
         ctx.save_for_backward(h, w, idx, owned, lse)
         ctx.main_grad, ctx.chunk, ctx.start, ctx.vocab = main_grad, chunk, start, vocab
         return lse - target
@@ -122,18 +110,27 @@ class _ChunkedHeadCE(torch.autograd.Function):
 
 
 def head_losses(h: torch.Tensor, w, labels: torch.Tensor, chunk: int, vocab: int | None = None,
-                start: int = 0, group=None) -> torch.Tensor:
+                start: int = 0, combine=None) -> torch.Tensor:
     """Each token's cross-entropy (fp32, ``T``) of the head ``w`` applied to ``h`` (``T x E``) against ``labels``
-    (ids in ``[0, vocab)``), ``chunk`` tokens at a time. ``w``: the head's weight (``V x E``), or what
-    ``weight_cache.weight`` gave (a ``FusedWeight``: the gradient goes into its ``main_grad``). Under vocabulary
-    parallelism ``w`` holds ids ``[start, start + rows)`` of the padded vocabulary, ``vocab`` is the real vocabulary
-    (columns from it on are padding) and ``group`` the TP group; without, ``start`` is 0 and ``group`` None."""
+    (ids in ``[0, vocab)``; another id is an error), ``chunk`` tokens at a time. ``w``: the head's weight
+    (``V x E``), or what ``weight_cache.weight`` gave (a ``FusedWeight``: the gradient goes into its ``main_grad``).
+    For a vocabulary shard ``w`` holds ids ``[start, start + rows)`` of the padded vocabulary, ``vocab`` is the real
+    vocabulary (columns from it on are padding) and ``combine(lse, target) -> (lse, target)`` turns each token's
+    log-sum-exp over the shard's columns and its target logit (0 where another shard owns the label) into the whole
+    vocabulary's, the same on every rank (``harness.parallel.vocab_parallel.chunked_cross_entropy``)."""
     from harness.runtime.weight_cache import FusedWeight
 
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ChunkedLossError(f"chunk={chunk!r} must be an int >= 1 (tokens per chunk of the head's logits)")
     if h.dim() != 2 or labels.shape != h.shape[:1]:
         raise ChunkedLossError(f"h must be T x E and labels T: got h {tuple(h.shape)}, labels {tuple(labels.shape)}")
+    if start and (vocab is None or combine is None):
+        raise ChunkedLossError(f"start={start} names a vocabulary shard: give the real vocab and the combine of its "
+                               "TP group (harness.parallel.vocab_parallel.chunked_cross_entropy does)")
+    real = vocab if vocab is not None else (w.copy if isinstance(w, FusedWeight) else w).shape[0]
+    # on the device, without a host sync: an id past the vocabulary would otherwise be a silent loss of lse alone
+    torch._assert_async(((labels >= 0) & (labels < real)).all(),
+                        f"labels must be token ids in [0, {real}): clamp or mask ignored ones (e.g. -100) first")
     main_grad = None
     if isinstance(w, FusedWeight):
         w, main_grad = w.copy, w.main_grad
@@ -141,7 +138,5 @@ def head_losses(h: torch.Tensor, w, labels: torch.Tensor, chunk: int, vocab: int
     elif torch.is_autocast_enabled(h.device.type):
         dtype = torch.get_autocast_dtype(h.device.type)
         h, w = h.to(dtype), w.to(dtype)  # autocast's cast of F.linear's operands, made once for every chunk
-    if vocab is None and group is None and start:
-        raise ChunkedLossError(f"start={start} names a vocabulary shard: give its vocab and TP group too")
     with torch.autocast(h.device.type, enabled=False):
-        return _ChunkedHeadCE.apply(h, w, main_grad, labels, chunk, start, vocab, group)
+        return _ChunkedHeadCE.apply(h, w, main_grad, labels, chunk, start, vocab, combine)

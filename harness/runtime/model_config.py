@@ -9,6 +9,14 @@ from harness.plan.cost import CostModel
 from harness.plan.pipeline import model_split
 
 
+def loss_chunk_problem(value) -> str | None:
+    """What is wrong with a ``loss_chunk`` (the message each configuration raises in its own error type), or None."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return (f"loss_chunk must be an int >= 0 (tokens per chunk of the loss head; 0 = the whole logits at once), "
+                f"got {value!r}")
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     vocab: int = 256
@@ -74,9 +82,8 @@ class ModelConfig:
         if self.aux_loss and not self.experts:
             raise ValueError(f"aux_loss={self.aux_loss} balances MoE routers and this model has none: use experts > 0 "
                              f"or aux_loss=0")
-        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
-            raise ValueError(f"loss_chunk={self.loss_chunk!r} must be an int >= 0 (tokens per chunk of the loss head; "
-                             "0 = the whole logits at once)")
+        if (problem := loss_chunk_problem(self.loss_chunk)) is not None:
+            raise ValueError(problem)
         if not self.mtp_weight >= 0:
             raise ValueError(f"mtp_weight={self.mtp_weight!r} must be >= 0")
         small = {k: getattr(self, k) for k in ("ssm_heads", "ssm_head_dim", "ssm_state", "ssm_chunk")

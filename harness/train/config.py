@@ -22,7 +22,7 @@ from harness.parallel.options import (
 )
 from harness.plan import ALGORITHMS, CostModel, token_bucket
 from harness.plan.execution import INDEPENDENT, SYNCHRONOUS, Execution
-from harness.runtime.model_config import MODELS, pipeline_shares
+from harness.runtime.model_config import MODELS, loss_chunk_problem, pipeline_shares
 from harness.runtime.options import WEIGHT_MODES
 from harness.train.layouts import LAYOUTS, LayoutConfig, LayoutError, static_cp_for
 from harness.train.pipeline_config import PipelineConfig
@@ -165,10 +165,8 @@ class TrainConfig:
             if a and not MODELS[self.model].experts:
                 raise LayoutError(f"moe_aux_loss={a} balances MoE routers and model {self.model!r} has none: use an "
                                   f"MoE model (tiny-moe) or leave it out")
-        c = self.loss_chunk
-        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-            raise LayoutError(f"loss_chunk must be an int >= 0 (tokens per chunk of the loss head; 0 = the whole "
-                              f"logits at once), got {c!r}")
+        if (problem := loss_chunk_problem(self.loss_chunk)) is not None:
+            raise LayoutError(problem)
         self._check_tp(world)
         self.pipeline_config().validate(world // self.tp, MODELS[self.model].layers)
         self._check_mixer(world)

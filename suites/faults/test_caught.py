@@ -91,8 +91,8 @@ def _tp_wanted(seam: str, cfg: dict) -> bool:
     gathers and reduce-scatters instead), the SSM norm's channel sum with a hybrid model under TP, the TP norm and the
     TP groups with TP."""
     tp, sp = cfg.get("tp", 1) > 1, bool(cfg.get("sequence_parallel"))
-    if "chunked_loss:" in seam:  # the chunked loss head's (runs with a loss chunk): its TP combination under TP only
-        return tp or not seam.endswith("combine_lse")
+    if "chunked_loss:" in seam:  # the chunked loss head's (runs with a loss chunk, TP or not)
+        return True
     if seam.endswith("dist_opt:tp_square_norm"):  # the distributed optimiser's norm under TP
         return tp and cfg.get("optimizer") == "distributed"
     moe = cfg["model"] == "tiny-moe"

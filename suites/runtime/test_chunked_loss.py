@@ -145,14 +145,24 @@ def test_mismatched_shapes_and_a_shard_without_its_group_are_refused():
         cl.head_losses(h, w, labels, 2, start=3)
 
 
+@pytest.mark.parametrize("bad", [-100, 3])
+def test_a_label_outside_the_vocabulary_is_an_error_not_a_silent_loss(bad):
+    """torch's cross-entropy refuses such an id; the chunked head would otherwise give that token the log-sum-exp alone
+    (its target logit never found)."""
+    h, w, labels, _ = _case(4, 2, 3, 0)
+    labels[2] = bad
+    with pytest.raises(RuntimeError, match=r"labels must be token ids in \[0, 3\): clamp or mask"):
+        cl.head_losses(h, w, labels, 2)
+
+
 @pytest.mark.parametrize("bad", [-1, True, 1.5])
 def test_model_and_train_configs_refuse_a_bad_loss_chunk(bad):
     from harness.train.config import LayoutError, TrainConfig
 
-    with pytest.raises(ValueError, match=f"loss_chunk={bad!r} must be an int >= 0"):
-        ModelConfig(loss_chunk=bad)
-    with pytest.raises(LayoutError, match=f"loss_chunk must be an int >= 0 .* got {bad!r}"):
-        TrainConfig(loss_chunk=bad).validate(1)
+    for error, make in ((ValueError, lambda: ModelConfig(loss_chunk=bad)),
+                        (LayoutError, lambda: TrainConfig(loss_chunk=bad).validate(1))):
+        with pytest.raises(error, match=rf"loss_chunk must be an int >= 0 .* got {bad!r}$"):
+            make()
 
 
 def test_a_compiled_model_with_a_loss_chunk_is_refused_naming_the_fix():

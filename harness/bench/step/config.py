@@ -19,7 +19,7 @@ from harness.plan.errors import PlanInputError
 from harness.plan.execution import NAMED as EXECUTIONS
 from harness.plan.token_bucket import check as check_bucket
 from harness.plan.token_bucket import resolve as resolve_bucket
-from harness.runtime.model_config import MODELS
+from harness.runtime.model_config import MODELS, loss_chunk_problem
 from harness.runtime.options import COMPILE_SCOPES, WEIGHT_MODES
 
 _COST_NAME = re.compile(r"[A-Za-z0-9_-]+")
@@ -296,12 +296,10 @@ class StepBenchConfig:
         if aux and not MODELS[self.model].experts:
             raise BenchConfigError(f"moe_aux_loss balances MoE routers: model {self.model!r} has none; use an MoE model "
                                    f"({', '.join(k for k, m in MODELS.items() if m.experts)}) or leave it out")
-        c = self.loss_chunk
-        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-            raise BenchConfigError(f"loss_chunk must be an int >= 0 (tokens per chunk of the loss head; 0 = the whole "
-                                   f"logits), got {c!r}")
-        if c and self.compile_backend():
-            raise BenchConfigError(f"loss_chunk={c} runs the loss head eagerly and compile={self.compile!r} compiles it "
+        if (problem := loss_chunk_problem(self.loss_chunk)) is not None:
+            raise BenchConfigError(problem)
+        if self.loss_chunk and self.compile_backend():
+            raise BenchConfigError(f"loss_chunk={self.loss_chunk} runs the loss head eagerly and compile={self.compile!r} compiles it "
                                    "whole on this device: use compile=off with a loss chunk")
         if not 0 <= self.trim < 0.5:
             raise BenchConfigError(f"trim must be in [0, 0.5), got {self.trim}")
